@@ -1,0 +1,98 @@
+"""Opening a checkpoint of any supported kind: diagnose, then read with the right reader."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO
+
+from .detect import sniff
+from .errors import BadInputError, UnsafeInputError
+from .formats.legacy import load_with_torch, save_with_torch
+from .formats.torchzip import TorchZipArchive, read_torch_zip, write_torch_zip
+
+FORMAT_TORCH_ZIP = "torch-zip"
+FORMAT_TORCH_LEGACY = "torch-legacy"
+FORMAT_TORCH_TAR = "torch-tar"
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint as read: its tree plus what is needed to write a transformed copy.
+
+    ``root`` is what ``torch.load`` would return, with lazy :class:`~ckptfix.tree.TensorRef`
+    leaves when ``archive`` is set (the torch zip fast path) and real tensors otherwise
+    (formats read through torch itself).
+    """
+
+    path: str
+    format: str
+    root: Any
+    file_size: int
+    globals: set[str] = field(default_factory=set)
+    archive: TorchZipArchive | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def lazy(self) -> bool:
+        """True when tensors are references into the file (nothing loaded, torch not needed)."""
+        return self.archive is not None
+
+    def write(self, root: Any, out: BinaryIO, progress: Any = None) -> None:
+        """Write ``root`` (this checkpoint's tree, transformed) as a torch zip file."""
+        if self.archive is not None:
+            write_torch_zip(root, out, archive_name=self.archive.archive_name, source=self.archive, progress=progress)
+        else:
+            save_with_torch(root, out)
+
+
+def read_checkpoint(path: str | os.PathLike, *, unsafe_load: bool = False) -> Checkpoint:
+    """Open ``path`` safely: diagnose the file, then read it without running any of its code.
+
+    Zip-format torch checkpoints (whatever their extension: .pth, .pt, .bin, .ckpt, .tar) are
+    read lazily by ckptfix's own restricted reader. Legacy and tar formats go through
+    ``torch.load(weights_only=True)``. ``unsafe_load=True`` allows a fallback to
+    ``torch.load(weights_only=False)`` for pickles the allow-list refuses -- only for trusted files.
+    """
+    path = str(path)
+    try:
+        file_size = os.stat(path).st_size
+        if Path(path).is_dir():
+            raise BadInputError(f"{path}: is a directory, not a checkpoint file")
+        with open(path, "rb") as f:
+            what = sniff(f.read(512), file_size)
+            if what.kind == "zip":
+                globals_seen: set[str] = set()
+                try:
+                    root, archive = read_torch_zip(path, f, file_size, globals_seen)
+                except UnsafeInputError:
+                    if not unsafe_load:
+                        raise
+                    return _read_with_torch(path, FORMAT_TORCH_ZIP, file_size, unsafe=True)
+                return Checkpoint(path, FORMAT_TORCH_ZIP, root, file_size, globals_seen, archive)
+    except FileNotFoundError as exc:
+        raise BadInputError(f"{path}: no such file") from exc
+    except PermissionError as exc:
+        raise BadInputError(f"{path}: permission denied") from exc
+    if what.kind in ("legacy", "tar"):
+        fmt = FORMAT_TORCH_LEGACY if what.kind == "legacy" else FORMAT_TORCH_TAR
+        try:
+            return _read_with_torch(path, fmt, file_size, unsafe=False)
+        except UnsafeInputError:
+            if not unsafe_load:
+                raise
+            return _read_with_torch(path, fmt, file_size, unsafe=True)
+    if what.kind == "safetensors":
+        raise BadInputError(f"{path}: a safetensors file; this version of ckptfix reads torch checkpoints only")
+    raise BadInputError(f"{path}: {what.description}")
+
+
+def _read_with_torch(path: str, fmt: str, file_size: int, *, unsafe: bool) -> Checkpoint:
+    root = load_with_torch(path, weights_only=not unsafe)
+    notes = [
+        f"{fmt} file read through torch.load"
+        + (" (weights_only=False: --unsafe-load)" if unsafe else " (weights_only=True)")
+        + "; tensors were loaded to the CPU and are written as CPU tensors"
+    ]
+    return Checkpoint(path, fmt, root, file_size, notes=notes)

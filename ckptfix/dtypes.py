@@ -1,0 +1,45 @@
+"""dtype facts torch's pickles rely on, as plain tables so no torch import is needed.
+
+torch.save names a tensor's element type through its storage class (``torch.FloatStorage``)
+for the classic dtypes, and through an untyped byte storage plus an explicit dtype global
+(``torch.uint16`` in ``_rebuild_tensor_v3``) for the dtypes added later.
+"""
+
+from __future__ import annotations
+
+#: dtype name -> bytes per element (sub-byte "shell" dtypes occupy one byte each).
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2,
+    "int64": 8, "int32": 4, "int16": 2, "int8": 1, "uint8": 1, "bool": 1,
+    "complex128": 16, "complex64": 8, "complex32": 4,
+    "uint16": 2, "uint32": 4, "uint64": 8,
+    "float8_e4m3fn": 1, "float8_e4m3fnuz": 1, "float8_e5m2": 1, "float8_e5m2fnuz": 1,
+    "float8_e8m0fnu": 1, "float4_e2m1fn_x2": 1,
+    "qint8": 1, "quint8": 1, "qint32": 4, "quint4x2": 1, "quint2x4": 1,
+    "bits1x8": 1, "bits2x4": 1, "bits4x2": 1, "bits8": 1, "bits16": 2,
+    **{f"int{n}": 1 for n in range(1, 8)},
+    **{f"uint{n}": 1 for n in range(1, 8)},
+}
+
+#: storage class name (as pickled by torch.save) -> dtype of its elements.
+STORAGE_DTYPE: dict[str, str] = {
+    "DoubleStorage": "float64", "FloatStorage": "float32", "HalfStorage": "float16",
+    "BFloat16Storage": "bfloat16", "LongStorage": "int64", "IntStorage": "int32",
+    "ShortStorage": "int16", "CharStorage": "int8", "ByteStorage": "uint8",
+    "BoolStorage": "bool", "ComplexDoubleStorage": "complex128",
+    "ComplexFloatStorage": "complex64", "QInt8Storage": "qint8", "QInt32Storage": "qint32",
+    "QUInt8Storage": "quint8", "QUInt4x2Storage": "quint4x2", "QUInt2x4Storage": "quint2x4",
+    "UntypedStorage": "uint8",
+}
+
+#: legacy tensor type names (``torch.FloatTensor``), which old pickles may reference.
+TENSOR_CLASS_NAMES: tuple[str, ...] = (
+    "DoubleTensor", "FloatTensor", "HalfTensor", "BFloat16Tensor", "LongTensor", "IntTensor",
+    "ShortTensor", "CharTensor", "ByteTensor", "BoolTensor",
+)
+
+#: Quantization schemes torch pickles as globals (``torch.per_tensor_affine``).
+QSCHEMES: tuple[str, ...] = (
+    "per_tensor_affine", "per_tensor_symmetric", "per_channel_affine",
+    "per_channel_symmetric", "per_channel_affine_float_qparams",
+)

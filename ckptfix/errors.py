@@ -1,0 +1,65 @@
+"""Error classes and the exit codes they map to.
+
+Every failure a user can cause is one of these, so the CLI can print one line and exit with
+a documented code instead of a traceback. Library users catch :class:`CkptfixError`.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_USAGE = 2
+EXIT_BAD_INPUT = 3
+EXIT_CANNOT_WRITE = 4
+
+
+class CkptfixError(Exception):
+    """Base class: a message for the user and the exit code the CLI returns."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, message: str, *, hint: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+    def __str__(self) -> str:
+        return self.message if not self.hint else f"{self.message} ({self.hint})"
+
+
+class UsageError(CkptfixError):
+    """The command line asks for something impossible (exit 2)."""
+
+    exit_code = EXIT_USAGE
+
+
+class BadInputError(CkptfixError):
+    """The input is not a readable checkpoint: empty, truncated, corrupt, wrong kind (exit 3)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class UnsafeInputError(BadInputError):
+    """The pickle references a global outside the allow-list; nothing in it was run (exit 3)."""
+
+    def __init__(self, global_name: str, path: str | None = None) -> None:
+        where = f"{path}: " if path else ""
+        super().__init__(
+            f"{where}refusing to load: the pickle references {global_name}, which is not on the "
+            "allow-list of plain checkpoint contents; nothing from the file was run",
+            hint="if and only if you trust this file, pass --unsafe-load "
+            "(it runs torch.load(weights_only=False), which executes code from the file)",
+        )
+        self.global_name = global_name
+
+
+class CheckFailedError(CkptfixError):
+    """A requested check did not hold, e.g. --strict and nothing to change (exit 1)."""
+
+    exit_code = EXIT_CHECK_FAILED
+
+
+class CannotWriteError(CkptfixError):
+    """The output cannot be written: exists, same as input, no space, no permission (exit 4)."""
+
+    exit_code = EXIT_CANNOT_WRITE

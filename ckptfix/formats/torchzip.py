@@ -1,0 +1,167 @@
+"""The torch zip format (``torch.save`` since 1.6): read into a lazy tree, write by streaming.
+
+Layout of such a file: a zip whose members all sit in one folder (``archive/``)::
+
+    archive/data.pkl            the pickled object tree; tensors refer to storages by key
+    archive/.format_version     "1": storages are numbered in the order they are pickled
+    archive/.storage_alignment  "64": every record's data starts on a 64-byte boundary
+    archive/byteorder           "little" or "big" (absent in old files: native order)
+    archive/data/0 ...          raw storage bytes, one record per storage
+    archive/version             the serialization version ("3")
+    archive/.data/serialization_id
+
+Reading parses ``data.pkl`` with the restricted unpickler and notes each storage's byte
+range; writing re-pickles the (transformed) tree and copies storage records byte for byte.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
+
+from ..errors import BadInputError
+from ..pickle_writer import dumps
+from ..tree import Global, StorageRef, make_storage
+from ..unpickle import restricted_load
+from ..ziparchive import ZipRecord, ZipWriter, read_directory, read_record_bytes
+
+#: data.pkl holds only structure (no tensor data); anything larger is hostile or not ours
+MAX_PICKLE_BYTES = 1 << 30
+#: records written from our own knowledge rather than copied
+_REGENERATED = {"data.pkl", ".format_version", ".storage_alignment", "byteorder", ".data/serialization_id"}
+
+
+@dataclass(frozen=True)
+class RecordSource:
+    """Where a storage's bytes live: a record in a zip file on disk."""
+
+    path: str
+    record: ZipRecord
+
+
+@dataclass
+class TorchZipArchive:
+    """What the writer needs from the input beyond the tree: its other records."""
+
+    path: str
+    archive_name: str
+    records: dict[str, ZipRecord] = field(repr=False)
+    byteorder: bytes | None
+
+    def extra_records(self) -> list[str]:
+        """Records other than the pickle, storages and regenerated ones, in file order."""
+        return [
+            name for name in self.records
+            if name not in _REGENERATED and not name.startswith("data/")
+        ]
+
+
+def split_archive_names(records: dict[str, ZipRecord], path: str) -> dict[str, ZipRecord]:
+    """Strip the single top folder torch puts every record in; refuse other layouts."""
+    tops = {name.split("/", 1)[0] for name in records}
+    if len(tops) != 1 or any("/" not in name for name in records):
+        raise BadInputError(f"{path}: a zip archive, but not a torch checkpoint (no single top folder)")
+    return {name.split("/", 1)[1]: record for name, record in records.items()}
+
+
+def read_torch_zip(path: str, f: BinaryIO, file_size: int, globals_seen: set[str]) -> tuple[Any, TorchZipArchive]:
+    """Parse a torch zip checkpoint into a tree of lazy references (no tensor data is read)."""
+    raw = read_directory(f, file_size, path)
+    if not raw:
+        raise BadInputError(f"{path}: an empty zip archive, not a checkpoint")
+    archive_name = next(iter(raw)).split("/", 1)[0]
+    records = split_archive_names(raw, path)
+    if "constants.pkl" in records or any(n.startswith("code/") for n in records):
+        raise BadInputError(
+            f"{path}: this is a TorchScript archive (a scripted/traced module), not a "
+            "checkpoint; load it with torch.jit.load(), and use module.state_dict() to get weights"
+        )
+    if "data.pkl" not in records:
+        raise BadInputError(f"{path}: a zip archive without data.pkl: not a torch checkpoint")
+    pickle_bytes = read_record_bytes(f, records["data.pkl"], MAX_PICKLE_BYTES)
+    byteorder = None
+    if "byteorder" in records:
+        byteorder = read_record_bytes(f, records["byteorder"], 16)
+        if byteorder not in (b"little", b"big"):
+            raise BadInputError(f"{path}: unknown byte order {byteorder[:16]!r}")
+
+    def load_storage(storage_type: Global, key: str, location: str, numel: int) -> StorageRef:
+        record = records.get(f"data/{key}")
+        if record is None:
+            raise BadInputError(f"{path}: storage {key!r} is referenced but its record data/{key} is missing")
+        storage = make_storage(storage_type, key, location, numel, RecordSource(path, record))
+        if record.size < storage.nbytes:
+            raise BadInputError(
+                f"{path}: storage data/{key} holds {record.size} bytes but the checkpoint "
+                f"declares {storage.nbytes}: the file is truncated or corrupt"
+            )
+        return storage
+
+    root = restricted_load(pickle_bytes, load_storage, globals_seen)
+    return root, TorchZipArchive(path, archive_name, records, byteorder)
+
+
+def _serialization_id(crcs: list[int], total: int) -> bytes:
+    """A 40-digit id like torch's: derived from the records written, so equal files match."""
+    combined = 0
+    for crc in crcs:
+        combined = zlib.crc32(crc.to_bytes(4, "little"), combined)
+    return f"{total % 10**20:020d}{combined:020d}".encode()
+
+
+def write_torch_zip(
+    root: Any,
+    out: BinaryIO,
+    *,
+    archive_name: str = "archive",
+    source: TorchZipArchive | None = None,
+    progress: Callable[[int], None] | None = None,
+    zip64_threshold: int | None = None,
+) -> list[StorageRef]:
+    """Write ``root`` as a torch zip checkpoint into the open file ``out``.
+
+    Storage bytes are copied from the records the tree's :class:`StorageRef` s point at;
+    ``source`` supplies the input's byte order and any extra records to carry over.
+    Returns the storages written, in key order. ``progress`` gets the byte count of each
+    storage after it is copied.
+    """
+    pickled = dumps(root)
+    writer = ZipWriter(out, archive_name, **({"zip64_threshold": zip64_threshold} if zip64_threshold else {}))
+    crcs = [writer.add_bytes("data.pkl", pickled.data)]
+    crcs.append(writer.add_bytes(".format_version", b"1"))
+    crcs.append(writer.add_bytes(".storage_alignment", b"64"))
+    if source is not None and source.byteorder is not None:
+        crcs.append(writer.add_bytes("byteorder", source.byteorder))
+    open_files: dict[str, BinaryIO] = {}
+    total = 0
+    try:
+        for key, storage in enumerate(pickled.storages):
+            origin = storage.source
+            if not isinstance(origin, RecordSource):
+                raise BadInputError(f"storage {storage.key!r} has no source record to copy")
+            src = open_files.get(origin.path)
+            if src is None:
+                src = open_files[origin.path] = open(origin.path, "rb")  # noqa: SIM115
+            writer.add_copy(f"data/{key}", src, origin.record)
+            crcs.append(origin.record.crc)
+            total += origin.record.size
+            if progress:
+                progress(origin.record.size)
+        extras = source.extra_records() if source else []
+        if "version" not in extras:
+            crcs.append(writer.add_bytes("version", b"3\n"))
+        for name in extras:
+            src = open_files.get(source.path)
+            if src is None:
+                src = open_files[source.path] = open(source.path, "rb")  # noqa: SIM115
+            writer.add_copy(name, src, source.records[name])
+            crcs.append(source.records[name].crc)
+        writer.add_bytes(".data/serialization_id", _serialization_id(crcs, total))
+        writer.close()
+    finally:
+        for f in open_files.values():
+            f.close()
+    return pickled.storages
+

@@ -1,0 +1,220 @@
+"""Pure transforms on a checkpoint tree: they return a new tree and say what they changed.
+
+Prefix stripping follows ``torch.nn.modules.utils.consume_prefix_in_state_dict_if_present``
+(the reference) applied until no key has the prefix, so ``module.module.x`` becomes ``x``,
+and renames the state dict's ``_metadata`` exactly as the reference does. Two deliberate
+differences: keys keep their positions (the reference moves renamed keys to the end, which
+``load_state_dict`` ignores but a reader of ``inspect`` would not), and a rename that would
+make two keys collide is an error instead of silently dropping one tensor.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import CheckFailedError, UsageError
+from .tree import (
+    Path,
+    copy_mapping,
+    find_state_dicts,
+    format_path,
+    get_at,
+    is_tensor_like,
+    replace_at,
+)
+
+
+@dataclass
+class StateDictChange:
+    """What a transform did to one state dict."""
+
+    path: str
+    keys: int
+    renamed: list[tuple[str, str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "keys": self.keys, "renamed": len(self.renamed), "renames": self.renamed}
+
+
+@dataclass
+class TransformResult:
+    """The transformed tree and a per-state-dict account of the changes."""
+
+    root: Any
+    changes: list[StateDictChange]
+
+    @property
+    def renamed(self) -> int:
+        return sum(len(c.renamed) for c in self.changes)
+
+
+def normalize_prefix(prefix: str) -> str:
+    """Prefixes name modules, so they end with a dot: ``module`` means ``module.``."""
+    if not prefix or prefix.strip(".") == "":
+        raise UsageError(f"invalid prefix {prefix!r}: give a module name such as 'module.'")
+    return prefix if prefix.endswith(".") else prefix + "."
+
+
+def _resolve_key_path(root: Any, dotted: str) -> Path:
+    """Turn ``--key`` text into a container path; keys may themselves contain dots."""
+    parts = dotted.split(".") if dotted else []
+    path: list[Any] = []
+    value, i = root, 0
+    while i < len(parts):
+        for j in range(len(parts), i, -1):  # longest match first: keys may contain dots
+            candidate = ".".join(parts[i:j])
+            key = _lookup_key(value, candidate)
+            if key is not _MISSING:
+                path.append(key)
+                value = value[key]
+                i = j
+                break
+        else:
+            raise UsageError(f"--key {dotted}: no entry {parts[i]!r} at {format_path(tuple(path)) or 'the top level'}")
+    return tuple(path)
+
+
+_MISSING = object()
+
+
+def _lookup_key(container: Any, text: str) -> Any:
+    if isinstance(container, Mapping):
+        if text in container:
+            return text
+        if text.lstrip("-").isdigit() and int(text) in container:
+            return int(text)
+    elif isinstance(container, (list, tuple)) and text.isdigit() and int(text) < len(container):
+        return int(text)
+    return _MISSING
+
+
+def select_state_dicts(root: Any, keys: Sequence[str] = ()) -> list[tuple[Path, Mapping]]:
+    """The state dicts a prefix command acts on: all of them, or those under ``--key`` paths.
+
+    A ``--key`` that names a string-keyed mapping holding tensors selects it even when it
+    also holds other values; one that names a container selects the state dicts inside it.
+    """
+    if not keys:
+        return find_state_dicts(root)
+    selected: list[tuple[Path, Mapping]] = []
+    for dotted in keys:
+        path = _resolve_key_path(root, dotted)
+        target = get_at(root, path)
+        if (
+            isinstance(target, Mapping)
+            and target
+            and all(isinstance(k, str) for k in target)
+            and any(is_tensor_like(v) for v in target.values())
+        ):
+            found = [((), target)]
+        else:
+            found = find_state_dicts(target)
+        if not found:
+            raise UsageError(f"--key {dotted}: there is no state dict there")
+        selected.extend((path + sub, sd) for sub, sd in found)
+    return selected
+
+
+def _check_collisions(originals: list[str], new_keys: list[str], prefix: str, verb: str) -> None:
+    first: dict[str, str] = {}
+    for original, new in zip(originals, new_keys):
+        if new in first:
+            raise CheckFailedError(
+                f"{verb} {prefix!r} would give two keys the same name {new!r}: "
+                f"{first[new]!r} and {original!r}; nothing was written",
+                hint="rename or drop one of them first, or restrict the change with --key",
+            )
+        first[new] = original
+
+
+def _strip_metadata_pass(metadata: OrderedDict, prefix: str) -> None:
+    """One pass of the reference's ``_metadata`` renaming, literally (including its quirks)."""
+    for key in list(metadata.keys()):
+        if len(key) == 0:
+            continue
+        if key == prefix.replace(".", "") or key.startswith(prefix):
+            metadata[key[len(prefix) :]] = metadata.pop(key)
+
+
+def _strip_one(state_dict: Mapping, prefix: str) -> tuple[Mapping, list[tuple[str, str]]]:
+    originals = list(state_dict.keys())
+    current = list(originals)
+    metadata = getattr(state_dict, "_metadata", None)
+    metadata = type(metadata)(metadata) if isinstance(metadata, dict) else None
+    while any(k.startswith(prefix) for k in current):
+        current = [k[len(prefix) :] if k.startswith(prefix) else k for k in current]
+        _check_collisions(originals, current, prefix, "stripping")
+        if metadata is not None:
+            _strip_metadata_pass(metadata, prefix)
+    renamed = [(old, new) for old, new in zip(originals, current) if old != new]
+    if not renamed:
+        return state_dict, []
+    new_sd = copy_mapping(state_dict, zip(current, state_dict.values()))
+    if metadata is not None:
+        new_sd._metadata = metadata  # type: ignore[attr-defined]
+    return new_sd, renamed
+
+
+def _add_one(state_dict: Mapping, prefix: str) -> tuple[Mapping, list[tuple[str, str]]]:
+    originals = list(state_dict.keys())
+    current = [k if k.startswith(prefix) else prefix + k for k in originals]
+    _check_collisions(originals, current, prefix, "adding")
+    renamed = [(old, new) for old, new in zip(originals, current) if old != new]
+    if not renamed:
+        return state_dict, []
+    new_sd = copy_mapping(state_dict, zip(current, state_dict.values()))
+    metadata = getattr(state_dict, "_metadata", None)
+    if isinstance(metadata, dict):
+        new_sd._metadata = _add_metadata(metadata, prefix)  # type: ignore[attr-defined]
+    return new_sd, renamed
+
+
+def _add_metadata(metadata: dict, prefix: str) -> dict:
+    """What a wrapper's ``state_dict()`` would record: the wrapper at "" and the model under it."""
+    bare = prefix[:-1]
+    new = type(metadata)()
+    if "" in metadata:
+        new[""] = metadata[""]
+    for key, value in metadata.items():
+        if key == "":
+            new_key = bare
+        elif key == bare or key.startswith(prefix):
+            new_key = key
+        else:
+            new_key = prefix + key
+        new.setdefault(new_key, value)
+    return new
+
+
+def _apply(root: Any, prefix: str, keys: Sequence[str], one: Any) -> TransformResult:
+    prefix = normalize_prefix(prefix)
+    changes: list[StateDictChange] = []
+    for path, state_dict in select_state_dicts(root, keys):
+        new_sd, renamed = one(state_dict, prefix)
+        changes.append(StateDictChange(format_path(path), len(state_dict), renamed))
+        if renamed:
+            root = replace_at(root, path, new_sd)
+    return TransformResult(root, changes)
+
+
+def strip_prefix(root: Any, prefix: str = "module.", keys: Sequence[str] = ()) -> TransformResult:
+    """Remove ``prefix`` (repeatedly) from the keys of every state dict in ``root``.
+
+    Example::
+
+        ckpt = ckptfix.read_checkpoint("ddp.pth")
+        result = ckptfix.strip_prefix(ckpt.root, "module.")
+        result.changes[0].renamed[:1]   # [('module.fc.weight', 'fc.weight')]
+
+    ``keys`` restricts the change to the state dicts at or under those dotted paths.
+    Raises :class:`~ckptfix.errors.CheckFailedError` if two keys would collide.
+    """
+    return _apply(root, prefix, keys, _strip_one)
+
+
+def add_prefix(root: Any, prefix: str = "module.", keys: Sequence[str] = ()) -> TransformResult:
+    """Add ``prefix`` to every key of every state dict that lacks it (the inverse of strip)."""
+    return _apply(root, prefix, keys, _add_one)

@@ -1,0 +1,339 @@
+"""The checkpoint tree: plain Python containers whose leaves are lazy references.
+
+A checkpoint read by ckptfix is the object ``torch.load`` would return, except that
+
+* every tensor is a :class:`TensorRef` -- dtype, shape, stride, offset and the
+  :class:`StorageRef` holding its bytes, which stay in the file;
+* every other torch object the pickle builds (``torch.Size``, ``torch.device``, sparse or
+  quantized tensors) is a :class:`Reduce` record of the allow-listed call, kept as data and
+  written back unchanged, never executed.
+
+Containers (dict, OrderedDict with its ``_metadata``, list, tuple, set) are real Python
+objects, so transforms are ordinary Python code and Python users can walk the tree.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .dtypes import DTYPE_ITEMSIZE, STORAGE_DTYPE
+from .errors import BadInputError
+
+#: marks an optional positional argument that the pickle did not pass
+ABSENT: Any = type("Absent", (), {"__repr__": lambda self: "ABSENT"})()
+
+
+@dataclass(frozen=True)
+class Global:
+    """A module-level name the pickle refers to (``torch._utils._rebuild_tensor_v2``).
+
+    Calling it (which the unpickler does for REDUCE) never runs the real function: it builds
+    a :class:`TensorRef` for the tensor-rebuild functions and a :class:`Reduce` otherwise.
+    """
+
+    module: str
+    name: str
+
+    @property
+    def full(self) -> str:
+        return f"{self.module}.{self.name}"
+
+    def __call__(self, *args: Any) -> Any:
+        builder = _CALL_BUILDERS.get(self.full)
+        return builder(self, args) if builder else Reduce(self, args)
+
+    def __repr__(self) -> str:
+        return self.full
+
+
+class Reduce:
+    """An allow-listed call recorded as data: ``func(*args)``, plus BUILD state if any."""
+
+    __slots__ = ("func", "args", "state")
+
+    def __init__(self, func: Global, args: tuple, state: Any = ABSENT) -> None:
+        self.func, self.args, self.state = func, args, state
+
+    def __setstate__(self, state: Any) -> None:  # the pickle's BUILD opcode
+        self.state = state
+
+    def __repr__(self) -> str:
+        if self.func.full == "torch.Size" and self.args:
+            return f"torch.Size({list(self.args[0])})"
+        if self.func.full == "torch.device":
+            return f"device({', '.join(map(repr, self.args))})"
+        return f"{self.func.full}(...)"
+
+
+@dataclass(eq=False)
+class StorageRef:
+    """One storage record: ``data/<key>`` in the archive, with its dtype and device tag."""
+
+    key: str
+    storage_type: Global
+    location: str
+    numel: int
+    itemsize: int
+    dtype: str
+    #: where the bytes are: an opaque handle the reader/writer of the format understands
+    source: Any = field(repr=False, default=None)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """What ``_rebuild_parameter(_with_state)`` adds on top of the tensor."""
+
+    requires_grad: Any
+    hooks: Any
+    state: Any = ABSENT
+
+
+@dataclass(eq=False)
+class TensorRef:
+    """A tensor without its data: a view (offset, shape, stride) into a :class:`StorageRef`."""
+
+    storage: StorageRef
+    storage_offset: int
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    dtype: str
+    requires_grad: Any = False
+    hooks: Any = None
+    #: "v2" (dtype from the storage class) or "v3" (untyped storage + dtype global)
+    rebuild: str = "v2"
+    dtype_global: Global | None = None
+    metadata: Any = ABSENT
+    param: ParamInfo | None = None
+
+    def __setstate__(self, state: Any) -> None:
+        raise BadInputError("corrupt pickle: BUILD applied to a tensor")
+
+    @property
+    def device(self) -> str:
+        return self.storage.location
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_ITEMSIZE.get(self.dtype, 1)
+
+
+def _as_int_tuple(value: Any, what: str) -> tuple[int, ...]:
+    if isinstance(value, Reduce) and value.func.full == "torch.Size" and value.args:
+        value = value.args[0]
+    if not isinstance(value, (tuple, list)) or not all(type(v) is int and v >= 0 for v in value):
+        raise BadInputError(f"corrupt tensor record: {what} is {value!r}")
+    return tuple(value)
+
+
+def _rebuild_tensor(func: Global, args: tuple) -> TensorRef:
+    v3 = func.name == "_rebuild_tensor_v3"
+    fixed = 7 if v3 else 6
+    if len(args) not in (fixed, fixed + 1):
+        raise BadInputError(f"corrupt tensor record: {func.name} got {len(args)} arguments")
+    storage, offset, size, stride, requires_grad, hooks = args[:6]
+    if not isinstance(storage, StorageRef) or type(offset) is not int or offset < 0:
+        raise BadInputError("corrupt tensor record: bad storage or offset")
+    shape, strides = _as_int_tuple(size, "size"), _as_int_tuple(stride, "stride")
+    if len(shape) != len(strides):
+        raise BadInputError("corrupt tensor record: size and stride differ in length")
+    dtype_global = None
+    if v3:
+        dtype_global = args[6]
+        if not isinstance(dtype_global, Global) or dtype_global.name not in DTYPE_ITEMSIZE:
+            raise BadInputError(f"corrupt tensor record: unknown dtype {dtype_global!r}")
+        dtype = dtype_global.name
+        available = storage.nbytes // DTYPE_ITEMSIZE[dtype]
+    else:
+        dtype = storage.dtype
+        available = storage.numel
+    needed = 0 if 0 in shape else offset + sum((n - 1) * s for n, s in zip(shape, strides)) + 1
+    if needed > available:
+        raise BadInputError(
+            f"corrupt tensor record: a {dtype} tensor of shape {list(shape)} needs {needed} "
+            f"elements but its storage {storage.key!r} holds {available}"
+        )
+    return TensorRef(
+        storage=storage, storage_offset=offset, shape=shape, stride=strides, dtype=dtype,
+        requires_grad=requires_grad, hooks=hooks, rebuild="v3" if v3 else "v2",
+        dtype_global=dtype_global, metadata=args[fixed] if len(args) > fixed else ABSENT,
+    )
+
+
+def _rebuild_parameter(func: Global, args: tuple) -> Any:
+    with_state = func.name == "_rebuild_parameter_with_state"
+    if len(args) != (4 if with_state else 3) or not isinstance(args[0], TensorRef):
+        return Reduce(func, args)
+    info = ParamInfo(args[1], args[2], args[3] if with_state else ABSENT)
+    return replace(args[0], param=info)
+
+
+_CALL_BUILDERS: dict[str, Callable[[Global, tuple], Any]] = {
+    "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
+    "torch._utils._rebuild_tensor_v3": _rebuild_tensor,
+    "torch._utils._rebuild_parameter": _rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
+}
+
+
+def make_storage(storage_type: Global, key: str, location: str, numel: int, source: Any) -> StorageRef:
+    """Build the :class:`StorageRef` for a persistent id ``('storage', type, key, loc, numel)``."""
+    dtype = STORAGE_DTYPE.get(storage_type.name)
+    if dtype is None:
+        raise BadInputError(f"corrupt checkpoint: unknown storage type {storage_type.full}")
+    return StorageRef(key, storage_type, location, numel, DTYPE_ITEMSIZE[dtype], dtype, source)
+
+
+# --------------------------------------------------------------------------- tree walking
+
+Path = tuple[Any, ...]
+
+
+def format_path(path: Path) -> str:
+    """Dotted form of a container path, as ``--key`` accepts it ("" is the root)."""
+    return ".".join(str(p) for p in path)
+
+
+def is_torch_tensor(value: Any) -> bool:
+    """True for a real ``torch.Tensor`` (from the torch fallback loader), without importing torch."""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def is_tensor_like(value: Any) -> bool:
+    """A leaf that holds tensor data: a :class:`TensorRef`, a rebuilt torch tensor kind, or a real tensor."""
+    if isinstance(value, TensorRef):
+        return True
+    if isinstance(value, Reduce):
+        name = value.func.full
+        return name.startswith("torch._utils._rebuild") or name == "torch._tensor._rebuild_from_type_v2"
+    return is_torch_tensor(value)
+
+
+def children(value: Any) -> Iterator[tuple[Any, Any]]:
+    """(key, child) pairs of a container, in order; nothing for leaves."""
+    if isinstance(value, Mapping):
+        yield from value.items()
+    elif isinstance(value, (list, tuple)):
+        yield from enumerate(value)
+
+
+def iter_tensors(root: Any) -> Iterator[tuple[Path, TensorRef]]:
+    """Every :class:`TensorRef` in the tree, with its path, including inside recorded calls."""
+    seen: set[int] = set()
+    stack: list[tuple[Path, Any]] = [((), root)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, TensorRef):
+            yield path, value
+            continue
+        if id(value) in seen:
+            continue
+        if isinstance(value, (Mapping, list, tuple, set, frozenset, Reduce)):
+            seen.add(id(value))
+        if isinstance(value, Reduce):
+            items = list(enumerate(value.args))
+            if value.state is not ABSENT:
+                items.append(("__state__", value.state))
+        elif isinstance(value, (set, frozenset)):
+            items = list(enumerate(value))
+        else:
+            items = list(children(value))
+        stack.extend((path + (k,), v) for k, v in reversed(items))
+
+
+def is_optimizer_state(value: Any) -> bool:
+    """``Optimizer.state_dict()`` output: its keys are parameter ids and must never be renamed."""
+    return isinstance(value, Mapping) and "state" in value and "param_groups" in value
+
+
+def looks_like_state_dict(value: Any) -> bool:
+    """A ``Module.state_dict()``-shaped mapping: string keys, every value a tensor.
+
+    Values under keys ending in ``_extra_state`` may be anything (``get_extra_state``).
+    """
+    if not isinstance(value, Mapping) or not value:
+        return False
+    has_tensor = False
+    for key, item in value.items():
+        if not isinstance(key, str):
+            return False
+        if is_tensor_like(item):
+            has_tensor = True
+        elif not key.endswith("_extra_state"):
+            return False
+    return has_tensor
+
+
+def find_state_dicts(root: Any) -> list[tuple[Path, Mapping]]:
+    """All state-dict-like mappings in the tree, outermost first, with their paths.
+
+    Optimizer states and mappings with non-string keys are not searched: their inner dicts
+    (``{"exp_avg": ..., "exp_avg_sq": ...}``) look like state dicts but are not.
+    """
+    found: list[tuple[Path, Mapping]] = []
+    stack: list[tuple[Path, Any]] = [((), root)]
+    seen: set[int] = set()
+    while stack:
+        path, value = stack.pop()
+        if id(value) in seen or not isinstance(value, (Mapping, list, tuple)):
+            continue
+        seen.add(id(value))
+        if looks_like_state_dict(value):
+            found.append((path, value))
+            continue
+        if is_optimizer_state(value):
+            continue
+        if isinstance(value, Mapping) and not all(isinstance(k, str) for k in value):
+            continue
+        stack.extend((path + (k,), v) for k, v in reversed(list(children(value))))
+    return found
+
+
+def get_at(root: Any, path: Path) -> Any:
+    """The value at ``path`` (a tuple of keys/indices)."""
+    value = root
+    for key in path:
+        value = value[key]
+    return value
+
+
+def replace_at(root: Any, path: Path, new: Any) -> Any:
+    """A copy of ``root`` with the value at ``path`` replaced; untouched branches are shared."""
+    if not path:
+        return new
+    key, rest = path[0], path[1:]
+    child = replace_at(root[key], rest, new)
+    if isinstance(root, tuple):
+        return root[:key] + (child,) + root[key + 1 :]
+    if isinstance(root, list):
+        copy = list(root)
+        copy[key] = child
+        return copy
+    copy = copy_mapping(root, ((k, child if k == key else v) for k, v in root.items()))
+    return copy
+
+
+def copy_mapping(original: Mapping, items: Any) -> Mapping:
+    """A mapping of the same type as ``original`` with ``items``, keeping instance attributes
+    such as the ``_metadata`` that ``Module.state_dict()`` attaches to its OrderedDict."""
+    copy = type(original)()
+    for k, v in items:
+        copy[k] = v
+    attrs = getattr(original, "__dict__", None)
+    if attrs:
+        copy.__dict__.update(attrs)
+    return copy

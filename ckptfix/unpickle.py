@@ -1,0 +1,165 @@
+"""A restricted unpickler for torch's ``data.pkl``: allow-listed globals only, nothing executed.
+
+Python's pickle can call any importable function. ``find_class`` is the single door through
+which a pickle reaches code, so ours answers every request from a fixed allow-list and refuses
+everything else *before* the pickle gets to call it:
+
+* torch names (tensor rebuild functions, storage classes, dtypes, ``torch.Size`` ...) become
+  inert :class:`~ckptfix.tree.Global` markers; "calling" one only records the call;
+* a few builtins that plain containers need (``OrderedDict``, ``set``, ``complex``, bytes via
+  ``_codecs.encode``) are real but wrapped so their arguments cannot blow up memory.
+
+The allow-list is the set of globals ``torch.load(weights_only=True)`` accepts by default, so
+what we read is what a safe ``torch.load`` would read, and what we write loads the same way.
+"""
+
+from __future__ import annotations
+
+import codecs
+import io
+import pickle
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from .dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS_NAMES
+from .errors import BadInputError, UnsafeInputError
+from .tree import Global, StorageRef
+
+_REBUILD_FUNCTIONS = (
+    "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+    "_rebuild_parameter_with_state", "_rebuild_qtensor", "_rebuild_sparse_tensor",
+    "_rebuild_nested_tensor", "_rebuild_wrapper_subclass", "_rebuild_meta_tensor_no_storage",
+    "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor",
+)
+
+
+def _torch_allowed_names() -> frozenset[str]:
+    names = {
+        "torch.Size", "torch.device", "torch.Tensor", "torch.nn.parameter.Parameter",
+        "torch.serialization._get_layout", "torch._tensor._rebuild_from_type_v2",
+        "torch.storage.UntypedStorage", "torch.storage.TypedStorage",
+    }
+    names.update(f"torch._utils.{f}" for f in _REBUILD_FUNCTIONS)
+    names.update(f"torch.{d}" for d in DTYPE_ITEMSIZE)
+    names.update(f"torch.{q}" for q in QSCHEMES)
+    for storage in STORAGE_DTYPE:
+        if storage != "UntypedStorage":
+            names.add(f"torch.{storage}")
+            if not storage.startswith("Q"):
+                names.add(f"torch.cuda.{storage}")
+    for cls in TENSOR_CLASS_NAMES:
+        names.update({f"torch.{cls}", f"torch.cuda.{cls}"})
+        if cls not in ("BoolTensor",):
+            names.update({f"torch.sparse.{cls}", f"torch.cuda.sparse.{cls}"})
+    return frozenset(names)
+
+
+#: torch globals a checkpoint may reference; they become inert :class:`Global` markers.
+TORCH_GLOBALS: frozenset[str] = _torch_allowed_names()
+
+#: old spellings that torch itself maps to the current ones when loading
+_RENAMED_MODULES = {"__builtin__": "builtins", "torch.tensor": "torch._tensor"}
+
+
+def _safe_encode(text: Any, encoding: str = "utf-8", errors: str = "strict") -> bytes:
+    """``_codecs.encode`` as protocol-2 pickles use it for ``bytes``: text codecs only."""
+    if not isinstance(text, str) or codecs.lookup(encoding).name not in ("latin-1", "iso8859-1", "ascii", "utf-8"):
+        raise BadInputError("corrupt pickle: _codecs.encode used for something other than bytes")
+    return codecs.encode(text, encoding, errors)
+
+
+def _safe_bytearray(*args: Any) -> bytearray:
+    """``bytearray`` from text or bytes only: ``bytearray(10**12)`` must not allocate."""
+    if args and not isinstance(args[0], (str, bytes)):
+        raise BadInputError("corrupt pickle: bytearray built from something other than bytes")
+    return bytearray(*args)
+
+
+def _safe_complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
+    if not isinstance(real, (int, float)) or not isinstance(imag, (int, float)):
+        raise BadInputError("corrupt pickle: complex built from non-numbers")
+    return complex(real, imag)
+
+
+#: real Python callables a plain checkpoint needs; safe whatever their arguments
+PYTHON_GLOBALS: dict[str, Callable[..., Any]] = {
+    "collections.OrderedDict": OrderedDict,
+    "collections.Counter": Counter,
+    "builtins.set": set,
+    "builtins.frozenset": frozenset,
+    "builtins.bytearray": _safe_bytearray,
+    "builtins.complex": _safe_complex,
+    "_codecs.encode": _safe_encode,
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(
+        self,
+        data: bytes,
+        load_storage: Callable[[Global, str, str, int], StorageRef],
+        globals_seen: set[str],
+    ) -> None:
+        super().__init__(io.BytesIO(data))
+        self._load_storage = load_storage
+        self._storages: dict[str, StorageRef] = {}
+        self._globals_seen = globals_seen
+
+    def find_class(self, module: str, name: str) -> Any:
+        module = _RENAMED_MODULES.get(module, module)
+        full = f"{module}.{name}"
+        self._globals_seen.add(full)
+        if full in PYTHON_GLOBALS:
+            return PYTHON_GLOBALS[full]
+        if full in TORCH_GLOBALS:
+            return Global(module, name)
+        raise UnsafeInputError(full)
+
+    def persistent_load(self, pid: Any) -> StorageRef:
+        if not (isinstance(pid, tuple) and len(pid) == 5):
+            raise BadInputError(f"corrupt pickle: unexpected persistent id {pid!r:.80}")
+        tag, storage_type, key, location, numel = pid
+        if isinstance(tag, bytes):
+            tag, key, location = tag.decode("ascii"), _text(key), _text(location)
+        if (
+            tag != "storage"
+            or not isinstance(storage_type, Global)
+            or not isinstance(key, str)
+            or not isinstance(location, str)
+            or type(numel) is not int
+            or numel < 0
+        ):
+            raise BadInputError(f"corrupt pickle: unexpected persistent id {pid!r:.80}")
+        storage = self._storages.get(key)
+        if storage is None:
+            storage = self._storages[key] = self._load_storage(storage_type, key, location, numel)
+        return storage
+
+
+def _text(value: Any) -> Any:
+    return value.decode("ascii") if isinstance(value, bytes) else value
+
+
+def restricted_load(
+    data: bytes,
+    load_storage: Callable[[Global, str, str, int], StorageRef],
+    globals_seen: set[str] | None = None,
+) -> Any:
+    """Unpickle ``data`` into a checkpoint tree; ``load_storage`` resolves each storage id once.
+
+    Raises :class:`UnsafeInputError` at the first global outside the allow-list and
+    :class:`BadInputError` for anything malformed. ``globals_seen`` collects every global
+    the pickle names (for ``inspect``).
+    """
+    seen = globals_seen if globals_seen is not None else set()
+    try:
+        return _RestrictedUnpickler(data, load_storage, seen).load()
+    except BadInputError:
+        raise
+    except RecursionError as exc:
+        raise BadInputError("corrupt or hostile pickle: nested too deeply") from exc
+    except MemoryError as exc:
+        raise BadInputError("corrupt or hostile pickle: it asks for more memory than is available") from exc
+    except Exception as exc:  # pickle raises many kinds on garbage: one message for all
+        raise BadInputError(f"corrupt pickle in data.pkl: {type(exc).__name__}: {exc}"[:300]) from exc
