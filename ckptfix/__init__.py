@@ -3,13 +3,49 @@
 Python API (the CLI is a thin layer over these)::
 
     import ckptfix
-    ckpt = ckptfix.read_checkpoint("ddp.pth")          # lazy: no tensor data read, no torch import
+    ckpt = ckptfix.read_checkpoint("ddp.pth")      # lazy: no tensor data read, no torch import
     result = ckptfix.strip_prefix(ckpt.root, "module.")
     ckptfix.write_checkpoint(ckpt, result.root, "bare.pth")
-    report = ckptfix.fix_prefix("ddp.pth", "bare.pth", mode="strip")   # all of the above
-    info = ckptfix.inspect_checkpoint("ddp.pth")
+
+    ckptfix.fix_prefix("ddp.pth", "bare.pth", mode="strip")   # the three steps above, with checks
+    ckptfix.inspect_checkpoint("ddp.pth")                     # what `ckptfix inspect --json` prints
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
+
+from .checkpoint import Checkpoint, read_checkpoint
+from .errors import (
+    BadInputError,
+    CannotWriteError,
+    CheckFailedError,
+    CkptfixError,
+    UnsafeInputError,
+    UsageError,
+)
+from .ops import FixReport, fix_prefix, inspect_checkpoint, write_checkpoint
+from .transforms import TransformResult, add_prefix, strip_prefix
+from .tree import StorageRef, TensorRef, find_state_dicts
+
+__all__ = [
+    "BadInputError",
+    "CannotWriteError",
+    "CheckFailedError",
+    "Checkpoint",
+    "CkptfixError",
+    "FixReport",
+    "StorageRef",
+    "TensorRef",
+    "TransformResult",
+    "UnsafeInputError",
+    "UsageError",
+    "__version__",
+    "add_prefix",
+    "find_state_dicts",
+    "fix_prefix",
+    "inspect_checkpoint",
+    "read_checkpoint",
+    "strip_prefix",
+    "write_checkpoint",
+]

@@ -1,0 +1,207 @@
+"""The ``ckptfix`` command line: parse, call the library, print. No logic of its own."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from . import __version__
+from .errors import EXIT_BAD_INPUT, CkptfixError
+
+EXIT_INTERNAL = 5
+EXIT_INTERRUPTED = 130
+
+_CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+@click.group(context_settings=_CONTEXT)
+@click.version_option(__version__, "-V", "--version", prog_name="ckptfix")
+@click.option("--debug", is_flag=True, help="Show a traceback on errors (for bug reports).")
+def cli(debug: bool) -> None:
+    """Repair and convert PyTorch checkpoints without running code from them.
+
+    \b
+    Examples:
+      ckptfix inspect model.pth
+      ckptfix strip-module ddp.pth bare.pth
+      ckptfix strip-module compiled.pth bare.pth --prefix _orig_mod.
+      ckptfix add-module bare.pth ddp.pth
+
+    Exit codes: 0 ok, 1 a check failed, 2 usage error, 3 bad or unsafe input,
+    4 cannot write the output, 5 internal error.
+    """
+
+
+def _emit_json(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def _progress_for(path: str) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
+    """A byte-count progress bar on a terminal's stderr; nothing in CI logs or pipes."""
+    if not sys.stderr.isatty():
+        return None, lambda: None
+    total = os.path.getsize(path)
+    if total < 64 << 20:
+        return None, lambda: None
+    bar = click.progressbar(length=total, file=sys.stderr, label="copying tensors", show_pos=False)
+    bar.__enter__()
+    return bar.update, lambda: bar.__exit__(None, None, None)
+
+
+def _writing_options(default_prefix: str = "module.") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Options every writing command shares, declared once."""
+    options = [
+        click.argument("in_path", metavar="IN", type=click.Path(dir_okay=False)),
+        click.argument("out_path", metavar="OUT", required=False, type=click.Path(dir_okay=False)),
+        click.option("--prefix", default=default_prefix, show_default=True,
+                     help="The key prefix (a module name; a trailing dot is added if missing)."),
+        click.option("--key", "keys", multiple=True, metavar="PATH",
+                     help="Only change the state dict(s) at or under this dotted path (repeatable)."),
+        click.option("--dry-run", is_flag=True, help="Say what would change; write nothing."),
+        click.option("--force", is_flag=True, help="Overwrite OUT if it exists."),
+        click.option("--in-place", is_flag=True, help="Replace IN atomically (no OUT)."),
+        click.option("--strict", is_flag=True, help="Exit 1 when there is nothing to change."),
+        click.option("--unsafe-load", is_flag=True,
+                      help="For TRUSTED files only: allow torch.load(weights_only=False), which runs code "
+                      "from the file, when the safe reader refuses it."),
+        click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout."),
+    ]
+
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        for option in reversed(options):
+            func = option(func)
+        return func
+
+    return decorate
+
+
+def _run_prefix_command(mode: str, in_path: str, out_path: str | None, as_json: bool, dry_run: bool, **kw: Any) -> int:
+    from .ops import fix_prefix
+
+    progress, done = (None, lambda: None) if (as_json or dry_run) else _progress_for(in_path)
+    try:
+        report = fix_prefix(in_path, out_path, mode=mode, dry_run=dry_run, progress=progress, **kw)
+    finally:
+        done()
+    if as_json:
+        _emit_json(report.to_dict())
+        return 0
+    for note in report.notes:
+        click.echo(f"note: {note}", err=True)
+    if dry_run:
+        for change in report.state_dicts:
+            for old, new in change["renames"][:20]:
+                click.echo(f"  {old} -> {new}")
+            if len(change["renames"]) > 20:
+                click.echo(f"  ... and {len(change['renames']) - 20} more in {change['path'] or '(top level)'}")
+    click.echo(report.message)
+    return 0
+
+
+@cli.command("strip-module", context_settings=_CONTEXT)
+@_writing_options()
+def strip_module(in_path: str, out_path: str | None, as_json: bool, dry_run: bool, **kw: Any) -> int:
+    """Strip a wrapper prefix (default 'module.') from every state-dict key.
+
+    Fixes "Missing key(s) ... Unexpected key(s) ... module.xxx" when a checkpoint saved from
+    nn.DataParallel / DistributedDataParallel is loaded into the bare model. Repeated
+    prefixes are stripped too (module.module.x -> x). Optimizer state is never renamed.
+    Tensor bytes are copied, not loaded; torch is not imported for zip checkpoints.
+
+    \b
+    Examples:
+      ckptfix strip-module ddp.pth bare.pth
+      ckptfix strip-module compiled.pth bare.pth --prefix _orig_mod.
+      ckptfix strip-module train.ckpt fixed.ckpt --key state_dict --dry-run
+      ckptfix strip-module model.pth --in-place
+    """
+    return _run_prefix_command("strip", in_path, out_path, as_json, dry_run, **kw)
+
+
+@cli.command("add-module", context_settings=_CONTEXT)
+@_writing_options()
+def add_module(in_path: str, out_path: str | None, as_json: bool, dry_run: bool, **kw: Any) -> int:
+    """Add a wrapper prefix (default 'module.') to every state-dict key lacking it.
+
+    For loading a bare model's weights into a DataParallel/DDP-wrapped model with strict=True.
+    Keys that already have the prefix are left alone.
+
+    \b
+    Examples:
+      ckptfix add-module bare.pth ddp.pth
+      ckptfix add-module bare.pth compiled.pth --prefix _orig_mod.
+    """
+    return _run_prefix_command("add", in_path, out_path, as_json, dry_run, **kw)
+
+
+@cli.command("inspect", context_settings=_CONTEXT)
+@click.argument("path", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: fall back to torch.load(weights_only=False).")
+def inspect_command(path: str, as_json: bool, unsafe_load: bool) -> int:
+    """Describe a checkpoint without reading its tensor data.
+
+    Shows the format, where the state dicts are and which prefixes their keys share,
+    other values (epoch, optimizer state), tensor count and bytes, dtypes, device tags,
+    tensors sharing storage, and every global the pickle references.
+
+    \b
+    Examples:
+      ckptfix inspect model.pth
+      ckptfix inspect model.pth --json | jq .devices
+    """
+    from .ops import inspect_checkpoint
+    from .summary import render
+
+    summary = inspect_checkpoint(path, unsafe_load=unsafe_load)
+    if as_json:
+        _emit_json(summary)
+    else:
+        click.echo(render(summary))
+    return 0
+
+
+def _on_sigterm(signum: int, frame: Any) -> None:
+    # turn SIGTERM into an exception so temporary files are cleaned up on the way out
+    raise KeyboardInterrupt
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: maps every error to one stderr line and a documented exit code."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        code = cli.main(args=args, prog_name="ckptfix", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("ckptfix: interrupted", err=True)
+        code = EXIT_INTERRUPTED
+    except click.ClickException as exc:
+        exc.show()
+        code = exc.exit_code
+    except CkptfixError as exc:
+        if debug:
+            traceback.print_exc()
+        click.echo(f"ckptfix: error: {exc}", err=True)
+        code = exc.exit_code
+    except KeyboardInterrupt:
+        click.echo("ckptfix: interrupted; no output was written", err=True)
+        code = EXIT_INTERRUPTED
+    except BrokenPipeError:
+        code = 0
+    except Exception as exc:
+        if debug:
+            traceback.print_exc()
+        click.echo(f"ckptfix: internal error (please report with --debug): {type(exc).__name__}: {exc}", err=True)
+        code = EXIT_INTERNAL
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+__all__ = ["EXIT_BAD_INPUT", "cli", "main"]

@@ -1,0 +1,218 @@
+"""``inspect``: describe a checkpoint from its structure alone, without reading tensor data."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from .checkpoint import Checkpoint
+from .tree import (
+    Global,
+    Path,
+    Reduce,
+    TensorRef,
+    find_state_dicts,
+    format_path,
+    is_optimizer_state,
+    is_tensor_like,
+    is_torch_tensor,
+    iter_tensors,
+    looks_like_state_dict,
+)
+
+#: prefixes that wrappers add, in the order people meet them
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.", "_forward_module.")
+_MAX_TREE_LINES = 60
+_MAX_DEPTH = 4
+
+
+def common_prefixes(keys: list[str]) -> list[dict[str, Any]]:
+    """Prefixes shared by at least half the keys: the wrapper chain first, then first segments.
+
+    ``_orig_mod.module.`` counts as one chain, so a compiled DDP model shows both wrappers.
+    """
+    if not keys:
+        return []
+    chains: Counter[str] = Counter()
+    firsts: Counter[str] = Counter()
+    for key in keys:
+        chain = ""
+        rest = key
+        while True:
+            wrapper = next((p for p in WRAPPER_PREFIXES if rest.startswith(p)), None)
+            if wrapper is None:
+                break
+            chain += wrapper
+            rest = rest[len(wrapper) :]
+        if chain:
+            chains[chain] += 1
+        if "." in key:
+            firsts[key.split(".", 1)[0] + "."] += 1
+    half = (len(keys) + 1) // 2
+    result = [{"prefix": p, "keys": n} for p, n in chains.most_common() if n >= half]
+    known = {r["prefix"] for r in result}
+    result += [{"prefix": p, "keys": n} for p, n in firsts.most_common(3) if n >= half and p not in known]
+    return result
+
+
+def _tensor_line(value: Any) -> str:
+    if isinstance(value, TensorRef):
+        kind = "parameter" if value.param else "tensor"
+        return f"{kind} {value.dtype} {list(value.shape)} on {value.device}"
+    if is_torch_tensor(value):
+        return f"tensor {str(value.dtype).replace('torch.', '')} {list(value.shape)} on {value.device}"
+    if isinstance(value, Reduce):
+        return f"{value.func.name.lstrip('_')} (kept as is)"
+    return "tensor"
+
+
+def _scalar_text(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _kind_of(value: Any) -> str:
+    if isinstance(value, Reduce):
+        return value.func.full
+    if isinstance(value, Global):
+        return "torch global"
+    return type(value).__name__
+
+
+def _count_tensors(value: Any) -> int:
+    return sum(1 for _ in iter_tensors(value)) if not is_torch_tensor(value) else 1
+
+
+def describe_tree(root: Any) -> list[dict[str, Any]]:
+    """One entry per interesting node: state dicts, optimizer states, tensors, plain values."""
+    entries: list[dict[str, Any]] = []
+
+    def visit(path: Path, value: Any, depth: int) -> None:
+        if len(entries) >= _MAX_TREE_LINES:
+            return
+        where = format_path(path) or "(top level)"
+        if looks_like_state_dict(value):
+            entries.append({"path": where, "kind": "state dict", "tensors": len(value)})
+        elif is_optimizer_state(value):
+            n = sum(1 for _ in iter_tensors(value))
+            entries.append({"path": where, "kind": "optimizer state", "tensors": n})
+        elif is_tensor_like(value):
+            entries.append({"path": where, "kind": "tensor", "value": _tensor_line(value)})
+        elif isinstance(value, (Mapping, list, tuple)) and value and depth < _MAX_DEPTH:
+            items = value.items() if isinstance(value, Mapping) else enumerate(value)
+            if path and not isinstance(value, Mapping) and all(not isinstance(v, (Mapping, list, tuple)) and not
+                                                               is_tensor_like(v) for v in value):
+                entries.append({"path": where, "kind": type(value).__name__, "value": _scalar_text(value)})
+                return
+            for key, item in items:
+                visit(path + (key,), item, depth + 1)
+        elif isinstance(value, (Mapping, list, tuple)):
+            n = _count_tensors(value)
+            entries.append({"path": where, "kind": type(value).__name__, "items": len(value), "tensors": n})
+        else:
+            entries.append({"path": where, "kind": _kind_of(value), "value": _scalar_text(value)})
+
+    visit((), root, 0)
+    return entries
+
+
+def summarize(ckpt: Checkpoint) -> dict[str, Any]:
+    """Everything ``inspect`` reports, as plain data (the ``--json`` document)."""
+    dtypes: Counter[str] = Counter()
+    devices: Counter[str] = Counter()
+    tensors = 0
+    storages: dict[int, Any] = {}
+    users: dict[int, list[str]] = {}
+    for path, tensor in iter_tensors(ckpt.root):
+        tensors += 1
+        dtypes[tensor.dtype] += 1
+        devices[tensor.device] += 1
+        storages[id(tensor.storage)] = tensor.storage
+        users.setdefault(id(tensor.storage), []).append(format_path(path))
+    if not ckpt.lazy:
+        for value in _real_tensors(ckpt.root):
+            tensors += 1
+            dtypes[str(value.dtype).replace("torch.", "")] += 1
+            devices[str(value.device)] += 1
+    state_dicts = []
+    for path, sd in find_state_dicts(ckpt.root):
+        keys = [k for k in sd if isinstance(k, str)]
+        state_dicts.append({
+            "path": format_path(path),
+            "keys": len(keys),
+            "prefixes": common_prefixes(keys),
+            "has_metadata": isinstance(getattr(sd, "_metadata", None), dict),
+        })
+    shared = [
+        {"storage": storages[sid].key, "tensors": names}
+        for sid, names in users.items() if len(names) > 1
+    ]
+    return {
+        "path": ckpt.path,
+        "format": ckpt.format,
+        "file_bytes": ckpt.file_size,
+        "tensors": tensors,
+        "storages": len(storages),
+        "tensor_bytes": sum(s.nbytes for s in storages.values()),
+        "dtypes": dict(dtypes.most_common()),
+        "devices": dict(devices.most_common()),
+        "state_dicts": state_dicts,
+        "tree": describe_tree(ckpt.root),
+        "shared_storages": shared,
+        "globals": sorted(ckpt.globals),
+        "notes": list(ckpt.notes),
+    }
+
+
+def _real_tensors(root: Any) -> list[Any]:
+    found: list[Any] = []
+    stack = [root]
+    while stack:
+        value = stack.pop()
+        if is_torch_tensor(value):
+            found.append(value)
+        elif isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return found
+
+
+def format_size(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def render(summary: dict[str, Any]) -> str:
+    """The human-readable ``inspect`` report."""
+    lines = [f"{summary['path']}: {summary['format']}, {format_size(summary['file_bytes'])}"]
+    lines.append(
+        f"tensors: {summary['tensors']} in {summary['storages']} storages, "
+        f"{format_size(summary['tensor_bytes'])} of tensor data"
+    )
+    if summary["dtypes"]:
+        lines.append("dtypes: " + ", ".join(f"{k} x{v}" for k, v in summary["dtypes"].items()))
+    if summary["devices"]:
+        lines.append("devices: " + ", ".join(f"{k} x{v}" for k, v in summary["devices"].items()))
+    lines.append("layout:")
+    for entry in summary["tree"]:
+        detail = entry.get("value")
+        if detail is None:
+            detail = f"{entry['tensors']} tensors" + (f", {entry['items']} items" if "items" in entry else "")
+        lines.append(f"  {entry['path']}: {entry['kind']}: {detail}" if entry["kind"] not in ("tensor",)
+                     else f"  {entry['path']}: {detail}")
+    for sd in summary["state_dicts"]:
+        where = sd["path"] or "(top level)"
+        prefixes = ", ".join(f"{p['prefix']!r} on {p['keys']}/{sd['keys']} keys" for p in sd["prefixes"])
+        lines.append(f"state dict {where}: {sd['keys']} keys" + (f"; prefixes: {prefixes}" if prefixes else ""))
+    for group in summary["shared_storages"][:10]:
+        lines.append(f"shared storage {group['storage']}: " + ", ".join(group["tensors"][:6]))
+    if summary["globals"]:
+        lines.append("pickle globals: " + ", ".join(summary["globals"]))
+    lines.extend(f"note: {n}" for n in summary["notes"])
+    return "\n".join(lines)
