@@ -23,7 +23,7 @@ from .tree import (
     format_path,
     get_at,
     is_tensor_like,
-    replace_at,
+    substitute,
 )
 
 
@@ -192,12 +192,15 @@ def _add_metadata(metadata: dict, prefix: str) -> dict:
 def _apply(root: Any, prefix: str, keys: Sequence[str], one: Any) -> TransformResult:
     prefix = normalize_prefix(prefix)
     changes: list[StateDictChange] = []
+    replacements: dict[int, Any] = {}
     for path, state_dict in select_state_dicts(root, keys):
+        if id(state_dict) in replacements:
+            continue  # the same object reached twice (e.g. by --key and by a parent)
         new_sd, renamed = one(state_dict, prefix)
         changes.append(StateDictChange(format_path(path), len(state_dict), renamed))
         if renamed:
-            root = replace_at(root, path, new_sd)
-    return TransformResult(root, changes)
+            replacements[id(state_dict)] = new_sd
+    return TransformResult(substitute(root, replacements) if replacements else root, changes)
 
 
 def strip_prefix(root: Any, prefix: str = "module.", keys: Sequence[str] = ()) -> TransformResult:

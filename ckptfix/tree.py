@@ -311,20 +311,37 @@ def get_at(root: Any, path: Path) -> Any:
     return value
 
 
-def replace_at(root: Any, path: Path, new: Any) -> Any:
-    """A copy of ``root`` with the value at ``path`` replaced; untouched branches are shared."""
-    if not path:
-        return new
-    key, rest = path[0], path[1:]
-    child = replace_at(root[key], rest, new)
-    if isinstance(root, tuple):
-        return root[:key] + (child,) + root[key + 1 :]
-    if isinstance(root, list):
-        copy = list(root)
-        copy[key] = child
-        return copy
-    copy = copy_mapping(root, ((k, child if k == key else v) for k, v in root.items()))
-    return copy
+def substitute(root: Any, replacements: dict[int, Any]) -> Any:
+    """A copy of ``root`` where every object whose ``id`` is in ``replacements`` is replaced.
+
+    Only containers on the way to a replaced object are copied; everything else is shared
+    with ``root``. Replacing by identity keeps pickle-level sharing intact: a state dict
+    referenced from two places (``model`` and ``ema`` being the same object) is replaced in
+    both, exactly as torch's in-place edits would change it in both.
+    """
+    done: dict[int, Any] = {}
+
+    def rebuild(value: Any) -> Any:
+        key = id(value)
+        if key in replacements:
+            return replacements[key]
+        if key in done:
+            return done[key]
+        if not isinstance(value, (Mapping, list, tuple)):
+            return value
+        done[key] = value  # provisional: a cycle back to here keeps the original
+        if isinstance(value, Mapping):
+            items = [(k, rebuild(v)) for k, v in value.items()]
+            changed = any(new is not old for (_, new), old in zip(items, value.values()))
+            result = copy_mapping(value, items) if changed else value
+        else:
+            elements = [rebuild(v) for v in value]
+            changed = any(new is not old for new, old in zip(elements, value))
+            result = type(value)(elements) if changed else value
+        done[key] = result
+        return result
+
+    return rebuild(root)
 
 
 def copy_mapping(original: Mapping, items: Any) -> Mapping:

@@ -1,0 +1,152 @@
+"""ckptfix's prefix fixes against torch's own: generated state dicts, every dtype, every layout.
+
+For each generated checkpoint we do the fix twice -- with ckptfix (bytes copied, torch never
+involved) and with torch (``torch.load`` -> ``consume_prefix_in_state_dict_if_present`` ->
+``torch.save``) -- and require the two outputs to load identically: keys, dtypes, shapes,
+strides, bitwise values (NaNs included), devices, Parameters, storage sharing and ``_metadata``.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections import OrderedDict
+from pathlib import Path
+
+import torch
+from conftest import assert_same_tree, reference_strip, sharing_groups
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import ckptfix
+
+DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
+]
+FLOATING = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64}
+NAMES = ["conv", "bn", "fc", "layer1", "0", "1", "weight", "bias", "running_mean", "module", "modules"]
+
+
+def _random_tensor(data: st.DataObject, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Arbitrary bit patterns (NaN, inf, subnormals, -0.0 all occur) of the given dtype."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * dtype.itemsize
+    raw = data.draw(st.binary(min_size=nbytes, max_size=nbytes))
+    if dtype is torch.bool:
+        raw = bytes(b & 1 for b in raw)
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape).clone()
+
+
+@st.composite
+def state_dicts(draw: st.DrawFn) -> tuple[OrderedDict, dict]:
+    data = draw(st.data())
+    sd: OrderedDict = OrderedDict()
+    n = draw(st.integers(1, 7))
+    names = set()
+    for _ in range(n):
+        depth = draw(st.integers(0, 2))
+        base = ".".join(draw(st.lists(st.sampled_from(NAMES), min_size=1, max_size=3)))
+        key = "module." * depth + base
+        stripped = base
+        if stripped in names:
+            continue
+        names.add(stripped)
+        dtype = draw(st.sampled_from(DTYPES))
+        shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+        layout = draw(st.sampled_from(["plain", "transposed", "slice", "tie", "view_of_previous"]))
+        if layout == "transposed" and len(shape) >= 2:
+            tensor = _random_tensor(data, dtype, shape[::-1]).transpose(0, -1)
+        elif layout == "slice":
+            big = _random_tensor(data, dtype, (shape[0] + 2, *shape[1:]) if shape else (3,))
+            tensor = big[1 : 1 + shape[0]] if shape else big[1]
+        elif layout in ("tie", "view_of_previous") and sd:
+            previous = sd[draw(st.sampled_from(list(sd)))]
+            tensor = previous if layout == "tie" else previous.detach().reshape(-1)[: previous.numel() // 2]
+        else:
+            tensor = _random_tensor(data, dtype, shape)
+        if draw(st.booleans()) and not isinstance(tensor, torch.nn.Parameter):
+            grad = tensor.dtype in FLOATING and draw(st.booleans())
+            tensor = torch.nn.Parameter(tensor, requires_grad=grad)
+        sd[key] = tensor
+    if draw(st.booleans()):
+        metadata = OrderedDict({"": {"version": 1}})
+        for key in sd:
+            module = key.rsplit(".", 1)[0] if "." in key else ""
+            metadata.setdefault(module, {"version": draw(st.integers(1, 3))})
+        if draw(st.booleans()):
+            metadata["module"] = {"version": 1}
+        sd._metadata = metadata
+    wrapper = draw(st.sampled_from(["bare", "training", "nested"]))
+    if wrapper == "bare":
+        return sd, sd
+    if wrapper == "training":
+        return sd, {"state_dict": sd, "epoch": draw(st.integers(0, 10**12)), "lr": 0.5, "tag": "é"}
+    return sd, {"model": sd, "extra": [1, "two", (3.0, None, True)], "nested": {"ema": sd}}
+
+
+def _roundtrip(tree: object, mode: str) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        src, ours = Path(tmp) / "in.pth", Path(tmp) / "ours.pth"
+        torch.save(tree, src)
+        report = ckptfix.fix_prefix(src, ours, mode=mode)
+        if mode == "strip":
+            expected = reference_strip(src)
+        else:
+            expected = torch.load(src, weights_only=True)
+            _add_reference(expected)
+        if report.renamed == 0:
+            assert not ours.exists()
+            return
+        for loaded in (torch.load(ours, weights_only=True), torch.load(ours, mmap=True, weights_only=True)):
+            assert_same_tree(loaded, expected)
+            assert sharing_groups(loaded) == sharing_groups(expected)
+
+
+def _add_reference(tree: object) -> None:
+    """Adding is the inverse of stripping; the reference is the plain dict comprehension."""
+    from conftest import _state_dicts
+
+    for sd in _state_dicts(tree):
+        items = [(k if k.startswith("module.") else "module." + k, v) for k, v in sd.items()]
+        metadata = getattr(sd, "_metadata", None)
+        sd.clear()
+        sd.update(items)
+        if metadata is not None:
+            new = OrderedDict({"": metadata[""]} if "" in metadata else {})
+            for k, v in metadata.items():
+                nk = "module" if k == "" else k if (k == "module" or k.startswith("module.")) else "module." + k
+                new.setdefault(nk, v)
+            sd._metadata = new
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(state_dicts())
+def test_strip_module_matches_torch(case: tuple[OrderedDict, object]) -> None:
+    _roundtrip(case[1], "strip")
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(state_dicts())
+def test_add_module_matches_reference(case: tuple[OrderedDict, object]) -> None:
+    _roundtrip(case[1], "add")
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(state_dicts())
+def test_add_then_strip_restores_the_original(case: tuple[OrderedDict, object]) -> None:
+    sd, tree = case
+    if any(k.startswith("module.") for k in sd):
+        return  # keys that already had the prefix cannot be told apart after adding it
+    with tempfile.TemporaryDirectory() as tmp:
+        src, wrapped, back = (Path(tmp) / n for n in ("in.pth", "wrapped.pth", "back.pth"))
+        torch.save(tree, src)
+        ckptfix.fix_prefix(src, wrapped, mode="add")
+        ckptfix.fix_prefix(wrapped, back, mode="strip")
+        original, restored = torch.load(src, weights_only=True), torch.load(back, weights_only=True)
+        assert_same_tree(restored, original)
+        assert sharing_groups(restored) == sharing_groups(original)
