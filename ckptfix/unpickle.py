@@ -60,6 +60,8 @@ TORCH_GLOBALS: frozenset[str] = _torch_allowed_names()
 
 #: old spellings that torch itself maps to the current ones when loading
 _RENAMED_MODULES = {"__builtin__": "builtins", "torch.tensor": "torch._tensor"}
+#: platform modules that pickles name instead of the module users know (os.system is posix.system)
+_DISPLAY_MODULES = {"posix": "os", "nt": "os", "_operator": "operator", "_io": "io"}
 
 
 def _safe_encode(text: Any, encoding: str = "utf-8", errors: str = "strict") -> bytes:
@@ -114,7 +116,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return PYTHON_GLOBALS[full]
         if full in TORCH_GLOBALS:
             return Global(module, name)
-        raise UnsafeInputError(full)
+        shown = _DISPLAY_MODULES.get(module)
+        raise UnsafeInputError(f"{shown}.{name} (pickled as {full})" if shown else full)
 
     def persistent_load(self, pid: Any) -> StorageRef:
         if not (isinstance(pid, tuple) and len(pid) == 5):

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from ..errors import BadInputError
+from ..errors import BadInputError, UnsafeInputError
 from ..pickle_writer import dumps
 from ..tree import Global, StorageRef, make_storage
 from ..unpickle import restricted_load
@@ -99,7 +99,10 @@ def read_torch_zip(path: str, f: BinaryIO, file_size: int, globals_seen: set[str
             )
         return storage
 
-    root = restricted_load(pickle_bytes, load_storage, globals_seen)
+    try:
+        root = restricted_load(pickle_bytes, load_storage, globals_seen)
+    except UnsafeInputError as exc:
+        raise UnsafeInputError(exc.global_name, path) from None
     return root, TorchZipArchive(path, archive_name, records, byteorder)
 
 
