@@ -144,7 +144,8 @@ def add_module(in_path: str, out_path: str | None, as_json: bool, dry_run: bool,
 @cli.command("inspect", context_settings=_CONTEXT)
 @click.argument("path", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: fall back to torch.load(weights_only=False).")
+@click.option("--unsafe-load", is_flag=True,
+              help="For TRUSTED files only: fall back to torch.load(weights_only=False).")
 def inspect_command(path: str, as_json: bool, unsafe_load: bool) -> int:
     """Describe a checkpoint without reading its tensor data.
 

@@ -10,6 +10,7 @@ open: the old file keeps its data until every reader closes it.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import tempfile
@@ -87,7 +88,5 @@ def atomic_output(dest: str | Path) -> Iterator[BinaryIO]:
 
 
 def _remove(path: str) -> None:
-    try:
+    with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-    except FileNotFoundError:
-        pass

@@ -52,7 +52,7 @@ class Global:
 class Reduce:
     """An allow-listed call recorded as data: ``func(*args)``, plus BUILD state if any."""
 
-    __slots__ = ("func", "args", "state")
+    __slots__ = ("args", "func", "state")
 
     def __init__(self, func: Global, args: tuple, state: Any = ABSENT) -> None:
         self.func, self.args, self.state = func, args, state
