@@ -43,16 +43,22 @@ def _emit_json(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
 
 
-def _progress_for(path: str) -> tuple[Callable[[int], None] | None, Callable[[], None]]:
-    """A byte-count progress bar on a terminal's stderr; nothing in CI logs or pipes."""
-    if not sys.stderr.isatty():
-        return None, lambda: None
-    total = os.path.getsize(path)
-    if total < 64 << 20:
-        return None, lambda: None
-    bar = click.progressbar(length=total, file=sys.stderr, label="copying tensors", show_pos=False)
+def _progress_for(path: str) -> tuple[Callable[[int], None] | None, Callable[[bool], None]]:
+    """A byte-count progress bar on a terminal's stderr (large files only); nothing in CI logs or pipes.
+
+    Returns the update callback and a closer taking whether the work succeeded.
+    """
+    if not sys.stderr.isatty() or os.path.getsize(path) < 64 << 20:
+        return None, lambda ok: None
+    bar = click.progressbar(length=os.path.getsize(path), file=sys.stderr, label="copying tensors", show_pos=False)
     bar.__enter__()
-    return bar.update, lambda: bar.__exit__(None, None, None)
+
+    def close(ok: bool) -> None:
+        if ok:
+            bar.update(bar.length - bar.pos)  # headers and the pickle are not counted as they go
+        bar.__exit__(None, None, None)
+
+    return bar.update, close
 
 
 def _writing_options(default_prefix: str = "module.") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
@@ -85,11 +91,13 @@ def _writing_options(default_prefix: str = "module.") -> Callable[[Callable[...,
 def _run_prefix_command(mode: str, in_path: str, out_path: str | None, as_json: bool, dry_run: bool, **kw: Any) -> int:
     from .ops import fix_prefix
 
-    progress, done = (None, lambda: None) if (as_json or dry_run) else _progress_for(in_path)
+    progress, close = (None, lambda ok: None) if (as_json or dry_run) else _progress_for(in_path)
+    ok = False
     try:
         report = fix_prefix(in_path, out_path, mode=mode, dry_run=dry_run, progress=progress, **kw)
+        ok = True
     finally:
-        done()
+        close(ok)
     if as_json:
         _emit_json(report.to_dict())
         return 0
