@@ -78,7 +78,7 @@ def main() -> None:
     cp_time = statistics.median(t for t, _ in results["cp"])
     torch_time = statistics.median(t for t, _ in results[next(reversed(contenders))])
     print(f"input: {src.stat().st_size / 1e9:.2f} GB, 200 float32 tensors; {args.runs} runs each, interleaved")
-    print(f"machine: {platform.node()}, {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
     print()
     print("| command | median wall (s) | all runs (s) | vs cp | vs torch script | peak RSS (MiB) |")
     print("|---|---|---|---|---|---|")
