@@ -173,19 +173,16 @@ def _add_one(state_dict: Mapping, prefix: str) -> tuple[Mapping, list[tuple[str,
 
 
 def _add_metadata(metadata: dict, prefix: str) -> dict:
-    """What a wrapper's ``state_dict()`` would record: the wrapper at "" and the model under it."""
-    bare = prefix[:-1]
+    """What a wrapper's ``state_dict()`` records: the wrapper at "", the model's entries under it.
+
+    The exact inverse of the reference's stripping ('' -> 'module', 'x' -> 'module.x'), so a
+    model that itself has a submodule named ``module`` round-trips too.
+    """
     new = type(metadata)()
     if "" in metadata:
         new[""] = metadata[""]
     for key, value in metadata.items():
-        if key == "":
-            new_key = bare
-        elif key == bare or key.startswith(prefix):
-            new_key = key
-        else:
-            new_key = prefix + key
-        new.setdefault(new_key, value)
+        new[prefix + key if key else prefix[:-1]] = value
     return new
 
 

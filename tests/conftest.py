@@ -114,3 +114,11 @@ def fixtures_dir() -> Path:
 
 def no_temp_files(folder: Path) -> bool:
     return not any(p.name.endswith(".ckptfix-tmp") for p in folder.iterdir())
+
+
+# CI runs a fixed set of generated examples (reproducible verdicts); local runs explore new ones.
+from hypothesis import settings as _hypothesis_settings  # noqa: E402
+
+_hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
+if os.environ.get("CI"):
+    _hypothesis_settings.load_profile("ci")

@@ -129,7 +129,8 @@ def _add_reference(tree: object) -> None:
     """Adding is the inverse of stripping; the reference is the plain dict comprehension."""
     from conftest import _state_dicts
 
-    for sd in _state_dicts(tree):
+    unique = {id(sd): sd for sd in _state_dicts(tree)}  # one object may sit at two paths
+    for sd in unique.values():
         items = [(k if k.startswith("module.") else "module." + k, v) for k, v in sd.items()]
         metadata = getattr(sd, "_metadata", None)
         sd.clear()
@@ -137,8 +138,7 @@ def _add_reference(tree: object) -> None:
         if metadata is not None:
             new = OrderedDict({"": metadata[""]} if "" in metadata else {})
             for k, v in metadata.items():
-                nk = "module" if k == "" else k if (k == "module" or k.startswith("module.")) else "module." + k
-                new.setdefault(nk, v)
+                new["module." + k if k else "module"] = v
             sd._metadata = new
 
 
