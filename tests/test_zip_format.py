@@ -115,3 +115,33 @@ def test_storage_shared_by_two_dtypes_views_and_offsets(tmp_path: Path) -> None:
     assert loaded["part"].storage_offset() == 5 and loaded["t"].stride() == (1, 6)
     with zipfile.ZipFile(out) as z:
         assert sum("/data/" in n for n in z.namelist()) == 1
+
+
+def _exotic_cases() -> dict[str, torch.Tensor]:
+    with_attr = torch.arange(6.0).view(2, 3)
+    with_attr.note = "kept"  # tensors with Python attributes pickle via _rebuild_from_type_v2
+    return {
+        "attribute": with_attr,
+        "sparse_coo": torch.eye(3).to_sparse(),
+        "sparse_csr": torch.eye(3).to_sparse_csr(),
+        "quantized": torch.quantize_per_tensor(torch.linspace(-1, 1, 5), 0.1, 3, torch.qint8),
+        "meta": torch.empty(3, device="meta"),
+        "conj": torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj(),
+    }
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("kind", list(_exotic_cases()))
+def test_other_tensor_kinds_pass_through_unchanged(tmp_path: Path, kind: str) -> None:
+    """Allow-listed calls we do not model (sparse, quantized, meta...) are written back as they were."""
+    src, out = tmp_path / "in.pth", tmp_path / "out.pth"
+    torch.save({f"module.{kind}": _exotic_cases()[kind], "module.plain": torch.ones(2)}, src)
+    assert ckptfix.fix_prefix(src, out).written
+    expected, got = torch.load(src, weights_only=True)[f"module.{kind}"], torch.load(out, weights_only=True)[kind]
+    assert (got.layout, got.dtype, got.shape, got.device) == (expected.layout, expected.dtype, expected.shape,
+                                                              expected.device)
+    if kind == "quantized":
+        assert torch.equal(got.int_repr(), expected.int_repr()) and got.q_scale() == expected.q_scale()
+    elif kind != "meta":
+        assert torch.equal(got.resolve_conj().to_dense(), expected.resolve_conj().to_dense())
+    assert getattr(got, "note", None) == getattr(expected, "note", None)
