@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from . import __version__
-from .errors import EXIT_BAD_INPUT, CkptfixError
+from .errors import CkptfixError
 
 EXIT_INTERNAL = 5
 EXIT_INTERRUPTED = 130
@@ -212,5 +212,3 @@ def main(argv: list[str] | None = None) -> None:
         code = EXIT_INTERNAL
     sys.exit(code if isinstance(code, int) else 0)
 
-
-__all__ = ["EXIT_BAD_INPUT", "cli", "main"]
