@@ -78,8 +78,10 @@ class StorageRef:
     numel: int
     itemsize: int
     dtype: str
-    #: where the bytes are: an opaque handle the reader/writer of the format understands
+    #: where the bytes are: a :class:`~ckptfix.sources.FileRange`
     source: Any = field(repr=False, default=None)
+    #: byte order of the stored elements ("big" only for files saved on big-endian machines)
+    byteorder: str = "little"
 
     @property
     def nbytes(self) -> int:
@@ -189,12 +191,14 @@ _CALL_BUILDERS: dict[str, Callable[[Global, tuple], Any]] = {
 }
 
 
-def make_storage(storage_type: Global, key: str, location: str, numel: int, source: Any) -> StorageRef:
+def make_storage(
+    storage_type: Global, key: str, location: str, numel: int, source: Any, byteorder: str = "little"
+) -> StorageRef:
     """Build the :class:`StorageRef` for a persistent id ``('storage', type, key, loc, numel)``."""
     dtype = STORAGE_DTYPE.get(storage_type.name)
     if dtype is None:
         raise BadInputError(f"corrupt checkpoint: unknown storage type {storage_type.full}")
-    return StorageRef(key, storage_type, location, numel, DTYPE_ITEMSIZE[dtype], dtype, source)
+    return StorageRef(key, storage_type, location, numel, DTYPE_ITEMSIZE[dtype], dtype, source, byteorder)
 
 
 # --------------------------------------------------------------------------- tree walking

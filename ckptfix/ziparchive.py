@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from .errors import BadInputError
+from .sources import FileRange, OpenFiles, iter_chunks
 
 _LOCAL_SIG = b"PK\x03\x04"
 _CENTRAL_SIG = b"PK\x01\x02"
@@ -51,6 +52,11 @@ class ZipRecord:
     size: int
     method: int
     crc: int
+
+    def source(self, path: str) -> FileRange:
+        """The record's bytes as a :class:`FileRange` of the archive file ``path``."""
+        deflated = self.compressed_size if self.method == DEFLATED else None
+        return FileRange(path, self.data_offset, self.size, self.crc, deflated)
 
 
 def read_directory(f: BinaryIO, file_size: int, path: str) -> dict[str, ZipRecord]:
@@ -230,42 +236,27 @@ class ZipWriter:
         self._finish_record(full, header_offset, len(data), crc)
         return crc
 
-    def add_copy(self, name: str, src: BinaryIO, record: ZipRecord) -> None:
-        """Add a record whose bytes are copied from ``record`` in the open zip file ``src``.
+    def add_copy(self, name: str, source: FileRange, files: OpenFiles) -> int:
+        """Add a record whose bytes come from ``source``; returns its CRC32.
 
-        A stored record is copied by the kernel and keeps the CRC the source recorded (CRC 0
-        stays 0, as torch wrote it); a deflated one is inflated in chunks.
+        A stored range with a known CRC (a zip record) is copied by the kernel and keeps the
+        CRC the source recorded (CRC 0 stays 0, as torch wrote it); anything else is streamed
+        in bounded chunks and its CRC computed on the way.
         """
         header_offset = self._offset
-        full = self._start_record(name, record.size)
-        self._out.flush()
-        if record.method == STORED:
-            copy_range(src.fileno(), record.data_offset, self._fd, self._offset, record.size)
-            self._offset += record.size
+        full = self._start_record(name, source.size)
+        if source.crc is not None and source.deflated_size is None:
+            self._out.flush()
+            copy_range(files.file(source.path).fileno(), source.offset, self._fd, self._offset, source.size)
+            self._offset += source.size
             self._out.seek(self._offset)
-            crc = record.crc
+            crc = source.crc
         else:
-            crc = self._inflate_into(src, record)
-        self._finish_record(full, header_offset, record.size, crc)
-
-    def _inflate_into(self, src: BinaryIO, record: ZipRecord) -> int:
-        inflater = zlib.decompressobj(-15)
-        src.seek(record.data_offset)
-        remaining, produced, crc = record.compressed_size, 0, 0
-        while remaining or inflater.unconsumed_tail:
-            chunk = inflater.unconsumed_tail or src.read(min(remaining, 1 << 20))
-            if not inflater.unconsumed_tail:
-                remaining -= len(chunk)
-                if not chunk:
-                    break
-            out = inflater.decompress(chunk, 1 << 22)
-            produced += len(out)
-            if produced > record.size:
-                break
-            crc = zlib.crc32(out, crc)
-            self._write(out)
-        if produced != record.size:
-            raise BadInputError(f"record {record.name!r} does not inflate to its declared size")
+            crc = 0
+            for chunk in iter_chunks(source, files):
+                crc = zlib.crc32(chunk, crc)
+                self._write(chunk)
+        self._finish_record(full, header_offset, source.size, crc)
         return crc
 
     def close(self) -> None:

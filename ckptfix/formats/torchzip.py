@@ -23,6 +23,7 @@ from typing import Any, BinaryIO
 
 from ..errors import BadInputError, UnsafeInputError
 from ..pickle_writer import dumps
+from ..sources import FileRange, OpenFiles
 from ..tree import Global, StorageRef, make_storage
 from ..unpickle import restricted_load
 from ..ziparchive import ZipRecord, ZipWriter, read_directory, read_record_bytes
@@ -31,14 +32,6 @@ from ..ziparchive import ZipRecord, ZipWriter, read_directory, read_record_bytes
 MAX_PICKLE_BYTES = 1 << 30
 #: records written from our own knowledge rather than copied
 _REGENERATED = {"data.pkl", ".format_version", ".storage_alignment", "byteorder", ".data/serialization_id"}
-
-
-@dataclass(frozen=True)
-class RecordSource:
-    """Where a storage's bytes live: a record in a zip file on disk."""
-
-    path: str
-    record: ZipRecord
 
 
 @dataclass
@@ -86,12 +79,13 @@ def read_torch_zip(path: str, f: BinaryIO, file_size: int, globals_seen: set[str
         byteorder = read_record_bytes(f, records["byteorder"], 16)
         if byteorder not in (b"little", b"big"):
             raise BadInputError(f"{path}: unknown byte order {byteorder[:16]!r}")
+    order = (byteorder or b"little").decode()
 
     def load_storage(storage_type: Global, key: str, location: str, numel: int) -> StorageRef:
         record = records.get(f"data/{key}")
         if record is None:
             raise BadInputError(f"{path}: storage {key!r} is referenced but its record data/{key} is missing")
-        storage = make_storage(storage_type, key, location, numel, RecordSource(path, record))
+        storage = make_storage(storage_type, key, location, numel, record.source(path), order)
         if record.size < storage.nbytes:
             raise BadInputError(
                 f"{path}: storage data/{key} holds {record.size} bytes but the checkpoint "
@@ -125,46 +119,36 @@ def write_torch_zip(
 ) -> list[StorageRef]:
     """Write ``root`` as a torch zip checkpoint into the open file ``out``.
 
-    Storage bytes are copied from the records the tree's :class:`StorageRef` s point at;
-    ``source`` supplies the input's byte order and any extra records to carry over.
-    Returns the storages written, in key order. ``progress`` gets the byte count of each
-    storage after it is copied.
+    Storage bytes are copied from wherever the tree's :class:`StorageRef` s point (a zip
+    record, a safetensors range, a legacy storage). ``source`` supplies extra records of the
+    input to carry over. All storages must share one byte order, which is recorded.
+    Returns the storages written, in key order; ``progress`` gets each storage's byte count.
     """
     pickled = dumps(root)
+    orders = {s.byteorder for s in pickled.storages}
+    if len(orders) > 1:
+        raise BadInputError("cannot write storages of both byte orders into one checkpoint")
+    byteorder = orders.pop() if orders else "little"
     writer = ZipWriter(out, archive_name, **({"zip64_threshold": zip64_threshold} if zip64_threshold else {}))
     crcs = [writer.add_bytes("data.pkl", pickled.data)]
     crcs.append(writer.add_bytes(".format_version", b"1"))
     crcs.append(writer.add_bytes(".storage_alignment", b"64"))
-    if source is not None and source.byteorder is not None:
-        crcs.append(writer.add_bytes("byteorder", source.byteorder))
-    open_files: dict[str, BinaryIO] = {}
+    if source is None or source.byteorder is not None or byteorder != "little":
+        crcs.append(writer.add_bytes("byteorder", byteorder.encode()))
     total = 0
-    try:
+    with OpenFiles() as files:
         for key, storage in enumerate(pickled.storages):
-            origin = storage.source
-            if not isinstance(origin, RecordSource):
-                raise BadInputError(f"storage {storage.key!r} has no source record to copy")
-            src = open_files.get(origin.path)
-            if src is None:
-                src = open_files[origin.path] = open(origin.path, "rb")  # noqa: SIM115
-            writer.add_copy(f"data/{key}", src, origin.record)
-            crcs.append(origin.record.crc)
-            total += origin.record.size
+            if not isinstance(storage.source, FileRange):
+                raise BadInputError(f"storage {storage.key!r} has no source bytes to copy")
+            crcs.append(writer.add_copy(f"data/{key}", storage.source, files))
+            total += storage.source.size
             if progress:
-                progress(origin.record.size)
+                progress(storage.source.size)
         extras = source.extra_records() if source else []
         if "version" not in extras:
             crcs.append(writer.add_bytes("version", b"3\n"))
         for name in extras:
-            src = open_files.get(source.path)
-            if src is None:
-                src = open_files[source.path] = open(source.path, "rb")  # noqa: SIM115
-            writer.add_copy(name, src, source.records[name])
-            crcs.append(source.records[name].crc)
+            crcs.append(writer.add_copy(name, source.records[name].source(source.path), files))
         writer.add_bytes(".data/serialization_id", _serialization_id(crcs, total))
         writer.close()
-    finally:
-        for f in open_files.values():
-            f.close()
     return pickled.storages
-

@@ -1,0 +1,166 @@
+"""Where tensor bytes live, and how to get them out in the order a writer needs.
+
+Every storage read by ckptfix points at a :class:`FileRange` -- a byte range of a file on disk
+(a zip record, a safetensors data range, a legacy-format storage). Writers either copy a range
+as it is (in the kernel, no Python buffer) or, when a tensor is a strided view or the bytes
+need swapping, gather exactly that one tensor's elements into C order with numpy over a
+memory map -- so memory stays at one tensor's worth at most.
+"""
+
+from __future__ import annotations
+
+import mmap
+import zlib
+from collections.abc import Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from .dtypes import DTYPE_ITEMSIZE
+from .errors import BadInputError
+
+_CHUNK = 1 << 22
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """``size`` bytes of ``path`` starting at ``offset``.
+
+    ``crc`` is the CRC32 of those bytes when the source recorded one (zip records), so a zip
+    writer can reuse it. ``deflated_size`` is set for deflate-compressed zip records: then
+    ``offset`` points at compressed data of that length, which inflates to ``size`` bytes.
+    """
+
+    path: str
+    offset: int
+    size: int
+    crc: int | None = None
+    deflated_size: int | None = None
+
+    def sub(self, start: int, length: int) -> FileRange:
+        """A plain sub-range (only for stored, uncompressed sources)."""
+        if self.deflated_size is not None:
+            raise ValueError("cannot take a sub-range of compressed data")
+        return FileRange(self.path, self.offset + start, length)
+
+
+class OpenFiles:
+    """Input files opened once per write and closed together."""
+
+    def __init__(self) -> None:
+        self._files: dict[str, BinaryIO] = {}
+        self._maps: dict[str, mmap.mmap] = {}
+        self._stack = ExitStack()
+
+    def file(self, path: str) -> BinaryIO:
+        f = self._files.get(path)
+        if f is None:
+            f = self._files[path] = self._stack.enter_context(open(path, "rb"))  # noqa: SIM115
+        return f
+
+    def map(self, path: str) -> mmap.mmap:
+        m = self._maps.get(path)
+        if m is None:
+            m = self._maps[path] = mmap.mmap(self.file(path).fileno(), 0, access=mmap.ACCESS_READ)
+            self._stack.callback(m.close)
+        return m
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def __enter__(self) -> OpenFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def iter_chunks(source: FileRange, files: OpenFiles) -> Iterator[bytes]:
+    """The bytes of ``source`` in bounded chunks, inflating compressed records."""
+    f = files.file(source.path)
+    if source.deflated_size is None:
+        done = 0
+        while done < source.size:
+            f.seek(source.offset + done)
+            chunk = f.read(min(_CHUNK, source.size - done))
+            if not chunk:
+                raise BadInputError(f"{source.path}: the file ended inside tensor data (truncated?)")
+            done += len(chunk)
+            yield chunk
+        return
+    inflater = zlib.decompressobj(-15)
+    remaining, produced = source.deflated_size, 0
+    f.seek(source.offset)
+    while True:
+        data = inflater.unconsumed_tail
+        if not data:
+            if not remaining:
+                break
+            data = f.read(min(remaining, _CHUNK))
+            if not data:
+                break
+            remaining -= len(data)
+        out = inflater.decompress(data, _CHUNK)
+        produced += len(out)
+        if produced > source.size:
+            break
+        if out:
+            yield out
+    if produced != source.size:
+        raise BadInputError(f"{source.path}: a compressed record does not inflate to its declared size")
+
+
+def read_all(source: FileRange, files: OpenFiles) -> bytes:
+    """The whole range in memory: used only for one storage that must be gathered from."""
+    return b"".join(iter_chunks(source, files))
+
+
+def crc_of(source: FileRange, files: OpenFiles) -> int:
+    crc = 0
+    for chunk in iter_chunks(source, files):
+        crc = zlib.crc32(chunk, crc)
+    return crc
+
+
+def is_c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
+    """True if the view's elements are consecutive in row-major order (size-1 dims ignored)."""
+    expected = 1
+    for size, step in zip(reversed(shape), reversed(stride)):
+        if size == 0:
+            return True
+        if size != 1 and step != expected:
+            return False
+        expected *= size
+    return True
+
+
+def gather_c_order(
+    buffer: bytes | mmap.mmap, base: int, itemsize: int, shape: tuple[int, ...], stride: tuple[int, ...],
+    swap_unit: int = 0,
+) -> bytes:
+    """Copy a strided view (element strides) starting at byte ``base`` into C-order bytes.
+
+    ``swap_unit`` > 1 reverses each group of that many bytes (big-endian sources into
+    little-endian output: the element size, or half of it for complex numbers).
+    """
+    import numpy as np
+
+    numel = 1
+    for s in shape:
+        numel *= s
+    if numel == 0:
+        return b""
+    raw = np.frombuffer(buffer, dtype=np.uint8)
+    view = np.lib.stride_tricks.as_strided(
+        raw[base:], shape=(*shape, itemsize), strides=(*(s * itemsize for s in stride), 1), writeable=False
+    )
+    data = np.ascontiguousarray(view)
+    if swap_unit > 1:
+        data = data.reshape(-1, swap_unit)[:, ::-1]
+    return np.ascontiguousarray(data).tobytes()
+
+
+def swap_unit_for(dtype: str) -> int:
+    """Bytes per byte-swapped unit: the element size, or a half for complex numbers."""
+    size = DTYPE_ITEMSIZE.get(dtype, 1)
+    return size // 2 if dtype.startswith("complex") else size
