@@ -10,11 +10,15 @@ from typing import Any, BinaryIO
 from .detect import sniff
 from .errors import BadInputError, UnsafeInputError
 from .formats.legacy import load_with_torch, save_with_torch
+from .formats.safetensors import read_safetensors
+from .formats.sharded import find_index, merge_shards, read_index
 from .formats.torchzip import TorchZipArchive, read_torch_zip, write_torch_zip
 
 FORMAT_TORCH_ZIP = "torch-zip"
 FORMAT_TORCH_LEGACY = "torch-legacy"
 FORMAT_TORCH_TAR = "torch-tar"
+FORMAT_SAFETENSORS = "safetensors"
+FORMAT_SHARDED = "sharded"
 
 
 @dataclass
@@ -33,33 +37,36 @@ class Checkpoint:
     globals: set[str] = field(default_factory=set)
     archive: TorchZipArchive | None = None
     notes: list[str] = field(default_factory=list)
-
-    @property
-    def lazy(self) -> bool:
-        """True when tensors are references into the file (nothing loaded, torch not needed)."""
-        return self.archive is not None
+    #: safetensors ``__metadata__`` (or a shard index's metadata), if any
+    metadata: dict[str, Any] = field(default_factory=dict)
+    #: False when the tree holds real tensors (formats read through torch itself)
+    lazy: bool = True
 
     def write(self, root: Any, out: BinaryIO, progress: Any = None) -> None:
         """Write ``root`` (this checkpoint's tree, transformed) as a torch zip file."""
-        if self.archive is not None:
-            write_torch_zip(root, out, archive_name=self.archive.archive_name, source=self.archive, progress=progress)
-        else:
+        if not self.lazy:
             save_with_torch(root, out)
+            return
+        name = self.archive.archive_name if self.archive else "archive"
+        write_torch_zip(root, out, archive_name=name, source=self.archive, progress=progress)
 
 
 def read_checkpoint(path: str | os.PathLike, *, unsafe_load: bool = False) -> Checkpoint:
     """Open ``path`` safely: diagnose the file, then read it without running any of its code.
 
-    Zip-format torch checkpoints (whatever their extension: .pth, .pt, .bin, .ckpt, .tar) are
-    read lazily by ckptfix's own restricted reader. Legacy and tar formats go through
-    ``torch.load(weights_only=True)``. ``unsafe_load=True`` allows a fallback to
-    ``torch.load(weights_only=False)`` for pickles the allow-list refuses -- only for trusted files.
+    Zip-format torch checkpoints (whatever their extension: .pth, .pt, .bin, .ckpt, .tar),
+    safetensors files and HF shard folders (or their ``*.index.json``) are read lazily by
+    ckptfix's own readers. Legacy and tar formats go through ``torch.load(weights_only=True)``.
+    ``unsafe_load=True`` allows a fallback to ``torch.load(weights_only=False)`` for pickles
+    the allow-list refuses -- only for trusted files.
     """
     path = str(path)
+    if Path(path).is_dir():
+        return _read_folder(Path(path))
+    if path.endswith(".index.json"):
+        return _read_sharded(Path(path))
     try:
         file_size = os.stat(path).st_size
-        if Path(path).is_dir():
-            raise BadInputError(f"{path}: is a directory, not a checkpoint file")
         with open(path, "rb") as f:
             what = sniff(f.read(512), file_size)
             if what.kind == "zip":
@@ -71,6 +78,9 @@ def read_checkpoint(path: str | os.PathLike, *, unsafe_load: bool = False) -> Ch
                         raise
                     return _read_with_torch(path, FORMAT_TORCH_ZIP, file_size, unsafe=True)
                 return Checkpoint(path, FORMAT_TORCH_ZIP, root, file_size, globals_seen, archive)
+            if what.kind == "safetensors":
+                tensors, metadata = read_safetensors(path, f, file_size)
+                return Checkpoint(path, FORMAT_SAFETENSORS, tensors, file_size, metadata=metadata)
     except FileNotFoundError as exc:
         raise BadInputError(f"{path}: no such file") from exc
     except PermissionError as exc:
@@ -83,9 +93,31 @@ def read_checkpoint(path: str | os.PathLike, *, unsafe_load: bool = False) -> Ch
             if not unsafe_load:
                 raise
             return _read_with_torch(path, fmt, file_size, unsafe=True)
-    if what.kind == "safetensors":
-        raise BadInputError(f"{path}: a safetensors file; this version of ckptfix reads torch checkpoints only")
     raise BadInputError(f"{path}: {what.description}")
+
+
+def _read_folder(folder: Path) -> Checkpoint:
+    found = find_index(folder)
+    if found is None:
+        raise BadInputError(
+            f"{folder}: a folder without a checkpoint ckptfix knows (model.safetensors, pytorch_model.bin "
+            "or a *.index.json)"
+        )
+    return _read_sharded(found) if found.name.endswith(".index.json") else read_checkpoint(found)
+
+
+def _read_sharded(index_path: Path) -> Checkpoint:
+    weight_map, metadata = read_index(index_path)
+
+    def read_shard(shard: Path) -> Any:
+        ckpt = read_checkpoint(shard)
+        if not ckpt.lazy or not isinstance(ckpt.root, dict):
+            raise BadInputError(f"{shard}: a shard must hold one flat state dict")
+        return ckpt.root
+
+    root = merge_shards(index_path, weight_map, metadata, read_shard)
+    size = sum((index_path.parent / s).stat().st_size for s in set(weight_map.values()))
+    return Checkpoint(str(index_path), FORMAT_SHARDED, root, size, metadata=dict(metadata))
 
 
 def _read_with_torch(path: str, fmt: str, file_size: int, *, unsafe: bool) -> Checkpoint:
@@ -95,4 +127,4 @@ def _read_with_torch(path: str, fmt: str, file_size: int, *, unsafe: bool) -> Ch
         + (" (weights_only=False: --unsafe-load)" if unsafe else " (weights_only=True)")
         + "; tensors were loaded to the CPU and are written as CPU tensors"
     ]
-    return Checkpoint(path, fmt, root, file_size, notes=notes)
+    return Checkpoint(path, fmt, root, file_size, notes=notes, lazy=False)

@@ -43,3 +43,16 @@ QSCHEMES: tuple[str, ...] = (
     "per_tensor_affine", "per_tensor_symmetric", "per_channel_affine",
     "per_channel_symmetric", "per_channel_affine_float_qparams",
 )
+
+#: safetensors dtype code -> dtype name (what safetensors.torch can load)
+SAFETENSORS_DTYPES: dict[str, str] = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "U64": "uint64", "U32": "uint32", "U16": "uint16", "C64": "complex64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2": "float8_e5m2", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+}
+DTYPE_TO_SAFETENSORS: dict[str, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+#: dtype -> storage class torch.save uses for it (the rest use UntypedStorage + _rebuild_tensor_v3)
+DTYPE_STORAGE: dict[str, str] = {v: k for k, v in STORAGE_DTYPE.items() if k != "UntypedStorage"}

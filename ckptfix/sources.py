@@ -75,6 +75,40 @@ class OpenFiles:
         self.close()
 
 
+class OutputStream:
+    """An output file written front to back, taking bytes from memory or from file ranges."""
+
+    def __init__(self, out: BinaryIO) -> None:
+        self._out = out
+        self._fd = out.fileno()
+        self.offset = out.tell()
+
+    def write(self, data: bytes) -> None:
+        self._out.write(data)
+        self.offset += len(data)
+
+    def copy(self, source: FileRange, files: OpenFiles, *, want_crc: bool = False) -> int | None:
+        """Append ``source``'s bytes: by the kernel when they are stored as they are, else
+        streamed in chunks. Returns the CRC32 when ``want_crc`` (reusing a recorded one)."""
+        if source.deflated_size is None and not (want_crc and source.crc is None):
+            from .ziparchive import copy_range
+
+            self._out.flush()
+            copy_range(files.file(source.path).fileno(), source.offset, self._fd, self.offset, source.size)
+            self.offset += source.size
+            self._out.seek(self.offset)
+            return source.crc
+        crc = 0
+        for chunk in iter_chunks(source, files):
+            if want_crc:
+                crc = zlib.crc32(chunk, crc)
+            self.write(chunk)
+        return crc if want_crc else None
+
+    def flush(self) -> None:
+        self._out.flush()
+
+
 def iter_chunks(source: FileRange, files: OpenFiles) -> Iterator[bytes]:
     """The bytes of ``source`` in bounded chunks, inflating compressed records."""
     f = files.file(source.path)

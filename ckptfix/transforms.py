@@ -23,6 +23,7 @@ from .tree import (
     format_path,
     get_at,
     is_tensor_like,
+    resolve_path,
     substitute,
 )
 
@@ -58,39 +59,6 @@ def normalize_prefix(prefix: str) -> str:
     return prefix if prefix.endswith(".") else prefix + "."
 
 
-def _resolve_key_path(root: Any, dotted: str) -> Path:
-    """Turn ``--key`` text into a container path; keys may themselves contain dots."""
-    parts = dotted.split(".") if dotted else []
-    path: list[Any] = []
-    value, i = root, 0
-    while i < len(parts):
-        for j in range(len(parts), i, -1):  # longest match first: keys may contain dots
-            candidate = ".".join(parts[i:j])
-            key = _lookup_key(value, candidate)
-            if key is not _MISSING:
-                path.append(key)
-                value = value[key]
-                i = j
-                break
-        else:
-            raise UsageError(f"--key {dotted}: no entry {parts[i]!r} at {format_path(tuple(path)) or 'the top level'}")
-    return tuple(path)
-
-
-_MISSING = object()
-
-
-def _lookup_key(container: Any, text: str) -> Any:
-    if isinstance(container, Mapping):
-        if text in container:
-            return text
-        if text.lstrip("-").isdigit() and int(text) in container:
-            return int(text)
-    elif isinstance(container, (list, tuple)) and text.isdigit() and int(text) < len(container):
-        return int(text)
-    return _MISSING
-
-
 def select_state_dicts(root: Any, keys: Sequence[str] = ()) -> list[tuple[Path, Mapping]]:
     """The state dicts a prefix command acts on: all of them, or those under ``--key`` paths.
 
@@ -101,7 +69,9 @@ def select_state_dicts(root: Any, keys: Sequence[str] = ()) -> list[tuple[Path, 
         return find_state_dicts(root)
     selected: list[tuple[Path, Mapping]] = []
     for dotted in keys:
-        path = _resolve_key_path(root, dotted)
+        path = resolve_path(root, dotted)
+        if path is None:
+            raise UsageError(f"--key {dotted}: no such entry in the checkpoint")
         target = get_at(root, path)
         if (
             isinstance(target, Mapping)

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .dtypes import DTYPE_ITEMSIZE, STORAGE_DTYPE
+from .dtypes import DTYPE_ITEMSIZE, DTYPE_STORAGE, STORAGE_DTYPE
 from .errors import BadInputError
 
 #: marks an optional positional argument that the pickle did not pass
@@ -201,6 +201,28 @@ def make_storage(
     return StorageRef(key, storage_type, location, numel, DTYPE_ITEMSIZE[dtype], dtype, source, byteorder)
 
 
+def tensor_from_range(dtype: str, shape: tuple[int, ...], source: Any, location: str = "cpu") -> TensorRef:
+    """A contiguous tensor whose bytes are ``source`` (as safetensors stores them), pickled as
+    torch.save would pickle it: a typed storage for classic dtypes, untyped + dtype otherwise."""
+    from collections import OrderedDict
+
+    itemsize = DTYPE_ITEMSIZE[dtype]
+    numel = source.size // itemsize
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    storage_name = DTYPE_STORAGE.get(dtype)
+    if storage_name:
+        storage = StorageRef("0", Global("torch", storage_name), location, numel, itemsize, dtype, source)
+        return TensorRef(storage, 0, shape, tuple(reversed(stride)), dtype, False, OrderedDict())
+    storage = StorageRef("0", Global("torch.storage", "UntypedStorage"), location, source.size, 1, "uint8", source)
+    return TensorRef(
+        storage, 0, shape, tuple(reversed(stride)), dtype, False, OrderedDict(),
+        rebuild="v3", dtype_global=Global("torch", dtype),
+    )
+
+
 # --------------------------------------------------------------------------- tree walking
 
 Path = tuple[Any, ...]
@@ -235,13 +257,13 @@ def children(value: Any) -> Iterator[tuple[Any, Any]]:
         yield from enumerate(value)
 
 
-def iter_tensors(root: Any) -> Iterator[tuple[Path, TensorRef]]:
-    """Every :class:`TensorRef` in the tree, with its path, including inside recorded calls."""
+def _walk_leaves(root: Any) -> Iterator[tuple[Path, Any]]:
+    """Every TensorRef and bare StorageRef in the tree, with paths, including inside recorded calls."""
     seen: set[int] = set()
     stack: list[tuple[Path, Any]] = [((), root)]
     while stack:
         path, value = stack.pop()
-        if isinstance(value, TensorRef):
+        if isinstance(value, (TensorRef, StorageRef)):
             yield path, value
             continue
         if id(value) in seen:
@@ -257,6 +279,23 @@ def iter_tensors(root: Any) -> Iterator[tuple[Path, TensorRef]]:
         else:
             items = list(children(value))
         stack.extend((path + (k,), v) for k, v in reversed(items))
+
+
+def iter_tensors(root: Any) -> Iterator[tuple[Path, TensorRef]]:
+    """Every :class:`TensorRef` in the tree, with its path, including inside recorded calls."""
+    for path, leaf in _walk_leaves(root):
+        if isinstance(leaf, TensorRef):
+            yield path, leaf
+
+
+def iter_storages(root: Any) -> Iterator[StorageRef]:
+    """Every distinct :class:`StorageRef` the tree uses, through tensors or directly."""
+    seen: set[int] = set()
+    for _, leaf in _walk_leaves(root):
+        storage = leaf.storage if isinstance(leaf, TensorRef) else leaf
+        if id(storage) not in seen:
+            seen.add(id(storage))
+            yield storage
 
 
 def is_optimizer_state(value: Any) -> bool:
@@ -307,6 +346,42 @@ def find_state_dicts(root: Any) -> list[tuple[Path, Mapping]]:
     return found
 
 
+_MISSING = object()
+
+
+def _lookup_key(container: Any, text: str) -> Any:
+    if isinstance(container, Mapping):
+        if text in container:
+            return text
+        if text.lstrip("-").isdigit() and int(text) in container:
+            return int(text)
+    elif isinstance(container, (list, tuple)) and text.isdigit() and int(text) < len(container):
+        return int(text)
+    return _MISSING
+
+
+def resolve_path(root: Any, dotted: str) -> Path | None:
+    """Turn a dotted path (``state_dict``, ``optimizer_states.0``) into a container path.
+
+    Keys may themselves contain dots, so the longest matching key wins at each level.
+    Returns None when nothing matches.
+    """
+    parts = dotted.split(".") if dotted else []
+    path: list[Any] = []
+    value, i = root, 0
+    while i < len(parts):
+        for j in range(len(parts), i, -1):
+            key = _lookup_key(value, ".".join(parts[i:j]))
+            if key is not _MISSING:
+                path.append(key)
+                value = value[key]
+                i = j
+                break
+        else:
+            return None
+    return tuple(path)
+
+
 def get_at(root: Any, path: Path) -> Any:
     """The value at ``path`` (a tuple of keys/indices)."""
     value = root
@@ -331,13 +406,17 @@ def substitute(root: Any, replacements: dict[int, Any]) -> Any:
             return replacements[key]
         if key in done:
             return done[key]
-        if not isinstance(value, (Mapping, list, tuple)):
+        if not isinstance(value, (Mapping, list, tuple, Reduce)):
             return value
         done[key] = value  # provisional: a cycle back to here keeps the original
         if isinstance(value, Mapping):
             items = [(k, rebuild(v)) for k, v in value.items()]
             changed = any(new is not old for (_, new), old in zip(items, value.values()))
             result = copy_mapping(value, items) if changed else value
+        elif isinstance(value, Reduce):
+            args, state = rebuild(value.args), rebuild(value.state)
+            changed = args is not value.args or state is not value.state
+            result = Reduce(value.func, args, state) if changed else value
         else:
             elements = [rebuild(v) for v in value]
             changed = any(new is not old for new, old in zip(elements, value))

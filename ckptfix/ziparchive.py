@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from .errors import BadInputError
-from .sources import FileRange, OpenFiles, iter_chunks
+from .sources import FileRange, OpenFiles, OutputStream
 
 _LOCAL_SIG = b"PK\x03\x04"
 _CENTRAL_SIG = b"PK\x01\x02"
@@ -187,12 +187,14 @@ class ZipWriter:
     """
 
     def __init__(self, out: BinaryIO, archive_name: str, *, zip64_threshold: int = _U32_MAX) -> None:
-        self._out = out
-        self._fd = out.fileno()
+        self._stream = OutputStream(out)
         self._prefix = archive_name
-        self._offset = out.tell()
         self._written: list[_Written] = []
         self._zip64_threshold = zip64_threshold
+
+    @property
+    def _offset(self) -> int:
+        return self._stream.offset
 
     def _needs_zip64(self, value: int) -> bool:
         return value >= self._zip64_threshold
@@ -224,8 +226,7 @@ class ZipWriter:
         self._written.append(_Written(full, header_offset, size, crc))
 
     def _write(self, data: bytes) -> None:
-        self._out.write(data)
-        self._offset += len(data)
+        self._stream.write(data)
 
     def add_bytes(self, name: str, data: bytes) -> int:
         """Add a record from memory; returns its CRC32."""
@@ -245,17 +246,8 @@ class ZipWriter:
         """
         header_offset = self._offset
         full = self._start_record(name, source.size)
-        if source.crc is not None and source.deflated_size is None:
-            self._out.flush()
-            copy_range(files.file(source.path).fileno(), source.offset, self._fd, self._offset, source.size)
-            self._offset += source.size
-            self._out.seek(self._offset)
-            crc = source.crc
-        else:
-            crc = 0
-            for chunk in iter_chunks(source, files):
-                crc = zlib.crc32(chunk, crc)
-                self._write(chunk)
+        crc = self._stream.copy(source, files, want_crc=True)
+        assert crc is not None
         self._finish_record(full, header_offset, source.size, crc)
         return crc
 
@@ -291,7 +283,7 @@ class ZipWriter:
                 min(cd_size, _U32_MAX), min(cd_offset, _U32_MAX), 0,
             )
         )
-        self._out.flush()
+        self._stream.flush()
 
 
 def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> None:

@@ -1,0 +1,83 @@
+"""Device tags: parsing ``--map-location`` and rewriting the tags storages carry.
+
+A torch checkpoint records, per storage, the device it was saved from (``cpu``, ``cuda:3``).
+``torch.load`` restores it there, or fails ("Attempting to deserialize object on a CUDA device
+but torch.cuda.is_available() is False"). Rewriting the tag in the file needs no GPU and no
+tensor data: the output then loads with plain ``torch.load`` where the target device exists.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from .errors import UsageError
+from .tree import iter_storages, iter_tensors, substitute
+
+_DEVICE = re.compile(r"^(cpu|meta|mps|cuda|xpu|hpu|npu|mtia|xla|privateuseone)(:(\d+))?$")
+_INDEXED = ("cuda", "xpu", "hpu", "npu", "mtia", "xla", "privateuseone")
+
+
+def normalize_device(text: str) -> str:
+    """A device string as torch tags storages; a bare ``cuda`` means ``cuda:0``."""
+    text = text.strip()
+    match = _DEVICE.match(text)
+    if not match:
+        raise UsageError(f"invalid device {text!r} in --map-location: {_suggest(text)}")
+    kind, index = match.group(1), match.group(3)
+    if index is None and kind in _INDEXED:
+        return f"{kind}:0"
+    return text
+
+
+def _suggest(text: str) -> str:
+    lowered = text.lower()
+    glued = re.match(r"^(cuda|xpu|hpu|npu)(\d+)$", lowered)
+    if glued:
+        return f"write '{glued.group(1)}:{glued.group(2)}'"
+    if lowered.isdigit():
+        return f"a bare number is not a device; write 'cuda:{lowered}'"
+    if lowered in ("gpu", "nvidia"):
+        return "write 'cuda' (or 'cuda:0')"
+    return "expected cpu, cuda, cuda:N, mps, meta, xpu:N ... or FROM=TO pairs such as cuda:1=cuda:0"
+
+
+def parse_map_location(spec: str) -> Callable[[str], str]:
+    """``cpu`` maps every storage; ``cuda:1=cuda:0,cuda:2=cpu`` maps only those tags."""
+    if "=" not in spec:
+        target = normalize_device(spec)
+        return lambda tag: target
+    pairs: dict[str, str] = {}
+    for part in spec.split(","):
+        if part.count("=") != 1:
+            raise UsageError(f"invalid --map-location part {part!r}: write FROM=TO, e.g. cuda:1=cuda:0")
+        source, target = part.split("=")
+        pairs[normalize_device(source)] = normalize_device(target)
+    return lambda tag: pairs.get(tag, pairs.get(tag.split(":")[0], tag))
+
+
+def remap_devices(root: Any, spec: str) -> tuple[Any, dict[str, int]]:
+    """A copy of ``root`` with storage device tags rewritten; returns it and ``{"a->b": count}``."""
+    mapping = parse_map_location(spec)
+    replacements: dict[int, Any] = {}
+    changes: dict[str, int] = {}
+    for storage in iter_storages(root):
+        target = mapping(storage.location)
+        if target != storage.location:
+            replacements[id(storage)] = replace(storage, location=target)
+            change = f"{storage.location}->{target}"
+            changes[change] = changes.get(change, 0) + 1
+    if not replacements:
+        return root, changes
+    for _, tensor in iter_tensors(root):
+        new_storage = replacements.get(id(tensor.storage))
+        if new_storage is not None and id(tensor) not in replacements:
+            replacements[id(tensor)] = replace(tensor, storage=new_storage)
+    return substitute(root, replacements), changes
+
+
+def devices_of(root: Any) -> set[str]:
+    """The device tags of every storage in the tree."""
+    return {s.location for s in iter_storages(root)}

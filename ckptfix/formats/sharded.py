@@ -1,0 +1,199 @@
+"""HF-hub style sharded checkpoints: shard files plus a ``*.index.json`` weight map.
+
+Layout written (the one ``huggingface_hub.save_torch_state_dict`` and ``transformers`` use)::
+
+    model-00001-of-00003.safetensors ...        (or pytorch_model-00001-of-00003.bin)
+    model.safetensors.index.json                (or pytorch_model.bin.index.json)
+        {"metadata": {"total_size": N, ALIAS: KEPT ...}, "weight_map": {name: shard file}}
+
+A single shard is written as ``model.safetensors`` / ``pytorch_model.bin`` with no index, as
+the hub does. Shards are filled greedily in key order up to the size limit; a tensor larger
+than the limit gets a shard of its own. Reading checks the index against the shards: a missing
+shard, a key listed for a shard that lacks it, a key in two shards, or a shard key the index
+does not list is an error, never a silently incomplete model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import BadInputError, CannotWriteError, UsageError
+from ..output import atomic_output
+from ..tree import TensorRef
+from .safetensors import plan_safetensors, write_safetensors
+from .torchzip import write_torch_zip
+
+INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """``2GB`` = 2e9 bytes, ``2GiB`` = 2 * 2**30 (the hub's convention); a bare number is bytes."""
+    match = _SIZE.match(text)
+    if not match:
+        raise UsageError(f"invalid size {text!r}: write e.g. 500MB, 2GB or 5GiB")
+    number, unit, suffix = float(match.group(1)), match.group(2).upper(), (match.group(3) or "").upper()
+    base = 1024 if suffix == "IB" else 1000
+    return int(number * base ** " KMGT".index(unit or " "))
+
+
+def plan_shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
+    """Greedy sharding in key order; an oversized tensor gets its own shard."""
+    shards: list[list[str]] = []
+    current: list[str] = []
+    current_size = 0
+    for name, size in sizes.items():
+        if size > max_bytes:
+            if current:
+                shards.append(current)
+            shards.append([name])
+            current, current_size = [], 0
+            continue
+        if current and current_size + size > max_bytes:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(name)
+        current_size += size
+    if current:
+        shards.append(current)
+    return shards
+
+
+@dataclass
+class ShardedWrite:
+    files: list[Path]
+    index: Path | None
+    aliases: dict[str, str]
+    total_size: int
+
+
+def write_sharded(
+    state_dict: Mapping[str, Any],
+    out_dir: Path,
+    max_bytes: int,
+    *,
+    shard_format: str = "safetensors",
+    metadata: Mapping[str, str] | None = None,
+    overwrite: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> ShardedWrite:
+    """Write ``state_dict`` as shards in ``out_dir``; all files or none (on failure, the ones
+    already written by this call are removed)."""
+    plan = plan_safetensors(state_dict, metadata)  # checks every value and finds ties once
+    kept = dict(plan.tensors)
+    ordered = {name: kept[name].nbytes for name in state_dict if name in kept}
+    shards = plan_shards(ordered, max_bytes)
+    stem, ext = ("model", "safetensors") if shard_format == "safetensors" else ("pytorch_model", "bin")
+    count = len(shards)
+    names = [f"{stem}.{ext}"] if count == 1 else [f"{stem}-{i:05d}-of-{count:05d}.{ext}" for i in range(1, count + 1)]
+    index_path = out_dir / f"{stem}.{ext}.index.json" if count > 1 else None
+    targets = [out_dir / n for n in names] + ([index_path] if index_path else [])
+    existing = [t for t in targets if t.exists()]
+    if existing and not overwrite:
+        raise CannotWriteError(f"{existing[0]}: already exists", hint="pass --force to overwrite")
+    written: list[Path] = []
+    try:
+        for file_name, keys in zip(names, shards):
+            shard = {k: kept[k] for k in keys}
+            shard_aliases = {a: k for a, k in plan.aliases.items() if k in shard}
+            with atomic_output(out_dir / file_name) as out:
+                if shard_format == "safetensors":
+                    user_meta = {"format": "pt", **(metadata or {})}
+                    write_safetensors(shard, out, {**user_meta, **shard_aliases}, progress=progress)
+                else:
+                    shard.update({a: kept[k] for a, k in shard_aliases.items()})
+                    write_torch_zip(shard, out, progress=progress)
+            written.append(out_dir / file_name)
+        if index_path:
+            weight_map = {k: n for n, keys in zip(names, shards) for k in keys}
+            if shard_format != "safetensors":
+                weight_map.update({a: weight_map[k] for a, k in plan.aliases.items()})
+                aliases = {}
+            else:
+                aliases = dict(plan.aliases)
+            document = {"metadata": {"total_size": plan.data_bytes, **aliases}, "weight_map": weight_map}
+            with atomic_output(index_path) as out:
+                out.write((json.dumps(document, indent=2) + "\n").encode())
+            written.append(index_path)
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
+    return ShardedWrite(written, index_path, dict(plan.aliases), plan.data_bytes)
+
+
+def find_index(folder: Path) -> Path | None:
+    """The index (or single-file checkpoint) a model folder holds, by the hub's names."""
+    for name in INDEX_NAMES + SINGLE_NAMES:
+        if (folder / name).is_file():
+            return folder / name
+    indexes = sorted(folder.glob("*.index.json"))
+    if len(indexes) == 1:
+        return indexes[0]
+    if len(indexes) > 1:
+        raise BadInputError(f"{folder}: holds several indexes ({', '.join(p.name for p in indexes)}); name one")
+    return None
+
+
+def read_index(index_path: Path) -> tuple[dict[str, str], dict[str, Any]]:
+    """The weight map and metadata of an index, with every shard name checked to be a plain
+    file name in the index's folder (no paths out of it)."""
+    try:
+        document = json.loads(index_path.read_text())
+        weight_map = document["weight_map"]
+        metadata = document.get("metadata") or {}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise BadInputError(f"{index_path}: not a valid shard index ({exc})") from exc
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise BadInputError(f"{index_path}: weight_map must map names to shard file names")
+    for shard in set(weight_map.values()):
+        if os.path.basename(shard) != shard or shard in ("", ".", ".."):
+            raise BadInputError(f"{index_path}: shard name {shard!r} is not a file in the index's folder")
+    return weight_map, metadata
+
+
+def merge_shards(
+    index_path: Path, weight_map: dict[str, str], metadata: Mapping[str, Any],
+    read_shard: Callable[[Path], Mapping[str, Any]],
+) -> dict[str, Any]:
+    """Read every shard (lazily) and merge them, checking each against the index."""
+    merged: dict[str, Any] = {}
+    owner: dict[str, str] = {}
+    for shard in dict.fromkeys(weight_map.values()):
+        path = index_path.parent / shard
+        if not path.is_file():
+            raise BadInputError(f"{index_path}: shard {shard} is missing (listed for {_count(weight_map, shard)} keys)")
+        content = read_shard(path)
+        for name, value in content.items():
+            if name in owner:
+                raise BadInputError(f"{index_path}: key {name!r} is in both {owner[name]} and {shard}")
+            listed = weight_map.get(name)
+            if listed is None and not (isinstance(metadata.get(name), str)):
+                raise BadInputError(f"{index_path}: shard {shard} holds {name!r}, which the index does not list")
+            if listed is not None and listed != shard:
+                raise BadInputError(f"{index_path}: key {name!r} is listed for {listed} but found in {shard}")
+            owner[name] = shard
+            merged[name] = value
+    missing = [k for k in weight_map if k not in merged]
+    if missing:
+        raise BadInputError(
+            f"{index_path}: {len(missing)} keys listed in the index are in no shard, e.g. {missing[0]!r} "
+            f"(expected in {weight_map[missing[0]]})"
+        )
+    ordered = {k: merged[k] for k in weight_map}
+    ordered.update((k, v) for k, v in merged.items() if k not in ordered)
+    for alias, kept in metadata.items():
+        if alias not in ordered and isinstance(kept, str) and isinstance(ordered.get(kept), TensorRef):
+            ordered[alias] = ordered[kept]
+    return ordered
+
+
+def _count(weight_map: Mapping[str, str], shard: str) -> int:
+    return sum(1 for v in weight_map.values() if v == shard)
