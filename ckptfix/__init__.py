@@ -8,6 +8,8 @@ Python API (the CLI is a thin layer over these)::
     ckptfix.write_checkpoint(ckpt, result.root, "bare.pth")
 
     ckptfix.fix_prefix("ddp.pth", "bare.pth", mode="strip")   # the three steps above, with checks
+    ckptfix.convert("train.ckpt", "model.safetensors",        # any format to any, with fixes
+                    ckptfix.ConvertOptions(select="state_dict", strip_prefixes=["model."]))
     ckptfix.inspect_checkpoint("ddp.pth")                     # what `ckptfix inspect --json` prints
 """
 
@@ -24,7 +26,7 @@ from .errors import (
     UnsafeInputError,
     UsageError,
 )
-from .ops import FixReport, fix_prefix, inspect_checkpoint, write_checkpoint
+from .ops import ConvertOptions, Report, convert, fix_prefix, inspect_checkpoint, write_checkpoint
 from .transforms import TransformResult, add_prefix, strip_prefix
 from .tree import StorageRef, TensorRef, find_state_dicts
 
@@ -34,7 +36,8 @@ __all__ = [
     "CheckFailedError",
     "Checkpoint",
     "CkptfixError",
-    "FixReport",
+    "ConvertOptions",
+    "Report",
     "StorageRef",
     "TensorRef",
     "TransformResult",
@@ -42,6 +45,7 @@ __all__ = [
     "UsageError",
     "__version__",
     "add_prefix",
+    "convert",
     "find_state_dicts",
     "fix_prefix",
     "inspect_checkpoint",

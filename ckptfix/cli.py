@@ -61,25 +61,7 @@ def _progress_for(path: str) -> tuple[Callable[[int], None] | None, Callable[[bo
     return bar.update, close
 
 
-def _writing_options(default_prefix: str = "module.") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Options every writing command shares, declared once."""
-    options = [
-        click.argument("in_path", metavar="IN", type=click.Path(dir_okay=False)),
-        click.argument("out_path", metavar="OUT", required=False, type=click.Path(dir_okay=False)),
-        click.option("--prefix", default=default_prefix, show_default=True,
-                     help="The key prefix (a module name; a trailing dot is added if missing)."),
-        click.option("--key", "keys", multiple=True, metavar="PATH",
-                     help="Only change the state dict(s) at or under this dotted path (repeatable)."),
-        click.option("--dry-run", is_flag=True, help="Say what would change; write nothing."),
-        click.option("--force", is_flag=True, help="Overwrite OUT if it exists."),
-        click.option("--in-place", is_flag=True, help="Replace IN atomically (no OUT)."),
-        click.option("--strict", is_flag=True, help="Exit 1 when there is nothing to change."),
-        click.option("--unsafe-load", is_flag=True,
-                      help="For TRUSTED files only: allow torch.load(weights_only=False), which runs code "
-                      "from the file, when the safe reader refuses it."),
-        click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout."),
-    ]
-
+def _apply(options: list[Callable[[Callable[..., Any]], Callable[..., Any]]]) -> Callable[..., Any]:
     def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
         for option in reversed(options):
             func = option(func)
@@ -88,13 +70,58 @@ def _writing_options(default_prefix: str = "module.") -> Callable[[Callable[...,
     return decorate
 
 
-def _run_prefix_command(mode: str, in_path: str, out_path: str | None, as_json: bool, dry_run: bool, **kw: Any) -> int:
-    from .ops import fix_prefix
+_IN_OUT = _apply([
+    click.argument("in_path", metavar="IN", type=click.Path()),
+    click.argument("out_path", metavar="OUT", required=False, type=click.Path()),
+])
 
-    progress, close = (None, lambda ok: None) if (as_json or dry_run) else _progress_for(in_path)
+#: the options every writing command shares (one pipeline: ckptfix.ops.convert)
+_PIPELINE = _apply([
+    click.option("--select", metavar="PATH", help="Use this sub-tree as the checkpoint, e.g. state_dict or ema."),
+    click.option("--strip-prefix", "strip_prefixes", multiple=True, metavar="P",
+                 help="Strip this key prefix (repeatable; applied in order)."),
+    click.option("--add-prefix", metavar="P", help="Add this key prefix to keys lacking it."),
+    click.option("--key", "keys", multiple=True, metavar="PATH",
+                 help="Only rename keys of the state dict(s) at or under this dotted path (repeatable)."),
+    click.option("--map-location", metavar="SPEC",
+                 help="Rewrite device tags: 'cpu', 'cuda:0', or FROM=TO pairs like cuda:1=cuda:0,cuda:2=cpu."),
+    click.option("--format", "out_format", type=click.Choice(["pth", "safetensors"]),
+                 help="Output format (default: from OUT's extension; a folder means safetensors shards)."),
+    click.option("--max-shard-size", metavar="SIZE", help="Write HF-style shards of at most SIZE (e.g. 2GB, 5GiB)."),
+    click.option("--keep-metadata", is_flag=True,
+                 help="safetensors: keep small plain values (epoch, config) as __metadata__ strings."),
+    click.option("--dry-run", is_flag=True, help="Say what would change; write nothing."),
+    click.option("--force", is_flag=True, help="Overwrite OUT if it exists."),
+    click.option("--in-place", is_flag=True, help="Replace IN atomically (no OUT)."),
+    click.option("--unsafe-load", is_flag=True,
+                 help="For TRUSTED files only: allow torch.load(weights_only=False), which runs code "
+                 "from the file, when the safe reader refuses it."),
+    click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout."),
+])
+
+_PREFIX_COMMAND = _apply([
+    click.option("--prefix", default="module.", show_default=True,
+                 help="The key prefix (a module name; a trailing dot is added if missing)."),
+    click.option("--strict", is_flag=True, help="Exit 1 when there is nothing to change."),
+])
+
+
+def _run(command: str, in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
+    """Build the options, run the pipeline with a progress bar on a terminal, print the report."""
+    from .ops import ConvertOptions, convert
+
+    prefix, strict = kw.pop("prefix", None), kw.pop("strict", False)
+    opts = ConvertOptions(**kw, strict=strict)
+    if command == "strip-module":
+        opts.strip_prefixes = [prefix, *opts.strip_prefixes]
+        opts.require_change = True
+    elif command == "add-module":
+        opts.add_prefix = prefix
+        opts.require_change = True
+    progress, close = (None, lambda ok: None) if (as_json or opts.dry_run) else _progress_for(in_path)
     ok = False
     try:
-        report = fix_prefix(in_path, out_path, mode=mode, dry_run=dry_run, progress=progress, **kw)
+        report = convert(in_path, out_path, opts, command=command, progress=progress)
         ok = True
     finally:
         close(ok)
@@ -103,7 +130,7 @@ def _run_prefix_command(mode: str, in_path: str, out_path: str | None, as_json: 
         return 0
     for note in report.notes:
         click.echo(f"note: {note}", err=True)
-    if dry_run:
+    if opts.dry_run:
         for change in report.state_dicts:
             for old, new in change["renames"][:20]:
                 click.echo(f"  {old} -> {new}")
@@ -113,29 +140,58 @@ def _run_prefix_command(mode: str, in_path: str, out_path: str | None, as_json: 
     return 0
 
 
+@cli.command("convert", context_settings=_CONTEXT)
+@_IN_OUT
+@_PIPELINE
+def convert_command(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
+    """Convert between .pth, safetensors and HF-style shards, applying any fixes on the way.
+
+    The output format follows OUT: .safetensors; .pth/.pt/.bin/.ckpt/.tar are torch's zip
+    format; a folder (ending in /) or --max-shard-size writes shards plus an *.index.json.
+    IN may be a .pth (any torch zip), legacy torch file, .safetensors, shard index or folder.
+    Tensor bytes stream from file to file; tied weights are stored once in safetensors and
+    restored when converting back.
+
+    \b
+    Examples:
+      ckptfix convert model.pth model.safetensors
+      ckptfix convert model.safetensors model.pth
+      ckptfix convert ckpt.pth out_dir/ --max-shard-size 2GB
+      ckptfix convert out_dir/model.safetensors.index.json merged.pth
+      ckptfix convert train.ckpt weights.safetensors --select state_dict --strip-prefix model.
+    """
+    return _run("convert", in_path, out_path, as_json, **kw)
+
+
 @cli.command("strip-module", context_settings=_CONTEXT)
-@_writing_options()
-def strip_module(in_path: str, out_path: str | None, as_json: bool, dry_run: bool, **kw: Any) -> int:
+@_IN_OUT
+@_PREFIX_COMMAND
+@_PIPELINE
+def strip_module(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
     """Strip a wrapper prefix (default 'module.') from every state-dict key.
 
     Fixes "Missing key(s) ... Unexpected key(s) ... module.xxx" when a checkpoint saved from
     nn.DataParallel / DistributedDataParallel is loaded into the bare model. Repeated
     prefixes are stripped too (module.module.x -> x). Optimizer state is never renamed.
     Tensor bytes are copied, not loaded; torch is not imported for zip checkpoints.
+    Same as `convert --strip-prefix module.`, but writes nothing when no key has the prefix.
 
     \b
     Examples:
       ckptfix strip-module ddp.pth bare.pth
       ckptfix strip-module compiled.pth bare.pth --prefix _orig_mod.
       ckptfix strip-module train.ckpt fixed.ckpt --key state_dict --dry-run
+      ckptfix strip-module ddp.pth bare.safetensors --map-location cpu
       ckptfix strip-module model.pth --in-place
     """
-    return _run_prefix_command("strip", in_path, out_path, as_json, dry_run, **kw)
+    return _run("strip-module", in_path, out_path, as_json, **kw)
 
 
 @cli.command("add-module", context_settings=_CONTEXT)
-@_writing_options()
-def add_module(in_path: str, out_path: str | None, as_json: bool, dry_run: bool, **kw: Any) -> int:
+@_IN_OUT
+@_PREFIX_COMMAND
+@_PIPELINE
+def add_module(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
     """Add a wrapper prefix (default 'module.') to every state-dict key lacking it.
 
     For loading a bare model's weights into a DataParallel/DDP-wrapped model with strict=True.
@@ -146,11 +202,11 @@ def add_module(in_path: str, out_path: str | None, as_json: bool, dry_run: bool,
       ckptfix add-module bare.pth ddp.pth
       ckptfix add-module bare.pth compiled.pth --prefix _orig_mod.
     """
-    return _run_prefix_command("add", in_path, out_path, as_json, dry_run, **kw)
+    return _run("add-module", in_path, out_path, as_json, **kw)
 
 
 @cli.command("inspect", context_settings=_CONTEXT)
-@click.argument("path", type=click.Path(dir_okay=False))
+@click.argument("path", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--unsafe-load", is_flag=True,
               help="For TRUSTED files only: fall back to torch.load(weights_only=False).")

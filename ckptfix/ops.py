@@ -1,36 +1,81 @@
-"""Whole operations -- read, transform, write -- as the CLI runs them, callable from Python."""
+"""Whole operations -- read, transform, write -- as the CLI runs them, callable from Python.
+
+Every writing command is one pipeline::
+
+    read (any format) -> --select -> --strip-prefix ... -> --add-prefix -> --map-location
+        -> write (format from OUT or --format: .pth, .safetensors, a shard folder)
+
+``strip-module`` and ``add-module`` are this pipeline with one prefix step, and they write
+nothing when no key changes.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .checkpoint import Checkpoint, read_checkpoint
+from .devices import remap_devices
 from .errors import CheckFailedError, UsageError
+from .formats.safetensors import plan_safetensors, write_safetensors, write_safetensors_from_torch
+from .formats.sharded import parse_size, write_sharded
 from .output import atomic_output, check_destination
-from .summary import summarize
-from .transforms import TransformResult, add_prefix, normalize_prefix, strip_prefix
+from .summary import describe_tree, summarize
+from .transforms import add_prefix, normalize_prefix, strip_prefix
+from .tree import find_state_dicts, format_path, get_at, is_tensor_like, iter_tensors, resolve_path
 
-_UNSUPPORTED_OUTPUTS = (".safetensors", ".json")
+PTH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".tar", ".pkl", ".model")
+OUTPUT_FORMATS = ("pth", "safetensors")
+DEFAULT_SHARD_SIZE = "5GB"
+#: --keep-metadata keeps values whose JSON form is at most this long
+_MAX_METADATA_VALUE = 1024
 
 
 @dataclass
-class FixReport:
+class ConvertOptions:
+    """Everything a writing command can be asked to do; the defaults change nothing."""
+
+    select: str | None = None
+    strip_prefixes: Sequence[str] = ()
+    add_prefix: str | None = None
+    keys: Sequence[str] = ()
+    map_location: str | None = None
+    out_format: str | None = None
+    max_shard_size: str | int | None = None
+    keep_metadata: bool = False
+    dry_run: bool = False
+    force: bool = False
+    in_place: bool = False
+    strict: bool = False
+    unsafe_load: bool = False
+    #: strip-module/add-module: write only when a key was renamed
+    require_change: bool = False
+
+
+@dataclass
+class Report:
     """What a writing command did; ``to_dict()`` is the ``--json`` document."""
 
     command: str
     input: str
     output: str | None
-    format: str
-    prefix: str
+    input_format: str
+    output_format: str
     dry_run: bool
     written: bool = False
     renamed: int = 0
     state_dicts: list[dict[str, Any]] = field(default_factory=list)
+    selected: str | None = None
+    devices: dict[str, int] = field(default_factory=dict)
+    tensors: int = 0
+    aliases: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, str] = field(default_factory=dict)
+    outputs: list[str] = field(default_factory=list)
     output_bytes: int | None = None
     seconds: float = 0.0
     message: str = ""
@@ -40,20 +85,209 @@ class FixReport:
         return asdict(self)
 
 
-def write_checkpoint(
-    ckpt: Checkpoint, root: Any, out_path: str | os.PathLike, *, progress: Callable[[int], None] | None = None
-) -> int:
-    """Write ``root`` (``ckpt``'s tree, possibly transformed) to ``out_path`` atomically.
+def output_target(out_path: str, out_format: str | None, max_shard_size: Any) -> tuple[str, str]:
+    """(kind, file format): kind is "file" or "sharded"; the format is "pth" or "safetensors"."""
+    if out_format is not None and out_format not in OUTPUT_FORMATS:
+        raise UsageError(f"unknown --format {out_format!r}: choose one of {', '.join(OUTPUT_FORMATS)}")
+    is_folder = out_path.endswith(("/", os.sep)) or Path(out_path).is_dir()
+    if is_folder or max_shard_size is not None:
+        return "sharded", out_format or "safetensors"
+    if out_format:
+        return "file", out_format
+    suffix = Path(out_path).suffix.lower()
+    if suffix == ".safetensors":
+        return "file", "safetensors"
+    if suffix in PTH_SUFFIXES:
+        return "file", "pth"
+    raise UsageError(
+        f"{out_path}: cannot tell the output format from the name; use a .pth/.safetensors name, "
+        "a folder ending in / for shards, or --format"
+    )
 
-    Returns the number of bytes written. The caller checks the destination first
-    (:func:`~ckptfix.output.check_destination`); this only guarantees all-or-nothing.
+
+def _select(ckpt: Checkpoint, select: str) -> Any:
+    path = resolve_path(ckpt.root, select)
+    if path is None:
+        top = ", ".join(map(str, list(ckpt.root)[:12])) if isinstance(ckpt.root, Mapping) else type(ckpt.root).__name__
+        raise UsageError(f"--select {select}: no such entry; the top level holds: {top}")
+    return get_at(ckpt.root, path)
+
+
+def _metadata_value(value: Any) -> str | None:
+    """How --keep-metadata stores a value: str as is, other plain JSON values as JSON text."""
+    if isinstance(value, str):
+        return value
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError):
+        return None
+    return text if len(text) <= _MAX_METADATA_VALUE else None
+
+
+def flat_state_dict(root: Any, original: Any, keep_metadata: bool) -> tuple[dict[str, Any], dict[str, str]]:
+    """The ``{name: tensor}`` mapping safetensors needs, plus metadata kept by --keep-metadata.
+
+    Anything that is neither a tensor nor (with --keep-metadata) a small plain value is an
+    error that lists what the checkpoint holds and where its state dicts are: data is never
+    dropped silently.
     """
-    out_path = Path(out_path)
-    if out_path.suffix.lower() in _UNSUPPORTED_OUTPUTS:
-        raise UsageError(f"{out_path}: writing {out_path.suffix} files is not supported yet; write a .pth file")
-    with atomic_output(out_path) as out:
-        ckpt.write(root, out, progress=progress)
-    return out_path.stat().st_size
+    if not isinstance(root, Mapping):
+        raise UsageError(f"safetensors needs a mapping of names to tensors, not a {type(root).__name__}")
+    tensors = {k: v for k, v in root.items() if is_tensor_like(v)}
+    others = {k: v for k, v in root.items() if k not in tensors}
+    metadata: dict[str, str] = {}
+    if keep_metadata:
+        sources = [others] + ([original] if isinstance(original, Mapping) and original is not root else [])
+        for mapping in sources:
+            for key, value in mapping.items():
+                text = _metadata_value(value)
+                if text is not None and isinstance(key, str):
+                    metadata.setdefault(key, text)
+        others = {k: v for k, v in others.items() if k not in metadata}
+    if others or not tensors:
+        layout = "; ".join(
+            f"{e['path']}: {e['kind']}" + (f" ({e['tensors']} tensors)" if "tensors" in e else "")
+            for e in describe_tree(root)[:10]
+        )
+        candidates = [format_path(p) for p, _ in find_state_dicts(root) if p]
+        hint = f"choose one with --select, e.g. --select {candidates[0]}" if candidates else (
+            "keep small values as safetensors metadata with --keep-metadata, or write a .pth file"
+        )
+        raise UsageError(f"safetensors holds one flat mapping of names to tensors, but this holds: {layout}; {hint}")
+    return tensors, metadata
+
+
+def convert(
+    in_path: str | os.PathLike,
+    out_path: str | os.PathLike | None = None,
+    options: ConvertOptions | None = None,
+    *,
+    command: str = "convert",
+    progress: Callable[[int], None] | None = None,
+) -> Report:
+    """Run the pipeline: read ``in_path`` (any format), transform, write ``out_path``.
+
+    Example::
+
+        ckptfix.convert("train.ckpt", "model.safetensors",
+                        ckptfix.ConvertOptions(select="state_dict", strip_prefixes=["model."]))
+    """
+    opts = options or ConvertOptions()
+    in_path = str(in_path)
+    if opts.in_place:
+        if out_path is not None and Path(out_path).resolve() != Path(in_path).resolve():
+            raise UsageError("give either OUT or --in-place, not both")
+        out_path = in_path
+    if out_path is None:
+        raise UsageError("missing OUT: give an output path, or --in-place to replace the input")
+    out_path = str(out_path)
+    if opts.max_shard_size is not None and not isinstance(opts.max_shard_size, int):
+        max_bytes = parse_size(str(opts.max_shard_size))
+    else:
+        max_bytes = opts.max_shard_size
+    kind, file_format = output_target(out_path, opts.out_format, max_bytes)
+    if not opts.dry_run and kind == "file":
+        check_destination(in_path, out_path, overwrite=opts.force, in_place=opts.in_place)
+    started = time.perf_counter()
+    ckpt = read_checkpoint(in_path, unsafe_load=opts.unsafe_load)
+    report = Report(
+        command=command, input=in_path, output=out_path, input_format=ckpt.format,
+        output_format=file_format if kind == "file" else f"sharded {file_format}", dry_run=opts.dry_run,
+        notes=list(ckpt.notes), selected=opts.select,
+    )
+    root = _select(ckpt, opts.select) if opts.select else ckpt.root
+    for prefix in opts.strip_prefixes:
+        result = strip_prefix(root, prefix, opts.keys)
+        root = result.root
+        report.state_dicts += [c.to_dict() | {"change": f"strip {normalize_prefix(prefix)!r}"} for c in result.changes]
+        report.renamed += result.renamed
+    if opts.add_prefix:
+        result = add_prefix(root, opts.add_prefix, opts.keys)
+        root = result.root
+        report.state_dicts += [c.to_dict() | {"change": f"add {normalize_prefix(opts.add_prefix)!r}"}
+                               for c in result.changes]
+        report.renamed += result.renamed
+    if opts.map_location:
+        if not ckpt.lazy:
+            raise UsageError(f"--map-location cannot be applied to a {ckpt.format} file read through torch")
+        root, report.devices = remap_devices(root, opts.map_location)
+    if opts.require_change and report.renamed == 0 and not report.devices:
+        report.message = _nothing_to_do(ckpt, report, opts)
+        report.seconds = time.perf_counter() - started
+        if opts.strict:
+            raise CheckFailedError(report.message)
+        return report
+    _write(ckpt, root, Path(out_path), kind, file_format, max_bytes, opts, report, progress)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _nothing_to_do(ckpt: Checkpoint, report: Report, opts: ConvertOptions) -> str:
+    if not report.state_dicts:
+        layout = ", ".join(e["path"] for e in describe_tree(ckpt.root)[:8])
+        return f"{report.input}: found no state dict to change (layout: {layout}); nothing written"
+    if opts.add_prefix:
+        why = f"every key already starts with {normalize_prefix(opts.add_prefix)!r}"
+    else:
+        why = "no key starts with " + " or ".join(repr(normalize_prefix(p)) for p in opts.strip_prefixes)
+    return f"{report.input}: {why}; nothing written"
+
+
+def _write(
+    ckpt: Checkpoint, root: Any, out: Path, kind: str, file_format: str, max_bytes: int | None,
+    opts: ConvertOptions, report: Report, progress: Callable[[int], None] | None,
+) -> None:
+    flat: dict[str, Any] | None = None
+    metadata: dict[str, str] = {}
+    if file_format == "safetensors" or kind == "sharded":
+        flat, metadata = flat_state_dict(root, ckpt.root, opts.keep_metadata)
+        inherited = {k: v for k, v in ckpt.metadata.items() if isinstance(v, str) and k not in flat}
+        metadata = {**inherited, **metadata}
+        if not ckpt.lazy and kind == "sharded":
+            raise UsageError(f"a {ckpt.format} file read through torch can only be written as a single file")
+        if ckpt.lazy:
+            plan = plan_safetensors(flat, metadata)  # fails early on tensors safetensors cannot hold
+            report.aliases = dict(plan.aliases)
+    report.metadata = metadata
+    report.tensors = len(flat) if flat is not None else sum(1 for _ in iter_tensors(root))
+    changes = _describe_changes(report)
+    if opts.dry_run:
+        report.message = f"would write {report.output_format} to {out}{changes}; nothing written (dry run)"
+        return
+    if kind == "sharded":
+        out.mkdir(exist_ok=True)
+        written = write_sharded(
+            flat, out, max_bytes or parse_size(DEFAULT_SHARD_SIZE), shard_format=file_format,
+            metadata=metadata, overwrite=opts.force, progress=progress,
+        )
+        report.outputs = [str(p) for p in written.files]
+        report.output_bytes = sum(p.stat().st_size for p in written.files)
+    else:
+        with atomic_output(out) as f:
+            if file_format == "pth":
+                ckpt.write(root, f, progress=progress)
+            elif ckpt.lazy:
+                write_safetensors(flat, f, metadata, progress=progress)
+            else:
+                write_safetensors_from_torch(flat, f, metadata)
+        report.outputs = [str(out)]
+        report.output_bytes = out.stat().st_size
+    report.written = True
+    count = len(report.outputs)
+    report.message = f"wrote {out}" + (f" ({count} files)" if count > 1 else "") + changes
+
+
+def _describe_changes(report: Report) -> str:
+    parts = []
+    for change in report.state_dicts:
+        if change["renamed"]:
+            verb, prefix = change["change"].split(" ", 1)
+            parts.append(f"{'stripped' if verb == 'strip' else 'added'} {prefix} on "
+                         f"{change['renamed']}/{change['keys']} keys in {change['path'] or '(top level)'}")
+    parts += [f"moved {n} storages {move}" for move, n in report.devices.items()]
+    if report.aliases:
+        parts.append(f"{len(report.aliases)} tied tensors stored once")
+    return (": " + "; ".join(parts)) if parts else ""
 
 
 def fix_prefix(
@@ -62,62 +296,39 @@ def fix_prefix(
     *,
     mode: str = "strip",
     prefix: str = "module.",
-    keys: Sequence[str] = (),
-    dry_run: bool = False,
-    force: bool = False,
-    in_place: bool = False,
-    strict: bool = False,
-    unsafe_load: bool = False,
-    progress: Callable[[int], None] | None = None,
-) -> FixReport:
+    **options: Any,
+) -> Report:
     """Strip (``mode="strip"``) or add (``mode="add"``) a key prefix, as ``strip-module``/``add-module`` do.
 
-    Writes nothing when no key changes (raises :class:`CheckFailedError` with ``strict``),
-    when ``dry_run`` is set, or when a rename would make two keys collide.
+    Writes nothing when no key changes (raises :class:`CheckFailedError` with ``strict=True``),
+    when ``dry_run`` is set, or when a rename would make two keys collide. Other keyword
+    arguments are :class:`ConvertOptions` fields (``keys``, ``force``, ``map_location`` ...).
     """
     if mode not in ("strip", "add"):
         raise UsageError(f"unknown mode {mode!r}")
-    prefix = normalize_prefix(prefix)
-    in_path = str(in_path)
-    if in_place:
-        if out_path is not None and Path(out_path).resolve() != Path(in_path).resolve():
-            raise UsageError("give either OUT or --in-place, not both")
-        out_path = in_path
-    if out_path is None:
-        raise UsageError("missing OUT: give an output path, or --in-place to replace the input")
-    out_path = str(out_path)
-    if not dry_run:
-        check_destination(in_path, out_path, overwrite=force, in_place=in_place)
-    started = time.perf_counter()
-    ckpt = read_checkpoint(in_path, unsafe_load=unsafe_load)
-    transform = strip_prefix if mode == "strip" else add_prefix
-    result: TransformResult = transform(ckpt.root, prefix, keys)
-    report = FixReport(
-        command=f"{mode}-module", input=in_path, output=out_path, format=ckpt.format, prefix=prefix,
-        dry_run=dry_run, renamed=result.renamed, notes=list(ckpt.notes),
-        state_dicts=[c.to_dict() for c in result.changes],
-    )
-    if not result.changes:
-        layout = ", ".join(e["path"] for e in summarize(ckpt)["tree"][:8])
-        report.message = f"{in_path}: found no state dict to change (layout: {layout}); nothing written"
-    elif result.renamed == 0:
-        why = f"no key starts with {prefix!r}" if mode == "strip" else f"every key already starts with {prefix!r}"
-        report.message = f"{in_path}: {why}; nothing written"
-    if report.message:
-        report.seconds = time.perf_counter() - started
-        if strict:
-            raise CheckFailedError(report.message)
-        return report
-    verb = "stripped" if mode == "strip" else "added"
-    where = ", ".join(f"{c.path or '(top level)'} ({len(c.renamed)}/{c.keys})" for c in result.changes)
-    if dry_run:
-        report.message = f"would have {verb} {prefix!r} on {result.renamed} keys in {where}; nothing written (dry run)"
+    progress = options.pop("progress", None)
+    opts = ConvertOptions(require_change=True, **options)
+    if mode == "strip":
+        opts.strip_prefixes = [prefix]
     else:
-        report.output_bytes = write_checkpoint(ckpt, result.root, out_path, progress=progress)
-        report.written = True
-        report.message = f"{verb} {prefix!r} on {result.renamed} keys in {where}; wrote {out_path}"
-    report.seconds = time.perf_counter() - started
-    return report
+        opts.add_prefix = prefix
+    return convert(in_path, out_path, opts, command=f"{mode}-module", progress=progress)
+
+
+def write_checkpoint(
+    ckpt: Checkpoint, root: Any, out_path: str | os.PathLike, *, progress: Callable[[int], None] | None = None
+) -> int:
+    """Write ``root`` (``ckpt``'s tree, possibly transformed) to ``out_path`` atomically, in the
+    format its name says (.pth family or .safetensors). Returns the bytes written."""
+    out_path = Path(out_path)
+    _, file_format = output_target(str(out_path), None, None)
+    with atomic_output(out_path) as out:
+        if file_format == "pth":
+            ckpt.write(root, out, progress=progress)
+        else:
+            flat, metadata = flat_state_dict(root, root, keep_metadata=False)
+            write_safetensors(flat, out, metadata, progress=progress)
+    return out_path.stat().st_size
 
 
 def inspect_checkpoint(path: str | os.PathLike, *, unsafe_load: bool = False) -> dict[str, Any]:

@@ -75,7 +75,7 @@ def test_missing_input_and_directory(tmp_path: Path) -> None:
     missing = run_cli("strip-module", tmp_path / "nope.pth", tmp_path / "out.pth")
     assert missing.returncode == 3 and "no such file" in missing.stderr
     folder = run_cli("inspect", tmp_path)
-    assert folder.returncode == 2  # click refuses a directory for a file argument
+    assert folder.returncode == 3 and "a folder without a checkpoint" in folder.stderr
 
 
 def test_unwritable_destination_is_exit_4(tmp_path: Path) -> None:

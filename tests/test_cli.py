@@ -45,7 +45,7 @@ def test_json_report(tmp_path: Path) -> None:
     result = run_cli("strip-module", DP, tmp_path / "out.pth", "--json")
     assert result.returncode == 0
     report = json.loads(result.stdout)
-    assert report["written"] and report["renamed"] == 9 and report["format"] == "torch-zip"
+    assert report["written"] and report["renamed"] == 9 and report["input_format"] == "torch-zip"
     assert report["state_dicts"][0]["renames"][0] == ["module.conv1.weight", "conv1.weight"]
     assert report["output_bytes"] == (tmp_path / "out.pth").stat().st_size
 

@@ -120,7 +120,7 @@ def test_tar_named_zip_checkpoint_goes_through_the_engine(tmp_path: Path) -> Non
     src = tmp_path / "model.tar"
     src.write_bytes((FIXTURES / "dataparallel_tinynet.pth").read_bytes())
     report = ckptfix.fix_prefix(src, tmp_path / "out.tar")
-    assert report.format == "torch-zip" and report.written and not report.notes
+    assert report.input_format == "torch-zip" and report.written and not report.notes
     _assert_same_weights(_load_strict(tmp_path / "out.tar"))
 
 
