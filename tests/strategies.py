@@ -1,0 +1,53 @@
+"""Hypothesis strategies for tensors and state dicts with every layout a checkpoint can hold."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+ALL_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
+    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
+    torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
+]
+#: what both torch and safetensors can hold
+SAFETENSORS_DTYPES = [d for d in ALL_DTYPES if d is not torch.complex128]
+FLOATING = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64}
+
+
+def random_tensor(data: st.DataObject, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """Arbitrary bit patterns (NaN, inf, subnormals, -0.0 all occur) of the given dtype."""
+    numel = 1
+    for s in shape:
+        numel *= s
+    nbytes = numel * dtype.itemsize
+    raw = data.draw(st.binary(min_size=nbytes, max_size=nbytes))
+    if dtype is torch.bool:
+        raw = bytes(b & 1 for b in raw)
+    if nbytes == 0:
+        return torch.empty(shape, dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape).clone()
+
+
+@st.composite
+def flat_state_dicts(draw: st.DrawFn, dtypes: list[torch.dtype] = SAFETENSORS_DTYPES, max_size: int = 7) -> dict:
+    """``{name: tensor}`` with contiguous, transposed, sliced, tied and view-of-other tensors."""
+    data = draw(st.data())
+    sd: dict[str, torch.Tensor] = {}
+    for i in range(draw(st.integers(1, max_size))):
+        name = f"layer{i}." + draw(st.sampled_from(["weight", "bias", "running_mean", "w.x"]))
+        dtype = draw(st.sampled_from(dtypes))
+        shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+        layout = draw(st.sampled_from(["plain", "transposed", "slice", "tie", "view_of_previous"]))
+        if layout == "transposed" and len(shape) >= 2:
+            tensor = random_tensor(data, dtype, shape[::-1]).transpose(0, -1)
+        elif layout == "slice":
+            big = random_tensor(data, dtype, (shape[0] + 2, *shape[1:]) if shape else (3,))
+            tensor = big[1 : 1 + shape[0]] if shape else big[1]
+        elif layout in ("tie", "view_of_previous") and sd:
+            previous = sd[draw(st.sampled_from(list(sd)))]
+            tensor = previous if layout == "tie" else previous.reshape(-1)[: previous.numel() // 2]
+        else:
+            tensor = random_tensor(data, dtype, shape)
+        sd[name] = tensor
+    return sd
