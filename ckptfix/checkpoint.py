@@ -10,6 +10,7 @@ from typing import Any, BinaryIO
 from .detect import sniff
 from .errors import BadInputError, UnsafeInputError
 from .formats.legacy import load_with_torch, save_with_torch
+from .formats.legacy_pickle import read_legacy
 from .formats.safetensors import read_safetensors
 from .formats.sharded import find_index, merge_shards, read_index
 from .formats.torchzip import TorchZipArchive, read_torch_zip, write_torch_zip
@@ -55,8 +56,9 @@ def read_checkpoint(path: str | os.PathLike, *, unsafe_load: bool = False) -> Ch
     """Open ``path`` safely: diagnose the file, then read it without running any of its code.
 
     Zip-format torch checkpoints (whatever their extension: .pth, .pt, .bin, .ckpt, .tar),
-    safetensors files and HF shard folders (or their ``*.index.json``) are read lazily by
-    ckptfix's own readers. Legacy and tar formats go through ``torch.load(weights_only=True)``.
+    legacy (non-zip) torch files, safetensors files and HF shard folders (or their
+    ``*.index.json``) are read lazily by ckptfix's own readers. Only the pre-2018 tar format goes
+    through ``torch.load(weights_only=True)``.
     ``unsafe_load=True`` allows a fallback to ``torch.load(weights_only=False)`` for pickles
     the allow-list refuses -- only for trusted files.
     """
@@ -81,18 +83,26 @@ def read_checkpoint(path: str | os.PathLike, *, unsafe_load: bool = False) -> Ch
             if what.kind == "safetensors":
                 tensors, metadata = read_safetensors(path, f, file_size)
                 return Checkpoint(path, FORMAT_SAFETENSORS, tensors, file_size, metadata=metadata)
+            if what.kind == "legacy":
+                globals_seen = set()
+                try:
+                    root = read_legacy(path, f, file_size, globals_seen)
+                except UnsafeInputError:
+                    if not unsafe_load:
+                        raise
+                    return _read_with_torch(path, FORMAT_TORCH_LEGACY, file_size, unsafe=True)
+                return Checkpoint(path, FORMAT_TORCH_LEGACY, root, file_size, globals_seen)
     except FileNotFoundError as exc:
         raise BadInputError(f"{path}: no such file") from exc
     except PermissionError as exc:
         raise BadInputError(f"{path}: permission denied") from exc
-    if what.kind in ("legacy", "tar"):
-        fmt = FORMAT_TORCH_LEGACY if what.kind == "legacy" else FORMAT_TORCH_TAR
+    if what.kind == "tar":
         try:
-            return _read_with_torch(path, fmt, file_size, unsafe=False)
+            return _read_with_torch(path, FORMAT_TORCH_TAR, file_size, unsafe=False)
         except UnsafeInputError:
             if not unsafe_load:
                 raise
-            return _read_with_torch(path, fmt, file_size, unsafe=True)
+            return _read_with_torch(path, FORMAT_TORCH_TAR, file_size, unsafe=True)
     raise BadInputError(f"{path}: {what.description}")
 
 

@@ -20,7 +20,7 @@ import io
 import pickle
 from collections import Counter, OrderedDict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, BinaryIO
 
 from .dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS_NAMES
 from .errors import BadInputError, UnsafeInputError
@@ -96,16 +96,15 @@ PYTHON_GLOBALS: dict[str, Callable[..., Any]] = {
 }
 
 
+#: resolves a persistent id ``(storage_type, key, location, numel, view)`` to a storage;
+#: ``view`` is the legacy format's ``(view_key, offset, size)`` or None
+StorageLoader = Callable[[Global, str, str, int, Any], StorageRef]
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(
-        self,
-        data: bytes,
-        load_storage: Callable[[Global, str, str, int], StorageRef],
-        globals_seen: set[str],
-    ) -> None:
-        super().__init__(io.BytesIO(data))
+    def __init__(self, file: BinaryIO, load_storage: StorageLoader | None, globals_seen: set[str]) -> None:
+        super().__init__(file)
         self._load_storage = load_storage
-        self._storages: dict[str, StorageRef] = {}
         self._globals_seen = globals_seen
 
     def find_class(self, module: str, name: str) -> Any:
@@ -120,11 +119,11 @@ class _RestrictedUnpickler(pickle.Unpickler):
         raise UnsafeInputError(f"{shown}.{name} (pickled as {full})" if shown else full)
 
     def persistent_load(self, pid: Any) -> StorageRef:
-        if not (isinstance(pid, tuple) and len(pid) == 5):
+        if self._load_storage is None or not (isinstance(pid, tuple) and len(pid) in (5, 6)):
             raise BadInputError(f"corrupt pickle: unexpected persistent id {pid!r:.80}")
-        tag, storage_type, key, location, numel = pid
-        if isinstance(tag, bytes):
-            tag, key, location = tag.decode("ascii"), _text(key), _text(location)
+        tag, storage_type, key, location, numel = pid[:5]
+        view = pid[5] if len(pid) == 6 else None
+        tag, key, location = _text(tag), _text(key), _text(location)
         if (
             tag != "storage"
             or not isinstance(storage_type, Global)
@@ -134,30 +133,29 @@ class _RestrictedUnpickler(pickle.Unpickler):
             or numel < 0
         ):
             raise BadInputError(f"corrupt pickle: unexpected persistent id {pid!r:.80}")
-        storage = self._storages.get(key)
-        if storage is None:
-            storage = self._storages[key] = self._load_storage(storage_type, key, location, numel)
-        return storage
+        return self._load_storage(storage_type, key, location, numel, view)
 
 
 def _text(value: Any) -> Any:
-    return value.decode("ascii") if isinstance(value, bytes) else value
+    return value.decode("ascii", "replace") if isinstance(value, bytes) else value
 
 
 def restricted_load(
-    data: bytes,
-    load_storage: Callable[[Global, str, str, int], StorageRef],
+    data: bytes | BinaryIO,
+    load_storage: StorageLoader | None,
     globals_seen: set[str] | None = None,
 ) -> Any:
-    """Unpickle ``data`` into a checkpoint tree; ``load_storage`` resolves each storage id once.
+    """Unpickle one pickle from ``data`` (bytes, or a file positioned at it) into a tree.
 
+    ``load_storage`` resolves storage persistent ids (None: a pickle that must hold none).
     Raises :class:`UnsafeInputError` at the first global outside the allow-list and
     :class:`BadInputError` for anything malformed. ``globals_seen`` collects every global
-    the pickle names (for ``inspect``).
+    the pickle names (for ``inspect``). Reading from a file leaves it just after the pickle.
     """
     seen = globals_seen if globals_seen is not None else set()
+    file = io.BytesIO(data) if isinstance(data, bytes) else data
     try:
-        return _RestrictedUnpickler(data, load_storage, seen).load()
+        return _RestrictedUnpickler(file, load_storage, seen).load()
     except BadInputError:
         raise
     except RecursionError as exc:
@@ -165,4 +163,4 @@ def restricted_load(
     except MemoryError as exc:
         raise BadInputError("corrupt or hostile pickle: it asks for more memory than is available") from exc
     except Exception as exc:  # pickle raises many kinds on garbage: one message for all
-        raise BadInputError(f"corrupt pickle in data.pkl: {type(exc).__name__}: {exc}"[:300]) from exc
+        raise BadInputError(f"corrupt pickle: {type(exc).__name__}: {exc}"[:300]) from exc

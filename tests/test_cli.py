@@ -149,7 +149,13 @@ def test_inspect_reports_shared_storage(tmp_path: Path) -> None:
     assert info["shared_storages"] == [{"storage": "0", "tensors": ["emb.weight", "head.weight"]}]
 
 
-@pytest.mark.parametrize("args", [["inspect", DP], ["strip-module", DP, "OUT"], ["add-module", DP, "OUT"], ["--help"]])
+LEGACY = FIXTURES / "legacy_dataparallel_tinynet.pth"
+
+
+@pytest.mark.parametrize("args", [
+    ["inspect", DP], ["strip-module", DP, "OUT"], ["add-module", DP, "OUT"], ["--help"],
+    ["inspect", LEGACY], ["strip-module", LEGACY, "OUT"],
+])
 def test_torch_is_not_imported(tmp_path: Path, args: list) -> None:
     args = [str(tmp_path / "out.pth") if a == "OUT" else str(a) for a in args]
     code = (

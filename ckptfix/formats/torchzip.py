@@ -81,8 +81,14 @@ def read_torch_zip(path: str, f: BinaryIO, file_size: int, globals_seen: set[str
             raise BadInputError(f"{path}: unknown byte order {byteorder[:16]!r}")
     order = (byteorder or b"little").decode()
 
-    def load_storage(storage_type: Global, key: str, location: str, numel: int) -> StorageRef:
+    storages: dict[str, StorageRef] = {}
+
+    def load_storage(storage_type: Global, key: str, location: str, numel: int, view: Any) -> StorageRef:
+        if key in storages:
+            return storages[key]
         record = records.get(f"data/{key}")
+        if view is not None:
+            raise BadInputError(f"{path}: corrupt pickle: a storage view in a zip checkpoint")
         if record is None:
             raise BadInputError(f"{path}: storage {key!r} is referenced but its record data/{key} is missing")
         storage = make_storage(storage_type, key, location, numel, record.source(path), order)
@@ -91,6 +97,7 @@ def read_torch_zip(path: str, f: BinaryIO, file_size: int, globals_seen: set[str
                 f"{path}: storage data/{key} holds {record.size} bytes but the checkpoint "
                 f"declares {storage.nbytes}: the file is truncated or corrupt"
             )
+        storages[key] = storage
         return storage
 
     try:
