@@ -37,6 +37,11 @@ def sniff(head: bytes, file_size: int) -> Sniffed:
         return Sniffed("not-checkpoint", "an empty file (0 bytes): the save or download did not complete")
     if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
         return Sniffed("zip", "a zip archive")
+    # before pickles: a header length such as 0x0280 begins with the bytes of a pickle header
+    if len(head) >= 9:
+        (header_len,) = struct.unpack("<Q", head[:8])
+        if head[8:9] == b"{" and 2 <= header_len <= file_size - 8:
+            return Sniffed("safetensors", "a safetensors file")
     if head.startswith(b"\x80") and len(head) > 1 and 2 <= head[1] <= 5:
         if head.startswith(_LEGACY_MAGIC):
             return Sniffed("legacy", "a legacy torch checkpoint (saved with _use_new_zipfile_serialization=False)")
@@ -49,10 +54,6 @@ def sniff(head: bytes, file_size: int) -> Sniffed:
     for magic, what in _ARCHIVES.items():
         if head.startswith(magic):
             return Sniffed("not-checkpoint", what)
-    if len(head) >= 9:
-        (header_len,) = struct.unpack("<Q", head[:8])
-        if head[8:9] == b"{" and 2 <= header_len <= file_size - 8:
-            return Sniffed("safetensors", "a safetensors file")
     text = head.lstrip(b"\xef\xbb\xbf \t\r\n").lower()
     if text.startswith(b"version https://git-lfs"):
         return Sniffed(

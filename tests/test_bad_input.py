@@ -88,3 +88,11 @@ def test_unwritable_destination_is_exit_4(tmp_path: Path) -> None:
 def test_missing_output_folder_is_exit_4(tmp_path: Path) -> None:
     result = run_cli("strip-module", DP, tmp_path / "no" / "such" / "out.pth")
     assert result.returncode == 4 and "does not exist" in result.stderr
+
+
+def test_safetensors_whose_header_length_looks_like_a_pickle_header(tmp_path: Path) -> None:
+    """0x0280 little-endian starts with 80 02, the bytes that open a protocol-2 pickle."""
+    from ckptfix.detect import sniff
+
+    head = (0x280).to_bytes(8, "little") + b"{" + b" " * 0x27F
+    assert sniff(head + bytes(64), len(head) + 64).kind == "safetensors"
