@@ -1,0 +1,72 @@
+"""Shared benchmark harness: make a large checkpoint, time commands as separate processes.
+
+Each contender runs ``runs`` times, interleaved with the others, as its own process; the
+table reports the median wall time, every run, ratios to the first and last contenders
+(``cp`` and the plain torch script) and the peak RSS of the process (``wait4``'s ru_maxrss).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+MAKE_SCRIPT = """
+import sys, torch
+n_tensors, per_tensor = 200, int(float(sys.argv[2]) * 1e9 / 4 / 200)
+torch.save({f"module.layer{i}.weight": torch.randn(per_tensor) for i in range(n_tensors)}, sys.argv[1])
+"""
+
+
+def make_checkpoint(path: Path, size_gb: float) -> None:
+    """A DataParallel-style checkpoint of 200 float32 tensors, unless one of that size exists.
+
+    Made in a child process: this one must stay small, or forked children inherit its RSS.
+    """
+    if path.exists() and abs(path.stat().st_size - size_gb * 1e9) < 0.05e9:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run([sys.executable, "-c", MAKE_SCRIPT, str(path), str(size_gb)], check=True)
+
+
+def timed(cmd: list[str]) -> tuple[float, int]:
+    """Wall seconds and peak RSS (bytes) of one child process."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    elapsed = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}: {proc.stderr.read().decode()}")
+    return elapsed, usage.ru_maxrss * 1024
+
+
+def compare(contenders: dict[str, list[str]], outputs: list[Path], runs: int, src: Path) -> None:
+    """Run every contender ``runs`` times (outputs removed before each run); print the table."""
+    results: dict[str, list[tuple[float, int]]] = {name: [] for name in contenders}
+    for _ in range(runs):
+        for name, cmd in contenders.items():
+            for out in outputs:
+                out.unlink(missing_ok=True)
+            results[name].append(timed(cmd))
+    for out in outputs:
+        out.unlink(missing_ok=True)
+    names = list(contenders)
+    base = statistics.median(t for t, _ in results[names[0]])
+    torch_time = statistics.median(t for t, _ in results[names[-1]])
+    print(f"input: {src.stat().st_size / 1e9:.2f} GB, 200 float32 tensors; {runs} runs each, interleaved")
+    print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
+    print()
+    print(f"| command | median wall (s) | all runs (s) | vs {names[0]} | vs torch script | peak RSS (MiB) |")
+    print("|---|---|---|---|---|---|")
+    for name, runs_ in results.items():
+        times = [t for t, _ in runs_]
+        median = statistics.median(times)
+        rss = max(r for _, r in runs_) / 2**20
+        print(
+            f"| {name} | {median:.2f} | {', '.join(f'{t:.2f}' for t in times)} | {median / base:.2f}x "
+            f"| {median / torch_time:.2f}x | {rss:.0f} |"
+        )
