@@ -9,6 +9,7 @@ from typing import Any, BinaryIO
 
 from .detect import sniff
 from .errors import BadInputError, UnsafeInputError
+from .formats.dcp import is_dcp_folder, read_dcp
 from .formats.legacy import load_with_torch, save_with_torch
 from .formats.legacy_pickle import read_legacy
 from .formats.safetensors import read_safetensors
@@ -20,6 +21,7 @@ FORMAT_TORCH_LEGACY = "torch-legacy"
 FORMAT_TORCH_TAR = "torch-tar"
 FORMAT_SAFETENSORS = "safetensors"
 FORMAT_SHARDED = "sharded"
+FORMAT_DCP = "dcp"
 
 
 @dataclass
@@ -64,7 +66,7 @@ def read_checkpoint(path: str | os.PathLike, *, unsafe_load: bool = False) -> Ch
     """
     path = str(path)
     if Path(path).is_dir():
-        return _read_folder(Path(path))
+        return _read_folder(Path(path), unsafe_load)
     if path.endswith(".index.json"):
         return _read_sharded(Path(path))
     try:
@@ -106,7 +108,17 @@ def read_checkpoint(path: str | os.PathLike, *, unsafe_load: bool = False) -> Ch
     raise BadInputError(f"{path}: {what.description}")
 
 
-def _read_folder(folder: Path) -> Checkpoint:
+def _read_folder(folder: Path, unsafe_load: bool) -> Checkpoint:
+    if is_dcp_folder(folder):
+        if not unsafe_load:
+            raise BadInputError(
+                f"{folder}: a torch.distributed.checkpoint (DCP) folder; torch reads its .metadata with plain "
+                "pickle, which can run code from the file, so ckptfix reads DCP only with --unsafe-load "
+                "(trusted folders only)"
+            )
+        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+        note = "DCP folder read through torch.distributed.checkpoint (--unsafe-load); tensors are in memory"
+        return Checkpoint(str(folder), FORMAT_DCP, read_dcp(folder), size, notes=[note], lazy=False)
     found = find_index(folder)
     if found is None:
         raise BadInputError(

@@ -85,8 +85,9 @@ _PIPELINE = _apply([
                  help="Only rename keys of the state dict(s) at or under this dotted path (repeatable)."),
     click.option("--map-location", metavar="SPEC",
                  help="Rewrite device tags: 'cpu', 'cuda:0', or FROM=TO pairs like cuda:1=cuda:0,cuda:2=cpu."),
-    click.option("--format", "out_format", type=click.Choice(["pth", "safetensors"]),
-                 help="Output format (default: from OUT's extension; a folder means safetensors shards)."),
+    click.option("--format", "out_format", type=click.Choice(["pth", "safetensors", "dcp"]),
+                 help="Output format (default: from OUT's extension; a folder means safetensors shards; "
+                 "dcp: a torch.distributed.checkpoint folder)."),
     click.option("--max-shard-size", metavar="SIZE", help="Write HF-style shards of at most SIZE (e.g. 2GB, 5GiB)."),
     click.option("--keep-metadata", is_flag=True,
                  help="safetensors: keep small plain values (epoch, config) as __metadata__ strings."),
@@ -159,6 +160,8 @@ def convert_command(in_path: str, out_path: str | None, as_json: bool, **kw: Any
       ckptfix convert ckpt.pth out_dir/ --max-shard-size 2GB
       ckptfix convert out_dir/model.safetensors.index.json merged.pth
       ckptfix convert train.ckpt weights.safetensors --select state_dict --strip-prefix model.
+      ckptfix convert model.pth dcp_dir/ --format dcp
+      ckptfix convert dcp_dir/ model.pth --unsafe-load    # DCP metadata is a plain pickle
     """
     return _run("convert", in_path, out_path, as_json, **kw)
 

@@ -22,6 +22,7 @@ from typing import Any
 from .checkpoint import Checkpoint, read_checkpoint
 from .devices import remap_devices
 from .errors import CheckFailedError, UsageError
+from .formats.dcp import write_dcp
 from .formats.safetensors import plan_safetensors, write_safetensors, write_safetensors_from_torch
 from .formats.sharded import parse_size, write_sharded
 from .output import atomic_output, check_destination
@@ -30,7 +31,7 @@ from .transforms import add_prefix, normalize_prefix, strip_prefix
 from .tree import find_state_dicts, format_path, get_at, is_tensor_like, iter_tensors, resolve_path
 
 PTH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".tar", ".pkl", ".model")
-OUTPUT_FORMATS = ("pth", "safetensors")
+OUTPUT_FORMATS = ("pth", "safetensors", "dcp")
 DEFAULT_SHARD_SIZE = "5GB"
 #: --keep-metadata keeps values whose JSON form is at most this long
 _MAX_METADATA_VALUE = 1024
@@ -89,6 +90,8 @@ def output_target(out_path: str, out_format: str | None, max_shard_size: Any) ->
     """(kind, file format): kind is "file" or "sharded"; the format is "pth" or "safetensors"."""
     if out_format is not None and out_format not in OUTPUT_FORMATS:
         raise UsageError(f"unknown --format {out_format!r}: choose one of {', '.join(OUTPUT_FORMATS)}")
+    if out_format == "dcp":
+        return "dcp", "dcp"
     is_folder = out_path.endswith(("/", os.sep)) or Path(out_path).is_dir()
     if is_folder or max_shard_size is not None:
         return "sharded", out_format or "safetensors"
@@ -254,7 +257,11 @@ def _write(
     if opts.dry_run:
         report.message = f"would write {report.output_format} to {out}{changes}; nothing written (dry run)"
         return
-    if kind == "sharded":
+    if kind == "dcp":
+        files = write_dcp(lambda f: ckpt.write(root, f), out, overwrite=opts.force)
+        report.outputs = [str(p) for p in files]
+        report.output_bytes = sum(p.stat().st_size for p in files)
+    elif kind == "sharded":
         out.mkdir(exist_ok=True)
         written = write_sharded(
             flat, out, max_bytes or parse_size(DEFAULT_SHARD_SIZE), shard_format=file_format,
