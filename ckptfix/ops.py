@@ -21,7 +21,7 @@ from typing import Any
 
 from .checkpoint import Checkpoint, read_checkpoint
 from .devices import remap_devices
-from .errors import CheckFailedError, UsageError
+from .errors import CannotWriteError, CheckFailedError, UsageError
 from .formats.dcp import write_dcp
 from .formats.safetensors import plan_safetensors, write_safetensors, write_safetensors_from_torch
 from .formats.sharded import parse_size, write_sharded
@@ -262,6 +262,10 @@ def _write(
         report.outputs = [str(p) for p in files]
         report.output_bytes = sum(p.stat().st_size for p in files)
     elif kind == "sharded":
+        if out.exists() and not out.is_dir():
+            raise CannotWriteError(f"{out}: exists and is not a folder")
+        if not out.parent.is_dir():
+            raise CannotWriteError(f"{out}: the folder {out.parent} does not exist")
         out.mkdir(exist_ok=True)
         written = write_sharded(
             flat, out, max_bytes or parse_size(DEFAULT_SHARD_SIZE), shard_format=file_format,

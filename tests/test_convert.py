@@ -287,3 +287,15 @@ def test_convert_between_pth_and_safetensors_does_not_import_torch(tmp_path: Pat
     result = subprocess.run([sys.executable, "-c", code, str(FIXTURES / "dataparallel_tinynet.pth"), str(tmp_path)],
                             capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 0, result.stderr
+
+
+def test_shard_folder_errors_are_exit_4(tmp_path: Path) -> None:
+    missing_parent = run_cli("convert", FIXTURES / "bare_tinynet.pth", str(tmp_path / "no" / "shards") + "/")
+    assert missing_parent.returncode == 4 and "does not exist" in missing_parent.stderr
+    (tmp_path / "afile").write_text("x")
+    not_folder = run_cli("convert", FIXTURES / "bare_tinynet.pth", tmp_path / "afile", "--max-shard-size", "1KB")
+    assert not_folder.returncode == 4 and "not a folder" in not_folder.stderr
+    out = tmp_path / "shards"
+    assert run_cli("convert", FIXTURES / "bare_tinynet.pth", str(out) + "/", "--max-shard-size", "200B").returncode == 0
+    again = run_cli("convert", FIXTURES / "bare_tinynet.pth", str(out) + "/", "--max-shard-size", "200B")
+    assert again.returncode == 4 and "--force" in again.stderr
