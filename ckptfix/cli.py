@@ -33,6 +33,8 @@ def cli(debug: bool) -> None:
       ckptfix strip-module ddp.pth bare.pth
       ckptfix strip-module compiled.pth bare.pth --prefix _orig_mod.
       ckptfix add-module bare.pth ddp.pth
+      ckptfix remap gpu.pth cpu.pth --map-location cpu
+      ckptfix convert model.pth model.safetensors
 
     Exit codes: 0 ok, 1 a check failed, 2 usage error, 3 bad or unsafe input,
     4 cannot write the output, 5 internal error.
@@ -83,8 +85,9 @@ _PIPELINE = _apply([
     click.option("--add-prefix", metavar="P", help="Add this key prefix to keys lacking it."),
     click.option("--key", "keys", multiple=True, metavar="PATH",
                  help="Only rename keys of the state dict(s) at or under this dotted path (repeatable)."),
-    click.option("--map-location", metavar="SPEC",
-                 help="Rewrite device tags: 'cpu', 'cuda:0', or FROM=TO pairs like cuda:1=cuda:0,cuda:2=cpu."),
+    click.option("--map-location", "map_location", multiple=True, metavar="SPEC",
+                 help="Rewrite device tags: 'cpu', 'cuda' (= cuda:0), 'cuda:1', or FROM=TO pairs "
+                 "(repeatable or comma-separated): cuda:1=cuda:0,cuda:2=cpu; FROM 'cuda' means any cuda:N."),
     click.option("--format", "out_format", type=click.Choice(["pth", "safetensors", "dcp"]),
                  help="Output format (default: from OUT's extension; a folder means safetensors shards; "
                  "dcp: a torch.distributed.checkpoint folder)."),
@@ -112,12 +115,17 @@ def _run(command: str, in_path: str, out_path: str | None, as_json: bool, **kw: 
     from .ops import ConvertOptions, convert
 
     prefix, strict = kw.pop("prefix", None), kw.pop("strict", False)
+    kw["map_location"] = ",".join(kw["map_location"]) or None
     opts = ConvertOptions(**kw, strict=strict)
     if command == "strip-module":
         opts.strip_prefixes = [prefix, *opts.strip_prefixes]
         opts.require_change = True
     elif command == "add-module":
         opts.add_prefix = prefix
+        opts.require_change = True
+    elif command == "remap":
+        if not opts.map_location:
+            raise click.UsageError("remap needs --map-location, e.g. --map-location cpu")
         opts.require_change = True
     progress, close = (None, lambda ok: None) if (as_json or opts.dry_run) else _progress_for(in_path)
     ok = False
@@ -206,6 +214,28 @@ def add_module(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> 
       ckptfix add-module bare.pth compiled.pth --prefix _orig_mod.
     """
     return _run("add-module", in_path, out_path, as_json, **kw)
+
+
+@cli.command("remap", context_settings=_CONTEXT)
+@_IN_OUT
+@click.option("--strict", is_flag=True, help="Exit 1 when no device tag changes.")
+@_PIPELINE
+def remap(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
+    """Rewrite the device tags of a checkpoint's storages (no GPU needed, no data decoded).
+
+    Fixes "Attempting to deserialize object on a CUDA device but torch.cuda.is_available()
+    is False" and "... on CUDA device 2 but torch.cuda.device_count() is 1": the output loads
+    with plain torch.load(path) where the target device exists, no map_location needed.
+    SPEC is one device for every storage, or FROM=TO pairs for some (FROM 'cuda' = any cuda:N).
+
+    \b
+    Examples:
+      ckptfix remap gpu.pth cpu.pth --map-location cpu
+      ckptfix remap 8gpu.pth one_gpu.pth --map-location cuda=cuda:0
+      ckptfix remap model.pth --in-place --map-location cuda:1=cuda:0,cuda:2=cuda:0
+    """
+    kw["prefix"] = None
+    return _run("remap", in_path, out_path, as_json, **kw)
 
 
 @cli.command("inspect", context_settings=_CONTEXT)

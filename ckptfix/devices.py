@@ -45,17 +45,29 @@ def _suggest(text: str) -> str:
 
 
 def parse_map_location(spec: str) -> Callable[[str], str]:
-    """``cpu`` maps every storage; ``cuda:1=cuda:0,cuda:2=cpu`` maps only those tags."""
-    if "=" not in spec:
-        target = normalize_device(spec)
+    """``cpu`` maps every storage; ``cuda:1=cuda:0,cuda:2=cpu`` maps only those tags.
+
+    On the FROM side a bare type matches every index (``cuda=cpu`` moves all CUDA storages);
+    on the TO side a bare ``cuda`` means ``cuda:0``, as in ``torch.load``. Several single
+    devices, or a single device mixed with pairs, are refused: which one would win is unclear.
+    """
+    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    if not parts:
+        raise UsageError("empty --map-location")
+    if all("=" not in p for p in parts):
+        if len(parts) > 1:
+            raise UsageError(f"--map-location {spec!r} names several devices; give one, or FROM=TO pairs")
+        target = normalize_device(parts[0])
         return lambda tag: target
-    pairs: dict[str, str] = {}
-    for part in spec.split(","):
+    exact: dict[str, str] = {}
+    by_type: dict[str, str] = {}
+    for part in parts:
         if part.count("=") != 1:
             raise UsageError(f"invalid --map-location part {part!r}: write FROM=TO, e.g. cuda:1=cuda:0")
-        source, target = part.split("=")
-        pairs[normalize_device(source)] = normalize_device(target)
-    return lambda tag: pairs.get(tag, pairs.get(tag.split(":")[0], tag))
+        source, target = (x.strip() for x in part.split("="))
+        normalize_device(source)  # validates
+        (by_type if ":" not in source else exact)[source] = normalize_device(target)
+    return lambda tag: exact.get(tag, by_type.get(tag.split(":")[0], tag))
 
 
 def remap_devices(root: Any, spec: str) -> tuple[Any, dict[str, int]]:

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import Checkpoint, read_checkpoint
-from .devices import remap_devices
+from .devices import parse_map_location, remap_devices
 from .errors import CannotWriteError, CheckFailedError, UsageError
 from .formats.dcp import write_dcp
 from .formats.safetensors import plan_safetensors, write_safetensors, write_safetensors_from_torch
@@ -189,6 +189,8 @@ def convert(
     else:
         max_bytes = opts.max_shard_size
     kind, file_format = output_target(out_path, opts.out_format, max_bytes)
+    if opts.map_location:
+        parse_map_location(opts.map_location)  # a bad SPEC is a usage error before any reading
     if not opts.dry_run and kind == "file":
         check_destination(in_path, out_path, overwrite=opts.force, in_place=opts.in_place)
     started = time.perf_counter()
@@ -226,10 +228,12 @@ def convert(
 
 
 def _nothing_to_do(ckpt: Checkpoint, report: Report, opts: ConvertOptions) -> str:
-    if not report.state_dicts:
+    if not report.state_dicts and (opts.strip_prefixes or opts.add_prefix):
         layout = ", ".join(e["path"] for e in describe_tree(ckpt.root)[:8])
         return f"{report.input}: found no state dict to change (layout: {layout}); nothing written"
-    if opts.add_prefix:
+    if opts.map_location and not opts.strip_prefixes and not opts.add_prefix:
+        why = f"no device tag changes under --map-location {opts.map_location}"
+    elif opts.add_prefix:
         why = f"every key already starts with {normalize_prefix(opts.add_prefix)!r}"
     else:
         why = "no key starts with " + " or ".join(repr(normalize_prefix(p)) for p in opts.strip_prefixes)

@@ -80,6 +80,13 @@ def _kind_of(value: Any) -> str:
     return type(value).__name__
 
 
+def _devices(value: Any) -> dict[str, int]:
+    """Tensor count per device tag under ``value`` (real tensors included)."""
+    counts: Counter[str] = Counter(t.device for _, t in iter_tensors(value))
+    counts.update(str(t.device) for t in _real_tensors(value))
+    return dict(counts.most_common())
+
+
 def _count_tensors(value: Any) -> int:
     return sum(1 for _ in iter_tensors(value)) if not is_torch_tensor(value) else 1
 
@@ -93,10 +100,10 @@ def describe_tree(root: Any) -> list[dict[str, Any]]:
             return
         where = format_path(path) or "(top level)"
         if looks_like_state_dict(value):
-            entries.append({"path": where, "kind": "state dict", "tensors": len(value)})
+            entries.append({"path": where, "kind": "state dict", "tensors": len(value), "devices": _devices(value)})
         elif is_optimizer_state(value):
             n = sum(1 for _ in iter_tensors(value))
-            entries.append({"path": where, "kind": "optimizer state", "tensors": n})
+            entries.append({"path": where, "kind": "optimizer state", "tensors": n, "devices": _devices(value)})
         elif is_tensor_like(value):
             entries.append({"path": where, "kind": "tensor", "value": _tensor_line(value)})
         elif isinstance(value, (Mapping, list, tuple)) and value and depth < _MAX_DEPTH:
@@ -109,7 +116,8 @@ def describe_tree(root: Any) -> list[dict[str, Any]]:
                 visit(path + (key,), item, depth + 1)
         elif isinstance(value, (Mapping, list, tuple)):
             n = _count_tensors(value)
-            entries.append({"path": where, "kind": type(value).__name__, "items": len(value), "tensors": n})
+            entries.append({"path": where, "kind": type(value).__name__, "items": len(value), "tensors": n,
+                            "devices": _devices(value)})
         else:
             entries.append({"path": where, "kind": _kind_of(value), "value": _scalar_text(value)})
 
@@ -162,7 +170,18 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         "shared_storages": shared,
         "globals": sorted(ckpt.globals),
         "notes": list(ckpt.notes),
+        "warnings": _warnings(devices),
     }
+
+
+def _warnings(devices: Counter[str]) -> list[str]:
+    if len(devices) <= 1:
+        return []
+    listed = ", ".join(f"{d} x{n}" for d, n in devices.most_common())
+    return [
+        f"tensors on several devices ({listed}): loading needs every one of them, or a map_location; "
+        "to move them all: ckptfix remap IN OUT --map-location cpu"
+    ]
 
 
 def _real_tensors(root: Any) -> list[Any]:
@@ -204,6 +223,9 @@ def render(summary: dict[str, Any]) -> str:
         detail = entry.get("value")
         if detail is None:
             detail = f"{entry['tensors']} tensors" + (f", {entry['items']} items" if "items" in entry else "")
+            if entry.get("devices"):
+                detail += " on " + ", ".join(f"{d} x{n}" if len(entry["devices"]) > 1 else d
+                                             for d, n in entry["devices"].items())
         lines.append(f"  {entry['path']}: {entry['kind']}: {detail}" if entry["kind"] not in ("tensor",)
                      else f"  {entry['path']}: {detail}")
     for sd in summary["state_dicts"]:
@@ -215,4 +237,5 @@ def render(summary: dict[str, Any]) -> str:
     if summary["globals"]:
         lines.append("pickle globals: " + ", ".join(summary["globals"]))
     lines.extend(f"note: {n}" for n in summary["notes"])
+    lines.extend(f"warning: {w}" for w in summary["warnings"])
     return "\n".join(lines)
