@@ -88,6 +88,10 @@ _PIPELINE = _apply([
     click.option("--map-location", "map_location", multiple=True, metavar="SPEC",
                  help="Rewrite device tags: 'cpu', 'cuda' (= cuda:0), 'cuda:1', or FROM=TO pairs "
                  "(repeatable or comma-separated): cuda:1=cuda:0,cuda:2=cpu; FROM 'cuda' means any cuda:N."),
+    click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "float64"]),
+                 help="Cast floating-point state-dict tensors (ints, bools, optimizer state untouched)."),
+    click.option("--dtype-keep", "dtype_keep", multiple=True, metavar="GLOB",
+                 help="With --dtype: keep keys matching GLOB as they are, e.g. '*norm*' (repeatable)."),
     click.option("--format", "out_format", type=click.Choice(["pth", "safetensors", "dcp"]),
                  help="Output format (default: from OUT's extension; a folder means safetensors shards; "
                  "dcp: a torch.distributed.checkpoint folder)."),
@@ -168,6 +172,7 @@ def convert_command(in_path: str, out_path: str | None, as_json: bool, **kw: Any
       ckptfix convert ckpt.pth out_dir/ --max-shard-size 2GB
       ckptfix convert out_dir/model.safetensors.index.json merged.pth
       ckptfix convert train.ckpt weights.safetensors --select state_dict --strip-prefix model.
+      ckptfix convert model.pth model_fp16.safetensors --dtype float16 --dtype-keep '*norm*'
       ckptfix convert model.pth dcp_dir/ --format dcp
       ckptfix convert dcp_dir/ model.pth --unsafe-load    # DCP metadata is a plain pickle
     """

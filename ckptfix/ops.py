@@ -3,7 +3,7 @@
 Every writing command is one pipeline::
 
     read (any format) -> --select -> --strip-prefix ... -> --add-prefix -> --map-location
-        -> write (format from OUT or --format: .pth, .safetensors, a shard folder)
+        -> --dtype -> write (format from OUT or --format: .pth, .safetensors, a shard folder)
 
 ``strip-module`` and ``add-module`` are this pipeline with one prefix step, and they write
 nothing when no key changes.
@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .casting import cast_floats
 from .checkpoint import Checkpoint, read_checkpoint
 from .devices import parse_map_location, remap_devices
 from .errors import CannotWriteError, CheckFailedError, UsageError
@@ -46,6 +47,8 @@ class ConvertOptions:
     add_prefix: str | None = None
     keys: Sequence[str] = ()
     map_location: str | None = None
+    dtype: str | None = None
+    dtype_keep: Sequence[str] = ()
     out_format: str | None = None
     max_shard_size: str | int | None = None
     keep_metadata: bool = False
@@ -73,6 +76,7 @@ class Report:
     state_dicts: list[dict[str, Any]] = field(default_factory=list)
     selected: str | None = None
     devices: dict[str, int] = field(default_factory=dict)
+    cast: dict[str, Any] = field(default_factory=dict)
     tensors: int = 0
     aliases: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
@@ -216,7 +220,12 @@ def convert(
         if not ckpt.lazy:
             raise UsageError(f"--map-location cannot be applied to a {ckpt.format} file read through torch")
         root, report.devices = remap_devices(root, opts.map_location)
-    if opts.require_change and report.renamed == 0 and not report.devices:
+    if opts.dtype:
+        if not ckpt.lazy:
+            raise UsageError(f"--dtype cannot be applied to a {ckpt.format} file read through torch")
+        root, cast = cast_floats(root, opts.dtype, opts.dtype_keep, opts.keys)
+        report.cast = asdict(cast)
+    if opts.require_change and report.renamed == 0 and not report.devices and not report.cast.get("tensors"):
         report.message = _nothing_to_do(ckpt, report, opts)
         report.seconds = time.perf_counter() - started
         if opts.strict:
@@ -231,7 +240,9 @@ def _nothing_to_do(ckpt: Checkpoint, report: Report, opts: ConvertOptions) -> st
     if not report.state_dicts and (opts.strip_prefixes or opts.add_prefix):
         layout = ", ".join(e["path"] for e in describe_tree(ckpt.root)[:8])
         return f"{report.input}: found no state dict to change (layout: {layout}); nothing written"
-    if opts.map_location and not opts.strip_prefixes and not opts.add_prefix:
+    if opts.dtype and not opts.strip_prefixes and not opts.add_prefix and not opts.map_location:
+        why = f"no floating-point state-dict tensor to cast to {opts.dtype}"
+    elif opts.map_location and not opts.strip_prefixes and not opts.add_prefix:
         why = f"no device tag changes under --map-location {opts.map_location}"
     elif opts.add_prefix:
         why = f"every key already starts with {normalize_prefix(opts.add_prefix)!r}"
@@ -300,6 +311,13 @@ def _describe_changes(report: Report) -> str:
             parts.append(f"{'stripped' if verb == 'strip' else 'added'} {prefix} on "
                          f"{change['renamed']}/{change['keys']} keys in {change['path'] or '(top level)'}")
     parts += [f"moved {n} storages {move}" for move, n in report.devices.items()]
+    if report.cast.get("tensors"):
+        cast = report.cast
+        kept = f", kept {len(cast['kept'])} as they were" if cast["kept"] else ""
+        parts.append(f"cast {cast['tensors']} tensors to {cast['dtype']} "
+                     f"({cast['bytes_before']} -> {cast['bytes_after']} bytes){kept}")
+        if cast["shared_with_uncast"]:
+            parts.append(f"left {len(cast['shared_with_uncast'])} tensors uncast: they share storage with kept ones")
     if report.aliases:
         parts.append(f"{len(report.aliases)} tied tensors stored once")
     return (": " + "; ".join(parts)) if parts else ""

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import mmap
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import BinaryIO
@@ -42,6 +42,15 @@ class FileRange:
         if self.deflated_size is not None:
             raise ValueError("cannot take a sub-range of compressed data")
         return FileRange(self.path, self.offset + start, length)
+
+
+@dataclass(frozen=True, eq=False)
+class ComputedSource:
+    """Bytes made when the writer asks for them (a dtype cast): ``produce`` returns exactly
+    ``size`` bytes. Used for one storage at a time, so memory stays bounded."""
+
+    size: int
+    produce: Callable[[OpenFiles], bytes]
 
 
 class OpenFiles:
@@ -87,10 +96,10 @@ class OutputStream:
         self._out.write(data)
         self.offset += len(data)
 
-    def copy(self, source: FileRange, files: OpenFiles, *, want_crc: bool = False) -> int | None:
+    def copy(self, source: FileRange | ComputedSource, files: OpenFiles, *, want_crc: bool = False) -> int | None:
         """Append ``source``'s bytes: by the kernel when they are stored as they are, else
         streamed in chunks. Returns the CRC32 when ``want_crc`` (reusing a recorded one)."""
-        if source.deflated_size is None and not (want_crc and source.crc is None):
+        if is_plain_range(source) and not (want_crc and source.crc is None):
             from .ziparchive import copy_range
 
             self._out.flush()
@@ -109,8 +118,19 @@ class OutputStream:
         self._out.flush()
 
 
-def iter_chunks(source: FileRange, files: OpenFiles) -> Iterator[bytes]:
+def is_plain_range(source: object) -> bool:
+    """True for bytes that sit in a file as they are (copyable by the kernel, mappable)."""
+    return isinstance(source, FileRange) and source.deflated_size is None
+
+
+def iter_chunks(source: FileRange | ComputedSource, files: OpenFiles) -> Iterator[bytes]:
     """The bytes of ``source`` in bounded chunks, inflating compressed records."""
+    if isinstance(source, ComputedSource):
+        data = source.produce(files)
+        if len(data) != source.size:
+            raise RuntimeError(f"computed data is {len(data)} bytes, expected {source.size}")
+        yield data
+        return
     f = files.file(source.path)
     if source.deflated_size is None:
         done = 0
@@ -144,7 +164,7 @@ def iter_chunks(source: FileRange, files: OpenFiles) -> Iterator[bytes]:
         raise BadInputError(f"{source.path}: a compressed record does not inflate to its declared size")
 
 
-def read_all(source: FileRange, files: OpenFiles) -> bytes:
+def read_all(source: FileRange | ComputedSource, files: OpenFiles) -> bytes:
     """The whole range in memory: used only for one storage that must be gathered from."""
     return b"".join(iter_chunks(source, files))
 

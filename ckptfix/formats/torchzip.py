@@ -23,7 +23,7 @@ from typing import Any, BinaryIO
 
 from ..errors import BadInputError, UnsafeInputError
 from ..pickle_writer import dumps
-from ..sources import FileRange, OpenFiles
+from ..sources import OpenFiles
 from ..tree import Global, StorageRef, make_storage
 from ..unpickle import restricted_load
 from ..ziparchive import ZipRecord, ZipWriter, read_directory, read_record_bytes
@@ -145,7 +145,7 @@ def write_torch_zip(
     total = 0
     with OpenFiles() as files:
         for key, storage in enumerate(pickled.storages):
-            if not isinstance(storage.source, FileRange):
+            if storage.source is None:
                 raise BadInputError(f"storage {storage.key!r} has no source bytes to copy")
             crcs.append(writer.add_copy(f"data/{key}", storage.source, files))
             total += storage.source.size

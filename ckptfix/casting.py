@@ -1,0 +1,109 @@
+"""``--dtype``: cast the floating-point tensors of state dicts, storage by storage.
+
+What is cast: tensors of dtype float16, bfloat16, float32 or float64 inside state-dict-like
+mappings (all of them, or those under ``--key``). Integers, bools (``num_batches_tracked``),
+complex and float8 tensors, optimizer state and loose tensors elsewhere in a training
+checkpoint are left alone, as are keys matching a ``--dtype-keep`` glob.
+
+How: a storage is cast as a whole, so tensors that share it (tied weights, views) keep sharing
+it, with the same offsets, shapes and strides. A storage also used by a tensor that must not be
+cast is left alone, and the report says so. The cast itself runs in torch (``Tensor.to``),
+one storage at a time while the output is written: values are bitwise what ``tensor.to(dtype)``
+gives, and memory stays at one storage's worth.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .dtypes import DTYPE_ITEMSIZE, DTYPE_STORAGE
+from .errors import UsageError
+from .sources import ComputedSource, OpenFiles, read_all, swap_unit_for
+from .transforms import select_state_dicts
+from .tree import Global, StorageRef, TensorRef, format_path, iter_tensors, substitute
+
+CASTABLE = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass
+class CastReport:
+    dtype: str
+    tensors: int = 0
+    bytes_before: int = 0
+    bytes_after: int = 0
+    kept: list[str] = field(default_factory=list)
+    shared_with_uncast: list[str] = field(default_factory=list)
+
+
+def _cast_bytes(storage: StorageRef, target: str, files: OpenFiles) -> bytes:
+    import numpy as np
+    import torch
+
+    raw = read_all(storage.source, files)
+    if storage.byteorder == "big" and storage.itemsize > 1:
+        unit = swap_unit_for(storage.dtype)
+        raw = np.frombuffer(raw, dtype=np.uint8).reshape(-1, unit)[:, ::-1].tobytes()
+    if not raw:
+        return b""
+    source = torch.frombuffer(bytearray(raw), dtype=getattr(torch, storage.dtype))
+    return source.to(getattr(torch, target)).view(torch.uint8).numpy().tobytes()
+
+
+def _cast_storage(storage: StorageRef, target: str) -> StorageRef:
+    itemsize = DTYPE_ITEMSIZE[target]
+    return StorageRef(
+        key=storage.key,
+        storage_type=Global("torch", DTYPE_STORAGE[target]),
+        location=storage.location,
+        numel=storage.numel,
+        itemsize=itemsize,
+        dtype=target,
+        source=ComputedSource(storage.numel * itemsize, lambda files: _cast_bytes(storage, target, files)),
+    )
+
+
+def cast_floats(
+    root: Any, dtype: str, keep: Sequence[str] = (), keys: Sequence[str] = ()
+) -> tuple[Any, CastReport]:
+    """A copy of ``root`` whose state dicts' floating tensors are ``dtype``; plus what changed."""
+    if dtype not in CASTABLE:
+        raise UsageError(f"--dtype {dtype}: choose one of {', '.join(CASTABLE)}")
+    report = CastReport(dtype)
+    wanted: dict[int, TensorRef] = {}
+    names: dict[int, str] = {}
+    for path, state_dict in select_state_dicts(root, keys):
+        prefix = format_path(path)
+        for name, value in state_dict.items():
+            if not isinstance(value, TensorRef) or value.dtype not in CASTABLE or value.dtype == dtype:
+                continue
+            full = f"{prefix}.{name}" if prefix else name
+            if any(fnmatch.fnmatchcase(name, g) or fnmatch.fnmatchcase(full, g) for g in keep):
+                report.kept.append(full)
+                continue
+            wanted[id(value)] = value
+            names[id(value)] = full
+    users: dict[int, list[TensorRef]] = {}
+    for _, tensor in iter_tensors(root):
+        users.setdefault(id(tensor.storage), []).append(tensor)
+    replacements: dict[int, Any] = {}
+    for storage_id, tensors in users.items():
+        if not any(id(t) in wanted for t in tensors):
+            continue
+        if not all(id(t) in wanted for t in tensors):
+            report.shared_with_uncast += [names[id(t)] for t in tensors if id(t) in wanted]
+            continue
+        storage = tensors[0].storage
+        new_storage = _cast_storage(storage, dtype)
+        replacements[storage_id] = new_storage
+        report.bytes_before += storage.nbytes
+        report.bytes_after += new_storage.nbytes
+        for tensor in tensors:
+            if id(tensor) not in replacements:
+                replacements[id(tensor)] = replace(
+                    tensor, storage=new_storage, dtype=dtype, rebuild="v2", dtype_global=None
+                )
+                report.tensors += 1
+    return (substitute(root, replacements) if replacements else root), report
