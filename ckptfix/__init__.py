@@ -11,12 +11,15 @@ Python API (the CLI is a thin layer over these)::
     ckptfix.convert("train.ckpt", "model.safetensors",        # any format to any, with fixes
                     ckptfix.ConvertOptions(select="state_dict", strip_prefixes=["model."]))
     ckptfix.inspect_checkpoint("ddp.pth")                     # what `ckptfix inspect --json` prints
+    sd = ckptfix.load("ddp.pth", map_location="cpu")          # real tensors, like torch.load
+    ckptfix.load_into(model, "ddp.pth")                       # fits wrapper prefixes, then loads
 """
 
 from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from .api import LoadIntoReport, load, load_into
 from .checkpoint import Checkpoint, read_checkpoint
 from .errors import (
     BadInputError,
@@ -37,6 +40,7 @@ __all__ = [
     "Checkpoint",
     "CkptfixError",
     "ConvertOptions",
+    "LoadIntoReport",
     "Report",
     "StorageRef",
     "TensorRef",
@@ -49,6 +53,8 @@ __all__ = [
     "find_state_dicts",
     "fix_prefix",
     "inspect_checkpoint",
+    "load",
+    "load_into",
     "read_checkpoint",
     "strip_prefix",
     "write_checkpoint",

@@ -74,6 +74,7 @@ def cast_floats(
     report = CastReport(dtype)
     wanted: dict[int, TensorRef] = {}
     names: dict[int, str] = {}
+    kept_ids: set[int] = set()
     for path, state_dict in select_state_dicts(root, keys):
         prefix = format_path(path)
         for name, value in state_dict.items():
@@ -82,9 +83,13 @@ def cast_floats(
             full = f"{prefix}.{name}" if prefix else name
             if any(fnmatch.fnmatchcase(name, g) or fnmatch.fnmatchcase(full, g) for g in keep):
                 report.kept.append(full)
+                kept_ids.add(id(value))
                 continue
             wanted[id(value)] = value
-            names[id(value)] = full
+            names.setdefault(id(value), full)
+    for same in kept_ids.intersection(wanted):  # one tensor object under a kept and a cast name
+        report.shared_with_uncast.append(names[same])
+        del wanted[same]
     users: dict[int, list[TensorRef]] = {}
     for _, tensor in iter_tensors(root):
         users.setdefault(id(tensor.storage), []).append(tensor)
@@ -93,7 +98,7 @@ def cast_floats(
         if not any(id(t) in wanted for t in tensors):
             continue
         if not all(id(t) in wanted for t in tensors):
-            report.shared_with_uncast += [names[id(t)] for t in tensors if id(t) in wanted]
+            report.shared_with_uncast += list(dict.fromkeys(names[id(t)] for t in tensors if id(t) in wanted))
             continue
         storage = tensors[0].storage
         new_storage = _cast_storage(storage, dtype)

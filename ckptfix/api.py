@@ -1,0 +1,176 @@
+"""Python-only conveniences that hand real torch objects back: ``load`` and ``load_into``.
+
+Both read the file with ckptfix's own readers (restricted unpickler, any format), apply any
+fixes to the lazy tree, and only then let torch materialise tensors -- from a temporary .pth
+that ckptfix wrote, loaded with ``weights_only=True`` and ``mmap=True`` so the data is mapped,
+not copied. ``map_location`` is passed to ``torch.load`` untouched: every form torch accepts
+(a string, a ``torch.device``, a dict, a callable) means what it means there.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .checkpoint import Checkpoint, read_checkpoint
+from .errors import UsageError
+from .summary import WRAPPER_PREFIXES
+from .transforms import add_prefix, strip_prefix
+from .tree import find_state_dicts, format_path, get_at, resolve_path
+
+
+def _materialize(ckpt: Checkpoint, root: Any, map_location: Any, mmap: bool) -> Any:
+    import torch
+
+    if not ckpt.lazy:  # already real tensors (read through torch): let torch.load move them
+        with tempfile.TemporaryDirectory(prefix="ckptfix-load-") as tmp:
+            path = Path(tmp) / "tree.pth"
+            torch.save(root, path)
+            return torch.load(path, map_location=map_location, weights_only=False)
+    if root is ckpt.root and ckpt.archive is not None and ckpt.archive.path == ckpt.path:
+        return torch.load(ckpt.path, map_location=map_location, weights_only=True, mmap=mmap)
+    with tempfile.TemporaryDirectory(prefix="ckptfix-load-") as tmp:
+        path = Path(tmp) / "tree.pth"
+        with open(path, "wb") as out:
+            ckpt.write(root, out)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+
+
+def load(
+    path: str | os.PathLike,
+    map_location: Any = None,
+    *,
+    select: str | None = None,
+    strip_prefixes: Sequence[str] = (),
+    unsafe_load: bool = False,
+    mmap: bool = True,
+) -> Any:
+    """What ``torch.load(path, map_location=...)`` returns, for any format ckptfix reads.
+
+    The file is vetted by ckptfix's restricted reader first (a pickle global outside the
+    allow-list raises :class:`~ckptfix.UnsafeInputError` before anything runs), and may be a
+    .pth, a legacy torch file, a .safetensors file or a shard folder. ``select`` takes a
+    sub-tree (``"state_dict"``), ``strip_prefixes`` strips key prefixes on the way.
+
+    Example::
+
+        sd = ckptfix.load("ddp_8gpu.pth", map_location="cpu", strip_prefixes=["module."])
+    """
+    ckpt = read_checkpoint(path, unsafe_load=unsafe_load)
+    root = ckpt.root
+    if select:
+        found = resolve_path(root, select)
+        if found is None:
+            raise UsageError(f"select={select!r}: no such entry in {path}")
+        root = get_at(root, found)
+    for prefix in strip_prefixes:
+        root = strip_prefix(root, prefix).root
+    return _materialize(ckpt, root, map_location, mmap)
+
+
+@dataclass
+class LoadIntoReport:
+    """How a checkpoint was fitted to a model by :func:`load_into`."""
+
+    source: str
+    state_dict: str
+    stripped: list[str] = field(default_factory=list)
+    added: str = ""
+    matched: int = 0
+    missing: list[str] = field(default_factory=list)
+    unexpected: list[str] = field(default_factory=list)
+    map_location: str = ""
+
+
+def wrapper_chain(keys: Sequence[str]) -> list[str]:
+    """The wrapper prefixes every key starts with, outermost first (``_orig_mod.module.``)."""
+    chain: list[str] = []
+    rest = list(keys)
+    while rest:
+        wrapper = next((w for w in WRAPPER_PREFIXES if all(k.startswith(w) for k in rest)), None)
+        if wrapper is None:
+            break
+        chain.append(wrapper)
+        rest = [k[len(wrapper) :] for k in rest]
+    return chain
+
+
+def _fit(keys: Sequence[str], model_keys: set[str]) -> tuple[list[str], str, int]:
+    """Wrapper prefixes to strip and the one to add so ``keys`` match ``model_keys`` best."""
+    options = [([], "")]
+    ours, theirs = wrapper_chain(keys), wrapper_chain(list(model_keys))
+    distinct = list(dict.fromkeys(ours))
+    for cut in range(len(distinct) + 1):
+        options.append((distinct[:cut], "".join(theirs)))
+    best: tuple[list[str], str, int] = ([], "", -1)
+    for strips, add in options:
+        renamed = []
+        for key in keys:
+            for w in strips:  # as strip_prefix does it: repeatedly
+                while key.startswith(w):
+                    key = key[len(w) :]
+            renamed.append(key if key.startswith(add) else add + key)
+        score = len(model_keys.intersection(renamed))
+        if score > best[2]:
+            best = (strips, add, score)
+    return best
+
+
+def load_into(
+    model: Any,
+    path: str | os.PathLike,
+    *,
+    map_location: Any = None,
+    strict: bool = True,
+    select: str | None = None,
+    unsafe_load: bool = False,
+) -> LoadIntoReport:
+    """Load any checkpoint into ``model``, whatever the wrapping on either side.
+
+    Finds the state dict in the file (``state_dict``, ``model``, ``ema`` ... or ``select``),
+    works out the wrapper prefixes to strip (``module.``, ``_orig_mod.``, ``model.`` ...) and the
+    one the model itself needs (a DataParallel or compiled model wants its own), and loads onto
+    the model's device unless ``map_location`` says otherwise. Never matches keys by position.
+
+    Example::
+
+        report = ckptfix.load_into(model, "ddp_checkpoint.pth")
+        print(report.stripped, report.missing)
+    """
+    import torch
+
+    ckpt = read_checkpoint(path, unsafe_load=unsafe_load)
+    model_keys = set(model.state_dict())
+    if select:
+        found = resolve_path(ckpt.root, select)
+        if found is None:
+            raise UsageError(f"select={select!r}: no such entry in {path}")
+        candidates = [(found, get_at(ckpt.root, found))]
+    else:
+        candidates = find_state_dicts(ckpt.root)
+    if not candidates:
+        raise UsageError(f"{path}: no state dict found in the checkpoint")
+    scored = []
+    for sd_path, sd in candidates:
+        keys = [k for k in sd if isinstance(k, str)] if isinstance(sd, Mapping) else []
+        scored.append((_fit(keys, model_keys), sd_path))
+    (strips, add, matched), sd_path = max(scored, key=lambda item: item[0][2])
+    root = get_at(ckpt.root, sd_path)
+    for prefix in strips:
+        root = strip_prefix(root, prefix).root
+    if add:
+        root = add_prefix(root, add).root
+    if map_location is None:
+        first = next(iter(model.state_dict().values()), None)
+        map_location = str(first.device) if isinstance(first, torch.Tensor) else "cpu"
+    state_dict = _materialize(ckpt, root, map_location, mmap=False)
+    result = model.load_state_dict(state_dict, strict=strict)
+    return LoadIntoReport(
+        source=str(path), state_dict=format_path(sd_path) or "(top level)", stripped=list(strips), added=add,
+        matched=matched, missing=list(result.missing_keys), unexpected=list(result.unexpected_keys),
+        map_location=str(map_location),
+    )
