@@ -80,9 +80,15 @@ _IN_OUT = _apply([
 #: the options every writing command shares (one pipeline: ckptfix.ops.convert)
 _PIPELINE = _apply([
     click.option("--select", metavar="PATH", help="Use this sub-tree as the checkpoint, e.g. state_dict or ema."),
+    click.option("--drop", multiple=True, metavar="GLOB",
+                 help="Drop entries whose dotted path (or state-dict key) matches, e.g. optimizer or 'ema.*'."),
+    click.option("--keep", multiple=True, metavar="GLOB",
+                 help="In state dicts, keep only keys matching GLOB, e.g. 'backbone.*' (repeatable)."),
     click.option("--strip-prefix", "strip_prefixes", multiple=True, metavar="P",
                  help="Strip this key prefix (repeatable; applied in order)."),
     click.option("--add-prefix", metavar="P", help="Add this key prefix to keys lacking it."),
+    click.option("--rename", multiple=True, metavar="RULE",
+                 help="Rename state-dict keys: 'REGEX=>REPLACEMENT' (Python re, backrefs; repeatable, in order)."),
     click.option("--key", "keys", multiple=True, metavar="PATH",
                  help="Only rename keys of the state dict(s) at or under this dotted path (repeatable)."),
     click.option("--map-location", "map_location", multiple=True, metavar="SPEC",
@@ -118,7 +124,7 @@ def _run(command: str, in_path: str, out_path: str | None, as_json: bool, **kw: 
     """Build the options, run the pipeline with a progress bar on a terminal, print the report."""
     from .ops import ConvertOptions, convert
 
-    prefix, strict = kw.pop("prefix", None), kw.pop("strict", False)
+    prefix, strict, kw_rules = kw.pop("prefix", None), kw.pop("strict", False), kw.pop("rules", ())
     kw["map_location"] = ",".join(kw["map_location"]) or None
     opts = ConvertOptions(**kw, strict=strict)
     if command == "strip-module":
@@ -126,6 +132,14 @@ def _run(command: str, in_path: str, out_path: str | None, as_json: bool, **kw: 
         opts.require_change = True
     elif command == "add-module":
         opts.add_prefix = prefix
+        opts.require_change = True
+    elif command == "rename":
+        opts.rename = [*kw_rules, *opts.rename]
+        if not opts.rename:
+            raise click.UsageError("rename needs at least one --rule 'REGEX=>REPLACEMENT'")
+        opts.require_change = True
+    elif command == "prune":
+        opts.prune = True
         opts.require_change = True
     elif command == "remap":
         if not opts.map_location:
@@ -241,6 +255,47 @@ def remap(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
     """
     kw["prefix"] = None
     return _run("remap", in_path, out_path, as_json, **kw)
+
+
+@cli.command("rename", context_settings=_CONTEXT)
+@_IN_OUT
+@click.option("--rule", "rules", multiple=True, metavar="RULE",
+              help="'REGEX=>REPLACEMENT', Python re syntax with backrefs; repeatable, applied in order.")
+@click.option("--strict", is_flag=True, help="Exit 1 when no key matches.")
+@_PIPELINE
+def rename(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
+    """Rename state-dict keys with regular expressions (like mmengine's revise_keys).
+
+    Rules apply in order to every state-dict key (or those under --key). A rename that would
+    give two keys the same name is an error naming both; --dry-run prints old -> new.
+
+    \b
+    Examples:
+      ckptfix rename in.pth out.pth --rule '^backbone\\.=>encoder.'
+      ckptfix rename in.pth out.pth --rule '^(\\w+)\\.conv(\\d)=>\\1.convs.\\2' --dry-run
+    """
+    kw["prefix"] = None
+    return _run("rename", in_path, out_path, as_json, **kw)
+
+
+@cli.command("prune", context_settings=_CONTEXT)
+@_IN_OUT
+@click.option("--strict", is_flag=True, help="Exit 1 when there is nothing to prune.")
+@_PIPELINE
+def prune(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
+    """Keep only the weights: drop optimizer, scheduler, loop, callback, AMP and RNG state.
+
+    State dicts (EMA copies included) and small values (epoch, config) stay; the report says
+    how many bytes of tensors were dropped. Combine with --select state_dict to keep just the
+    weights, or --drop for more.
+
+    \b
+    Examples:
+      ckptfix prune train.ckpt weights.ckpt
+      ckptfix prune train.pth weights.safetensors --select model
+    """
+    kw["prefix"] = None
+    return _run("prune", in_path, out_path, as_json, **kw)
 
 
 @cli.command("inspect", context_settings=_CONTEXT)

@@ -2,8 +2,9 @@
 
 Every writing command is one pipeline::
 
-    read (any format) -> --select -> --strip-prefix ... -> --add-prefix -> --map-location
-        -> --dtype -> write (format from OUT or --format: .pth, .safetensors, a shard folder)
+    read (any format) -> --select -> --drop/--keep/prune -> --strip-prefix ... -> --add-prefix
+        -> --rename ... -> --map-location -> --dtype
+        -> write (format from OUT or --format: .pth, .safetensors, a shard folder, dcp)
 
 ``strip-module`` and ``add-module`` are this pipeline with one prefix step, and they write
 nothing when no key changes.
@@ -27,8 +28,9 @@ from .formats.dcp import write_dcp
 from .formats.safetensors import plan_safetensors, write_safetensors, write_safetensors_from_torch
 from .formats.sharded import parse_size, write_sharded
 from .output import atomic_output, check_destination
+from .selection import filter_tree, prune_patterns
 from .summary import describe_tree, summarize
-from .transforms import add_prefix, normalize_prefix, strip_prefix
+from .transforms import add_prefix, normalize_prefix, parse_rule, rename_keys, strip_prefix
 from .tree import find_state_dicts, format_path, get_at, is_tensor_like, iter_tensors, resolve_path
 
 PTH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".tar", ".pkl", ".model")
@@ -43,8 +45,12 @@ class ConvertOptions:
     """Everything a writing command can be asked to do; the defaults change nothing."""
 
     select: str | None = None
+    drop: Sequence[str] = ()
+    keep: Sequence[str] = ()
+    prune: bool = False
     strip_prefixes: Sequence[str] = ()
     add_prefix: str | None = None
+    rename: Sequence[str] = ()
     keys: Sequence[str] = ()
     map_location: str | None = None
     dtype: str | None = None
@@ -75,6 +81,8 @@ class Report:
     renamed: int = 0
     state_dicts: list[dict[str, Any]] = field(default_factory=list)
     selected: str | None = None
+    dropped: list[str] = field(default_factory=list)
+    bytes_dropped: int = 0
     devices: dict[str, int] = field(default_factory=dict)
     cast: dict[str, Any] = field(default_factory=dict)
     tensors: int = 0
@@ -195,6 +203,8 @@ def convert(
     kind, file_format = output_target(out_path, opts.out_format, max_bytes)
     if opts.map_location:
         parse_map_location(opts.map_location)  # a bad SPEC is a usage error before any reading
+    for rule in opts.rename:
+        parse_rule(rule)
     if not opts.dry_run and kind == "file":
         check_destination(in_path, out_path, overwrite=opts.force, in_place=opts.in_place)
     started = time.perf_counter()
@@ -205,6 +215,11 @@ def convert(
         notes=list(ckpt.notes), selected=opts.select,
     )
     root = _select(ckpt, opts.select) if opts.select else ckpt.root
+    drop = list(opts.drop) + (prune_patterns(root) if opts.prune else [])
+    if drop or opts.keep:
+        root, selection = filter_tree(root, drop, opts.keep)
+        report.dropped = selection.dropped
+        report.bytes_dropped = selection.bytes_before - selection.bytes_after
     for prefix in opts.strip_prefixes:
         result = strip_prefix(root, prefix, opts.keys)
         root = result.root
@@ -216,6 +231,11 @@ def convert(
         report.state_dicts += [c.to_dict() | {"change": f"add {normalize_prefix(opts.add_prefix)!r}"}
                                for c in result.changes]
         report.renamed += result.renamed
+    if opts.rename:
+        result = rename_keys(root, opts.rename, opts.keys)
+        root = result.root
+        report.state_dicts += [c.to_dict() | {"change": "rename by rules"} for c in result.changes]
+        report.renamed += result.renamed
     if opts.map_location:
         if not ckpt.lazy:
             raise UsageError(f"--map-location cannot be applied to a {ckpt.format} file read through torch")
@@ -225,7 +245,8 @@ def convert(
             raise UsageError(f"--dtype cannot be applied to a {ckpt.format} file read through torch")
         root, cast = cast_floats(root, opts.dtype, opts.dtype_keep, opts.keys)
         report.cast = asdict(cast)
-    if opts.require_change and report.renamed == 0 and not report.devices and not report.cast.get("tensors"):
+    changed = report.renamed or report.devices or report.cast.get("tensors") or report.dropped
+    if opts.require_change and not changed:
         report.message = _nothing_to_do(ckpt, report, opts)
         report.seconds = time.perf_counter() - started
         if opts.strict:
@@ -237,10 +258,14 @@ def convert(
 
 
 def _nothing_to_do(ckpt: Checkpoint, report: Report, opts: ConvertOptions) -> str:
-    if not report.state_dicts and (opts.strip_prefixes or opts.add_prefix):
+    if not report.state_dicts and (opts.strip_prefixes or opts.add_prefix or opts.rename):
         layout = ", ".join(e["path"] for e in describe_tree(ckpt.root)[:8])
         return f"{report.input}: found no state dict to change (layout: {layout}); nothing written"
-    if opts.dtype and not opts.strip_prefixes and not opts.add_prefix and not opts.map_location:
+    if opts.prune and not (opts.strip_prefixes or opts.add_prefix or opts.rename):
+        why = "nothing to prune: no optimizer, scheduler, loop or callback state"
+    elif opts.rename and not (opts.strip_prefixes or opts.add_prefix):
+        why = "no key matches the rename rules"
+    elif opts.dtype and not opts.strip_prefixes and not opts.add_prefix and not opts.map_location:
         why = f"no floating-point state-dict tensor to cast to {opts.dtype}"
     elif opts.map_location and not opts.strip_prefixes and not opts.add_prefix:
         why = f"no device tag changes under --map-location {opts.map_location}"
@@ -305,11 +330,13 @@ def _write(
 
 def _describe_changes(report: Report) -> str:
     parts = []
+    if report.dropped:
+        parts.append(f"dropped {len(report.dropped)} entries ({report.bytes_dropped} bytes of tensors)")
     for change in report.state_dicts:
         if change["renamed"]:
-            verb, prefix = change["change"].split(" ", 1)
-            parts.append(f"{'stripped' if verb == 'strip' else 'added'} {prefix} on "
-                         f"{change['renamed']}/{change['keys']} keys in {change['path'] or '(top level)'}")
+            verb, what = change["change"].split(" ", 1)
+            done = {"strip": f"stripped {what} on", "add": f"added {what} on", "rename": "renamed"}[verb]
+            parts.append(f"{done} {change['renamed']}/{change['keys']} keys in {change['path'] or '(top level)'}")
     parts += [f"moved {n} storages {move}" for move, n in report.devices.items()]
     if report.cast.get("tensors"):
         cast = report.cast

@@ -10,6 +10,7 @@ make two keys collide is an error instead of silently dropping one tensor.
 
 from __future__ import annotations
 
+import re
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -90,10 +91,11 @@ def select_state_dicts(root: Any, keys: Sequence[str] = ()) -> list[tuple[Path, 
 
 def _check_collisions(originals: list[str], new_keys: list[str], prefix: str, verb: str) -> None:
     first: dict[str, str] = {}
+    what = prefix if prefix.startswith("the ") else repr(prefix)
     for original, new in zip(originals, new_keys):
         if new in first:
             raise CheckFailedError(
-                f"{verb} {prefix!r} would give two keys the same name {new!r}: "
+                f"{verb} {what} would give two keys the same name {new!r}: "
                 f"{first[new]!r} and {original!r}; nothing was written",
                 hint="rename or drop one of them first, or restrict the change with --key",
             )
@@ -164,6 +166,64 @@ def _apply(root: Any, prefix: str, keys: Sequence[str], one: Any) -> TransformRe
         if id(state_dict) in replacements:
             continue  # the same object reached twice (e.g. by --key and by a parent)
         new_sd, renamed = one(state_dict, prefix)
+        changes.append(StateDictChange(format_path(path), len(state_dict), renamed))
+        if renamed:
+            replacements[id(state_dict)] = new_sd
+    return TransformResult(substitute(root, replacements) if replacements else root, changes)
+
+
+def parse_rule(rule: str) -> tuple[re.Pattern[str], str]:
+    """``REGEX=>REPLACEMENT`` (Python ``re`` syntax, backrefs as ``\\1`` or ``\\g<name>``)."""
+    if "=>" not in rule:
+        raise UsageError(f"invalid rename rule {rule!r}: write REGEX=>REPLACEMENT, e.g. '^backbone\\.=>encoder.'")
+    pattern, replacement = rule.split("=>", 1)
+    try:
+        compiled = re.compile(pattern)
+        compiled.sub(replacement, "")  # bad backrefs show up only when used
+    except re.error as exc:
+        raise UsageError(f"invalid rename rule {rule!r}: {exc}") from exc
+    return compiled, replacement
+
+
+def _rename_one(state_dict: Mapping, rules: Sequence[tuple[re.Pattern[str], str]]) -> tuple[Mapping, list]:
+    def apply(key: str) -> str:
+        for pattern, replacement in rules:
+            try:
+                key = pattern.sub(replacement, key)
+            except (re.error, IndexError) as exc:
+                raise UsageError(f"rename rule {pattern.pattern!r}=>{replacement!r} fails on {key!r}: {exc}") from exc
+        return key
+
+    originals = list(state_dict.keys())
+    current = [apply(k) if isinstance(k, str) else k for k in originals]
+    _check_collisions(originals, current, "the rename rules", "applying")
+    renamed = [(old, new) for old, new in zip(originals, current) if old != new]
+    if not renamed:
+        return state_dict, []
+    new_sd = copy_mapping(state_dict, zip(current, state_dict.values()))
+    metadata = getattr(state_dict, "_metadata", None)
+    if isinstance(metadata, dict):
+        # a module path is the prefix of its keys: rename "path." the way its keys are renamed
+        renamed_meta = type(metadata)()
+        for key, value in metadata.items():
+            new_key = apply(key + ".")[:-1] if key and apply(key + ".").endswith(".") else key
+            renamed_meta.setdefault(new_key, value)
+        new_sd._metadata = renamed_meta  # type: ignore[attr-defined]
+    return new_sd, renamed
+
+
+def rename_keys(root: Any, rules: Sequence[str], keys: Sequence[str] = ()) -> TransformResult:
+    """Apply ``REGEX=>REPLACEMENT`` rules, in order, to every state-dict key (like mmengine's
+    ``revise_keys``). Each ``_metadata`` module path is renamed as ``path + "."`` would be (the
+    prefix its keys share), so versioned modules such as BatchNorm keep their versions.
+    Raises :class:`~ckptfix.errors.CheckFailedError` if two keys would end up the same."""
+    compiled = [parse_rule(r) for r in rules]
+    changes: list[StateDictChange] = []
+    replacements: dict[int, Any] = {}
+    for path, state_dict in select_state_dicts(root, keys):
+        if id(state_dict) in replacements:
+            continue
+        new_sd, renamed = _rename_one(state_dict, compiled)
         changes.append(StateDictChange(format_path(path), len(state_dict), renamed))
         if renamed:
             replacements[id(state_dict)] = new_sd

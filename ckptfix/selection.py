@@ -1,0 +1,105 @@
+"""``--drop`` / ``--keep`` and the ``prune`` preset: choose which parts of a checkpoint to write.
+
+Patterns are shell globs (``fnmatch``), matched against
+
+* the dotted path of any entry of the tree (``optimizer_state_dict``, ``ema``,
+  ``optimizer_states.0``, ``state_dict.backbone.conv1.weight``), and
+* inside a state dict, the key itself (``backbone.*``, ``*.num_batches_tracked``).
+
+``--drop`` removes every matching entry, wherever it is. ``--keep`` filters state-dict keys:
+in each state dict only the keys matching a keep pattern stay; the rest of the tree is
+untouched (use ``--select`` to write just one sub-tree). Dropped tensors' storages are simply
+not written, so the output shrinks by their bytes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .tree import copy_mapping, find_state_dicts, format_path, is_optimizer_state, iter_storages
+
+#: entries a training loop saves besides the weights (Lightning, plain PyTorch, timm, mmengine...)
+TRAINING_STATE = (
+    "optimizer", "optimizers", "optimizer_state", "optimizer_states", "optimizer_state_dict", "optim",
+    "optim_state", "opt", "opt_state", "lr_scheduler", "lr_schedulers", "scheduler", "schedulers",
+    "scheduler_state_dict", "loops", "callbacks", "scaler", "grad_scaler", "amp", "amp_scaling_state",
+    "native_amp_scaling_state", "MixedPrecision", "rng_state", "rng_states", "message_hub",
+)
+
+
+@dataclass
+class SelectionReport:
+    dropped: list[str] = field(default_factory=list)
+    bytes_before: int = 0
+    bytes_after: int = 0
+
+
+def _matches(patterns: Sequence[str], *names: str) -> bool:
+    return any(fnmatch.fnmatchcase(name, p) for p in patterns for name in names)
+
+
+def filter_tree(root: Any, drop: Sequence[str] = (), keep: Sequence[str] = ()) -> tuple[Any, SelectionReport]:
+    """A copy of ``root`` without the entries ``drop`` matches and the state-dict keys ``keep`` does not."""
+    report = SelectionReport(bytes_before=sum(s.nbytes for s in iter_storages(root)))
+    state_dict_ids = {id(sd) for _, sd in find_state_dicts(root)}
+    done: dict[int, Any] = {}
+
+    def rebuild(value: Any, path: tuple) -> Any:
+        if id(value) in done:
+            return done[id(value)]
+        if not isinstance(value, (Mapping, list, tuple)):
+            return value
+        in_state_dict = id(value) in state_dict_ids
+        items = list(value.items()) if isinstance(value, Mapping) else list(enumerate(value))
+        kept_items, changed = [], False
+        for key, item in items:
+            full = format_path(path + (key,))
+            relative = str(key)
+            names = (full, relative) if in_state_dict else (full,)
+            if _matches(drop, *names) or (in_state_dict and keep and not _matches(keep, *names)):
+                report.dropped.append(full)
+                changed = True
+                continue
+            new = rebuild(item, path + (key,))
+            changed |= new is not item
+            kept_items.append((key, new))
+        if not changed:
+            result = value
+        elif isinstance(value, Mapping):
+            result = copy_mapping(value, kept_items)
+        else:
+            result = type(value)(v for _, v in kept_items)
+        done[id(value)] = result
+        return result
+
+    new_root = rebuild(root, ())
+    report.bytes_after = sum(s.nbytes for s in iter_storages(new_root))
+    return new_root, report
+
+
+def _escape(text: str) -> str:
+    return "".join(f"[{c}]" if c in "*?[" else c for c in text)
+
+
+def prune_patterns(root: Any) -> list[str]:
+    """Exact ``--drop`` paths that leave only the weights: entries named like training state
+    (optimizer, schedulers, loops, callbacks, AMP scaler, RNG state) and every sub-tree shaped
+    like an optimizer state. State dicts (the weights, EMA included) are never entered."""
+    state_dict_ids = {id(sd) for _, sd in find_state_dicts(root)}
+    patterns: list[str] = []
+    stack: list[tuple[tuple, Any]] = [((), root)]
+    while stack:
+        path, value = stack.pop()
+        if id(value) in state_dict_ids:
+            continue
+        if path and ((isinstance(path[-1], str) and path[-1] in TRAINING_STATE) or is_optimizer_state(value)):
+            patterns.append(_escape(format_path(path)))
+            continue
+        if isinstance(value, Mapping):
+            stack.extend((path + (k,), v) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((path + (i,), v) for i, v in enumerate(value))
+    return patterns
