@@ -11,16 +11,16 @@ from __future__ import annotations
 
 import os
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .checkpoint import Checkpoint, read_checkpoint
 from .errors import UsageError
-from .summary import WRAPPER_PREFIXES
+from .fitting import best_fit, shapes_of
 from .transforms import add_prefix, strip_prefix
-from .tree import find_state_dicts, format_path, get_at, resolve_path
+from .tree import format_path, get_at, resolve_path
 
 
 def _materialize(ckpt: Checkpoint, root: Any, map_location: Any, mmap: bool) -> Any:
@@ -86,40 +86,6 @@ class LoadIntoReport:
     map_location: str = ""
 
 
-def wrapper_chain(keys: Sequence[str]) -> list[str]:
-    """The wrapper prefixes every key starts with, outermost first (``_orig_mod.module.``)."""
-    chain: list[str] = []
-    rest = list(keys)
-    while rest:
-        wrapper = next((w for w in WRAPPER_PREFIXES if all(k.startswith(w) for k in rest)), None)
-        if wrapper is None:
-            break
-        chain.append(wrapper)
-        rest = [k[len(wrapper) :] for k in rest]
-    return chain
-
-
-def _fit(keys: Sequence[str], model_keys: set[str]) -> tuple[list[str], str, int]:
-    """Wrapper prefixes to strip and the one to add so ``keys`` match ``model_keys`` best."""
-    options = [([], "")]
-    ours, theirs = wrapper_chain(keys), wrapper_chain(list(model_keys))
-    distinct = list(dict.fromkeys(ours))
-    for cut in range(len(distinct) + 1):
-        options.append((distinct[:cut], "".join(theirs)))
-    best: tuple[list[str], str, int] = ([], "", -1)
-    for strips, add in options:
-        renamed = []
-        for key in keys:
-            for w in strips:  # as strip_prefix does it: repeatedly
-                while key.startswith(w):
-                    key = key[len(w) :]
-            renamed.append(key if key.startswith(add) else add + key)
-        score = len(model_keys.intersection(renamed))
-        if score > best[2]:
-            best = (strips, add, score)
-    return best
-
-
 def load_into(
     model: Any,
     path: str | os.PathLike,
@@ -144,33 +110,25 @@ def load_into(
     import torch
 
     ckpt = read_checkpoint(path, unsafe_load=unsafe_load)
-    model_keys = set(model.state_dict())
     if select:
         found = resolve_path(ckpt.root, select)
         if found is None:
             raise UsageError(f"select={select!r}: no such entry in {path}")
-        candidates = [(found, get_at(ckpt.root, found))]
+        plan = best_fit(ckpt.root, shapes_of(model.state_dict()), found, get_at(ckpt.root, found))
     else:
-        candidates = find_state_dicts(ckpt.root)
-    if not candidates:
-        raise UsageError(f"{path}: no state dict found in the checkpoint")
-    scored = []
-    for sd_path, sd in candidates:
-        keys = [k for k in sd if isinstance(k, str)] if isinstance(sd, Mapping) else []
-        scored.append((_fit(keys, model_keys), sd_path))
-    (strips, add, matched), sd_path = max(scored, key=lambda item: item[0][2])
-    root = get_at(ckpt.root, sd_path)
-    for prefix in strips:
+        plan = best_fit(ckpt.root, shapes_of(model.state_dict()))
+    root = get_at(ckpt.root, plan.state_dict)
+    for prefix in plan.strips:
         root = strip_prefix(root, prefix).root
-    if add:
-        root = add_prefix(root, add).root
+    if plan.add:
+        root = add_prefix(root, plan.add).root
     if map_location is None:
         first = next(iter(model.state_dict().values()), None)
         map_location = str(first.device) if isinstance(first, torch.Tensor) else "cpu"
     state_dict = _materialize(ckpt, root, map_location, mmap=False)
     result = model.load_state_dict(state_dict, strict=strict)
     return LoadIntoReport(
-        source=str(path), state_dict=format_path(sd_path) or "(top level)", stripped=list(strips), added=add,
-        matched=matched, missing=list(result.missing_keys), unexpected=list(result.unexpected_keys),
-        map_location=str(map_location),
+        source=str(path), state_dict=format_path(plan.state_dict) or "(top level)", stripped=list(plan.strips),
+        added=plan.add, matched=plan.matched, missing=list(result.missing_keys),
+        unexpected=list(result.unexpected_keys), map_location=str(map_location),
     )

@@ -298,6 +298,100 @@ def prune(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
     return _run("prune", in_path, out_path, as_json, **kw)
 
 
+@cli.command("fit", context_settings=_CONTEXT)
+@_IN_OUT
+@click.option("--reference", metavar="REF", type=click.Path(), help="A checkpoint whose keys to match (any format).")
+@click.option("--model", metavar="MODULE:CALLABLE",
+              help="Match the state dict of MODULE:CALLABLE() (imported and called only because you name it).")
+@click.option("--select", metavar="PATH", help="The state dict to fit (default: the one that fits best).")
+@click.option("--allow-partial", is_flag=True,
+              help="Write even when keys stay missing/unexpected (those and wrong-shaped keys are left out).")
+@click.option("--format", "out_format", type=click.Choice(["pth", "safetensors"]), help="Output format.")
+@click.option("--dry-run", is_flag=True, help="Report the plan; write nothing.")
+@click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
+@click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
+    """Make a checkpoint's state dict match a model's keys, and write just that state dict.
+
+    Works out which wrapper prefixes to strip (module., _orig_mod., model., nested) or which
+    common prefix differs, applies it, and reports keys still missing or unexpected and shape
+    mismatches. Exit 0 only when OUT loads with strict=True; otherwise exit 1, and OUT is
+    written only with --allow-partial. Keys are never matched by position.
+
+    \b
+    Examples:
+      ckptfix fit ddp.pth fixed.pth --reference bare_model.pth
+      ckptfix fit train.ckpt weights.safetensors --model mypkg.models:build_model
+      ckptfix fit pretrained.pth init.pth --reference new_head.pth --allow-partial
+    """
+    from .ops import fit_checkpoint
+
+    plan, report = fit_checkpoint(in_path, out_path, **kw)
+    if as_json:
+        _emit_json({"plan": plan.to_dict(), "write": report.to_dict() if report else None})
+    else:
+        click.echo(_describe_fit(plan))
+        click.echo(report.message if report else "nothing written: the result would not load with strict=True "
+                   "(use --allow-partial to write the keys that fit)")
+    return 0 if plan.loads_strictly else 1
+
+
+def _describe_fit(plan: Any) -> str:
+    steps = [f"strip {p!r}" for p in plan.strips] + ([f"add {plan.add!r}"] if plan.add else [])
+    lines = [f"fit: {', '.join(steps) or 'no renaming needed'}; {plan.matched} keys match the reference"]
+    if plan.missing:
+        lines.append(f"missing ({len(plan.missing)}): {', '.join(plan.missing[:20])}")
+    if plan.missing_num_batches_tracked:
+        lines.append(f"missing num_batches_tracked ({len(plan.missing_num_batches_tracked)}): BatchNorm fills "
+                     "these in when loading; not an error")
+    if plan.unexpected:
+        lines.append(f"unexpected ({len(plan.unexpected)}): {', '.join(plan.unexpected[:20])}")
+    for m in plan.shape_mismatches[:20]:
+        lines.append(f"shape mismatch: {m['key']}: checkpoint {m['checkpoint']} vs reference {m['reference']}")
+    return "\n".join(lines)
+
+
+@cli.command("diff", context_settings=_CONTEXT)
+@click.argument("a_path", metavar="A", type=click.Path())
+@click.argument("b_path", metavar="B", type=click.Path())
+@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance (torch.isclose).")
+@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance (torch.isclose).")
+@click.option("--select", metavar="PATH", help="Compare this sub-tree of A (e.g. state_dict).")
+@click.option("--select-b", metavar="PATH", help="Compare this sub-tree of B.")
+@click.option("--strip-prefix", "strip_prefixes", multiple=True, metavar="P",
+              help="Strip this prefix from A's keys first.")
+@click.option("--add-prefix", metavar="P", help="Add this prefix to A's keys first.")
+@click.option("--rename", multiple=True, metavar="RULE", help="Rename A's keys first: 'REGEX=>REPLACEMENT'.")
+@click.option("--drop", multiple=True, metavar="GLOB", help="Leave entries of A matching GLOB out of the comparison.")
+@click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def diff_command(a_path: str, b_path: str, rtol: float, atol: float, select_b: str | None, as_json: bool,
+                 **kw: Any) -> int:
+    """Compare two checkpoints of any formats: keys, shapes, dtypes and values.
+
+    Tensors are compared one at a time by their bytes (exact, NaN-aware); differing ones are
+    measured (max abs/rel difference, count of differing elements). Transform A first to check a
+    fix. Exit 0 when equal (within --rtol/--atol), 1 when different.
+
+    \b
+    Examples:
+      ckptfix diff model.pth model.safetensors
+      ckptfix diff ddp.pth bare.pth --strip-prefix module.
+      ckptfix diff train.ckpt weights.safetensors --select state_dict --strip-prefix model. --json
+      ckptfix diff a.pth b.pth --rtol 1e-3 --atol 1e-5
+    """
+    from .diffing import render
+    from .ops import ConvertOptions, diff_checkpoints
+
+    report = diff_checkpoints(a_path, b_path, ConvertOptions(**kw), select_b=select_b, rtol=rtol, atol=atol)
+    if as_json:
+        _emit_json(report.to_dict())
+    else:
+        click.echo(render(report))
+    return 0 if report.equal else 1
+
+
 @cli.command("inspect", context_settings=_CONTEXT)
 @click.argument("path", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")

@@ -23,7 +23,9 @@ from typing import Any
 from .casting import cast_floats
 from .checkpoint import Checkpoint, read_checkpoint
 from .devices import parse_map_location, remap_devices
+from .diffing import DiffReport, diff_trees
 from .errors import CannotWriteError, CheckFailedError, UsageError
+from .fitting import FitPlan, best_fit, reference_from_model, shapes_of
 from .formats.dcp import write_dcp
 from .formats.safetensors import plan_safetensors, write_safetensors, write_safetensors_from_torch
 from .formats.sharded import parse_size, write_sharded
@@ -172,6 +174,43 @@ def flat_state_dict(root: Any, original: Any, keep_metadata: bool) -> tuple[dict
     return tensors, metadata
 
 
+def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> Any:
+    """Run the transform steps of the pipeline on ``ckpt``'s tree; record them in ``report``."""
+    root = _select(ckpt, opts.select) if opts.select else ckpt.root
+    drop = list(opts.drop) + (prune_patterns(root) if opts.prune else [])
+    if drop or opts.keep:
+        root, selection = filter_tree(root, drop, opts.keep)
+        report.dropped = selection.dropped
+        report.bytes_dropped = selection.bytes_before - selection.bytes_after
+    for prefix in opts.strip_prefixes:
+        result = strip_prefix(root, prefix, opts.keys)
+        root = result.root
+        report.state_dicts += [c.to_dict() | {"change": f"strip {normalize_prefix(prefix)!r}"}
+                               for c in result.changes]
+        report.renamed += result.renamed
+    if opts.add_prefix:
+        result = add_prefix(root, opts.add_prefix, opts.keys)
+        root = result.root
+        report.state_dicts += [c.to_dict() | {"change": f"add {normalize_prefix(opts.add_prefix)!r}"}
+                               for c in result.changes]
+        report.renamed += result.renamed
+    if opts.rename:
+        result = rename_keys(root, opts.rename, opts.keys)
+        root = result.root
+        report.state_dicts += [c.to_dict() | {"change": "rename by rules"} for c in result.changes]
+        report.renamed += result.renamed
+    if opts.map_location:
+        if not ckpt.lazy:
+            raise UsageError(f"--map-location cannot be applied to a {ckpt.format} file read through torch")
+        root, report.devices = remap_devices(root, opts.map_location)
+    if opts.dtype:
+        if not ckpt.lazy:
+            raise UsageError(f"--dtype cannot be applied to a {ckpt.format} file read through torch")
+        root, cast = cast_floats(root, opts.dtype, opts.dtype_keep, opts.keys)
+        report.cast = asdict(cast)
+    return root
+
+
 def convert(
     in_path: str | os.PathLike,
     out_path: str | os.PathLike | None = None,
@@ -214,37 +253,7 @@ def convert(
         output_format=file_format if kind == "file" else f"sharded {file_format}", dry_run=opts.dry_run,
         notes=list(ckpt.notes), selected=opts.select,
     )
-    root = _select(ckpt, opts.select) if opts.select else ckpt.root
-    drop = list(opts.drop) + (prune_patterns(root) if opts.prune else [])
-    if drop or opts.keep:
-        root, selection = filter_tree(root, drop, opts.keep)
-        report.dropped = selection.dropped
-        report.bytes_dropped = selection.bytes_before - selection.bytes_after
-    for prefix in opts.strip_prefixes:
-        result = strip_prefix(root, prefix, opts.keys)
-        root = result.root
-        report.state_dicts += [c.to_dict() | {"change": f"strip {normalize_prefix(prefix)!r}"} for c in result.changes]
-        report.renamed += result.renamed
-    if opts.add_prefix:
-        result = add_prefix(root, opts.add_prefix, opts.keys)
-        root = result.root
-        report.state_dicts += [c.to_dict() | {"change": f"add {normalize_prefix(opts.add_prefix)!r}"}
-                               for c in result.changes]
-        report.renamed += result.renamed
-    if opts.rename:
-        result = rename_keys(root, opts.rename, opts.keys)
-        root = result.root
-        report.state_dicts += [c.to_dict() | {"change": "rename by rules"} for c in result.changes]
-        report.renamed += result.renamed
-    if opts.map_location:
-        if not ckpt.lazy:
-            raise UsageError(f"--map-location cannot be applied to a {ckpt.format} file read through torch")
-        root, report.devices = remap_devices(root, opts.map_location)
-    if opts.dtype:
-        if not ckpt.lazy:
-            raise UsageError(f"--dtype cannot be applied to a {ckpt.format} file read through torch")
-        root, cast = cast_floats(root, opts.dtype, opts.dtype_keep, opts.keys)
-        report.cast = asdict(cast)
+    root = apply_transforms(ckpt, opts, report)
     changed = report.renamed or report.devices or report.cast.get("tensors") or report.dropped
     if opts.require_change and not changed:
         report.message = _nothing_to_do(ckpt, report, opts)
@@ -394,3 +403,75 @@ def write_checkpoint(
 def inspect_checkpoint(path: str | os.PathLike, *, unsafe_load: bool = False) -> dict[str, Any]:
     """The ``inspect`` report as plain data; reads structure only, never tensor data."""
     return summarize(read_checkpoint(path, unsafe_load=unsafe_load))
+
+
+def diff_checkpoints(
+    a_path: str | os.PathLike,
+    b_path: str | os.PathLike,
+    options: ConvertOptions | None = None,
+    *,
+    select_b: str | None = None,
+    rtol: float = 0.0,
+    atol: float = 0.0,
+) -> DiffReport:
+    """Compare two checkpoints of any formats; ``options`` transforms A first (e.g. strip
+    ``module.``) so a fix can be checked against a reference. Tensors are read one at a time."""
+    opts = options or ConvertOptions()
+    a = read_checkpoint(a_path, unsafe_load=opts.unsafe_load)
+    b = read_checkpoint(b_path, unsafe_load=opts.unsafe_load)
+    scratch = Report("diff", str(a_path), None, a.format, b.format, dry_run=True)
+    root_a = apply_transforms(a, opts, scratch)
+    root_b = _select(b, select_b) if select_b else b.root
+    return diff_trees(root_a, root_b, a_name=str(a_path), b_name=str(b_path), rtol=rtol, atol=atol)
+
+
+def fit_checkpoint(
+    in_path: str | os.PathLike,
+    out_path: str | os.PathLike | None,
+    *,
+    reference: str | os.PathLike | None = None,
+    model: str | None = None,
+    select: str | None = None,
+    allow_partial: bool = False,
+    dry_run: bool = False,
+    force: bool = False,
+    unsafe_load: bool = False,
+    out_format: str | None = None,
+) -> tuple[FitPlan, Report | None]:
+    """Make ``in_path``'s state dict match a reference's keys, and write it to ``out_path``.
+
+    The reference is a checkpoint file (``reference``) or ``model="pkg.module:callable"``,
+    imported and called only because it is named. Writes only when the result would load
+    with ``strict=True``, or with ``allow_partial`` (then unexpected and wrong-shaped keys
+    are left out, so ``load_state_dict(strict=False)`` accepts the file).
+    Returns the plan and the write report (None when nothing was written).
+    """
+    if (reference is None) == (model is None):
+        raise UsageError("give exactly one of --reference FILE or --model package.module:callable")
+    if model is not None:
+        ref_shapes = reference_from_model(model)
+    else:
+        ref = read_checkpoint(reference, unsafe_load=unsafe_load)
+        found = find_state_dicts(ref.root)
+        if not found:
+            raise UsageError(f"{reference}: no state dict found in the reference")
+        ref_shapes = shapes_of(max(found, key=lambda item: len(item[1]))[1])
+    ckpt = read_checkpoint(in_path, unsafe_load=unsafe_load)
+    if select:
+        path = resolve_path(ckpt.root, select)
+        if path is None:
+            raise UsageError(f"--select {select}: no such entry")
+        plan = best_fit(ckpt.root, ref_shapes, path, get_at(ckpt.root, path))
+    else:
+        plan = best_fit(ckpt.root, ref_shapes)
+    if not plan.loads_strictly and not allow_partial:
+        return plan, None
+    drop: list[str] = []
+    if allow_partial:
+        bad = set(plan.unexpected) | {m["key"] for m in plan.shape_mismatches}
+        drop = ["".join(f"[{c}]" if c in "*?[" else c for c in plan.renamed[k]) for k in sorted(bad)]
+    opts = ConvertOptions(
+        select=format_path(plan.state_dict) or None, drop=drop, strip_prefixes=plan.strips,
+        add_prefix=plan.add or None, dry_run=dry_run, force=force, unsafe_load=unsafe_load, out_format=out_format,
+    )
+    return plan, convert(in_path, out_path, opts, command="fit")

@@ -218,3 +218,31 @@ def swap_unit_for(dtype: str) -> int:
     """Bytes per byte-swapped unit: the element size, or a half for complex numbers."""
     size = DTYPE_ITEMSIZE.get(dtype, 1)
     return size // 2 if dtype.startswith("complex") else size
+
+
+def tensor_c_bytes(t: object, files: OpenFiles) -> bytes:
+    """One tensor's elements in C order, little-endian: the bytes safetensors would store.
+
+    Works for :class:`~ckptfix.tree.TensorRef` (read from its storage's source: a range read
+    when the view is contiguous, a gather otherwise) and for real torch tensors.
+    """
+    from .tree import TensorRef
+
+    if not isinstance(t, TensorRef):
+        import torch
+
+        flat = t.detach().cpu().contiguous().reshape(-1)  # type: ignore[attr-defined]
+        if flat.is_quantized:
+            flat = flat.int_repr()
+        return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
+    source = t.storage.source
+    itemsize = DTYPE_ITEMSIZE[t.dtype]
+    start = t.storage_offset * itemsize
+    swap = swap_unit_for(t.dtype) if t.storage.byteorder == "big" else 0
+    if is_plain_range(source):
+        if swap <= 1 and is_c_contiguous(t.shape, t.stride):
+            return read_all(source.sub(start, t.nbytes), files)
+        buffer, base = files.map(source.path), source.offset + start
+    else:  # compressed or computed: this one storage in memory
+        buffer, base = read_all(source, files), start
+    return gather_c_order(buffer, base, itemsize, t.shape, t.stride, swap)

@@ -28,16 +28,7 @@ from typing import Any, BinaryIO
 
 from ..dtypes import DTYPE_ITEMSIZE, DTYPE_TO_SAFETENSORS, SAFETENSORS_DTYPES
 from ..errors import BadInputError, UsageError
-from ..sources import (
-    FileRange,
-    OpenFiles,
-    OutputStream,
-    gather_c_order,
-    is_c_contiguous,
-    is_plain_range,
-    read_all,
-    swap_unit_for,
-)
+from ..sources import FileRange, OpenFiles, OutputStream, is_c_contiguous, is_plain_range, tensor_c_bytes
 from ..tree import Reduce, TensorRef, is_torch_tensor, tensor_from_range
 
 #: the safetensors library refuses headers above 100 MB; so do we
@@ -186,19 +177,12 @@ def write_safetensors(
 
 def _write_tensor(stream: OutputStream, t: TensorRef, files: OpenFiles, plan: SafetensorsPlan, name: str) -> None:
     source = t.storage.source
-    itemsize = DTYPE_ITEMSIZE[t.dtype]
-    start = t.storage_offset * itemsize
-    swap = swap_unit_for(t.dtype) if t.storage.byteorder == "big" else 0
-    plain = is_plain_range(source)
-    if swap <= 1 and plain and is_c_contiguous(t.shape, t.stride):
-        stream.copy(source.sub(start, t.nbytes), files)
+    if t.storage.byteorder != "big" and is_plain_range(source) and is_c_contiguous(t.shape, t.stride):
+        start = t.storage_offset * DTYPE_ITEMSIZE[t.dtype]
+        stream.copy(source.sub(start, t.nbytes), files)  # file to file, in the kernel
         plan.contiguous_copies += 1
         return
-    if plain:
-        buffer, base = files.map(source.path), source.offset + start
-    else:  # compressed or computed: this one storage in memory
-        buffer, base = read_all(source, files), start
-    stream.write(gather_c_order(buffer, base, itemsize, t.shape, t.stride, swap))
+    stream.write(tensor_c_bytes(t, files))
     plan.gathered.append(name)
 
 

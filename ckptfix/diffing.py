@@ -1,0 +1,202 @@
+"""``diff``: compare two checkpoints of any formats, one tensor at a time.
+
+Both sides are flattened to ``{dotted path: leaf}`` (a state dict's keys appear under its path:
+``state_dict.fc.weight``; a bare state dict or a safetensors file gives the keys themselves).
+Tensors are compared by their C-order little-endian bytes first -- equal bytes means equal,
+NaN payloads and -0.0 included, and no torch is needed. Only tensors whose bytes differ are
+decoded (in torch) to measure how much: max absolute and relative difference and the number
+of differing elements; with ``rtol``/``atol`` they count as equal when ``torch.isclose``
+holds everywhere (NaN equal to NaN). Memory: two tensors at a time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from .dtypes import DTYPE_ITEMSIZE
+from .sources import OpenFiles, tensor_c_bytes
+from .tree import Reduce, TensorRef, is_tensor_like, is_torch_tensor
+
+_MAX_LISTED = 50
+
+
+@dataclass
+class DiffReport:
+    """What differs between A and B; ``equal`` is the verdict."""
+
+    a: str
+    b: str
+    equal: bool = True
+    tensors_compared: int = 0
+    tensors_equal: int = 0
+    only_in_a: list[str] = field(default_factory=list)
+    only_in_b: list[str] = field(default_factory=list)
+    mismatched: list[dict[str, Any]] = field(default_factory=list)
+    different: list[dict[str, Any]] = field(default_factory=list)
+    values_differ: list[dict[str, Any]] = field(default_factory=list)
+    not_compared: list[str] = field(default_factory=list)
+    hint: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def flatten(root: Any) -> dict[str, Any]:
+    """``{dotted path: leaf}`` over mappings, lists and tuples; tensors and plain values are leaves."""
+    leaves: dict[str, Any] = {}
+    stack: list[tuple[str, Any]] = [("", root)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, (Mapping, list, tuple)) and not isinstance(value, (str, bytes)) and value:
+            items = value.items() if isinstance(value, Mapping) else enumerate(value)
+            for key, item in reversed(list(items)):
+                stack.append((f"{path}.{key}" if path else str(key), item))
+        else:
+            leaves[path] = value
+    return leaves
+
+
+def _dtype_of(t: Any) -> str:
+    return t.dtype if isinstance(t, TensorRef) else str(t.dtype).replace("torch.", "")
+
+
+def _shape_of(t: Any) -> list[int]:
+    return list(t.shape)
+
+
+def _measure(a: bytes, b: bytes, dtype: str, shape: list[int], rtol: float, atol: float) -> dict[str, Any]:
+    """Decode two differing tensors (in torch) and say how far apart they are."""
+    import torch
+
+    tdtype = getattr(torch, dtype)
+    ta = torch.frombuffer(bytearray(a), dtype=tdtype).reshape(shape)
+    tb = torch.frombuffer(bytearray(b), dtype=tdtype).reshape(shape)
+    itemsize = DTYPE_ITEMSIZE[dtype]
+    raw_a = torch.frombuffer(bytearray(a), dtype=torch.uint8).reshape(-1, itemsize)
+    raw_b = torch.frombuffer(bytearray(b), dtype=torch.uint8).reshape(-1, itemsize)
+    bit_different = (raw_a != raw_b).any(dim=1)
+    wide = torch.complex128 if tdtype.is_complex else torch.float64
+    fa, fb = ta.to(wide), tb.to(wide)
+    both_nan = torch.isnan(fa) & torch.isnan(fb)
+    delta = (fa - fb).abs()
+    delta = torch.where(both_nan, torch.zeros_like(delta), delta)
+    finite = torch.isfinite(delta)
+    max_abs = float(delta[finite].max()) if finite.any() else float("inf")
+    rel = delta / fb.abs().clamp_min(torch.finfo(torch.float64).tiny)
+    max_rel = float(rel[finite].max()) if finite.any() else float("inf")
+    close = torch.isclose(fa, fb, rtol=rtol, atol=atol, equal_nan=True) if (rtol or atol) else ~bit_different
+    return {
+        "differing_elements": int((~close).sum() if (rtol or atol) else bit_different.sum()),
+        "bit_differing_elements": int(bit_different.sum()),
+        "numel": int(ta.numel()),
+        "max_abs_diff": max_abs if finite.all() else float("inf"),
+        "max_rel_diff": max_rel if finite.all() else float("inf"),
+        "within_tolerance": bool(close.all()),
+    }
+
+
+def diff_trees(a_root: Any, b_root: Any, *, a_name: str = "A", b_name: str = "B",
+               rtol: float = 0.0, atol: float = 0.0) -> DiffReport:
+    """Compare two checkpoint trees (lazy or real tensors), reading one tensor pair at a time."""
+    report = DiffReport(a_name, b_name)
+    a, b = flatten(a_root), flatten(b_root)
+    report.only_in_a = [k for k in a if k not in b]
+    report.only_in_b = [k for k in b if k not in a]
+    with OpenFiles() as files:
+        for path, left in a.items():
+            if path not in b:
+                continue
+            right = b[path]
+            left_tensor = isinstance(left, TensorRef) or is_torch_tensor(left)
+            right_tensor = isinstance(right, TensorRef) or is_torch_tensor(right)
+            if left_tensor and right_tensor:
+                _compare_tensor(report, path, left, right, files, rtol, atol)
+            elif left_tensor or right_tensor:
+                report.values_differ.append({"path": path, "a": type(left).__name__, "b": type(right).__name__})
+            elif isinstance(left, Reduce) or isinstance(right, Reduce):
+                if is_tensor_like(left) or is_tensor_like(right):
+                    report.not_compared.append(path)
+                elif not (isinstance(left, Reduce) and isinstance(right, Reduce) and left.func == right.func
+                          and _plain_equal(left.args, right.args)):
+                    report.values_differ.append({"path": path, "a": repr(left)[:80], "b": repr(right)[:80]})
+            elif not _plain_equal(left, right):
+                report.values_differ.append({"path": path, "a": repr(left)[:80], "b": repr(right)[:80]})
+    if report.only_in_a and report.only_in_b:
+        report.hint = _prefix_hint(report.only_in_a, report.only_in_b)
+    report.equal = not (report.only_in_a or report.only_in_b or report.mismatched or report.different
+                        or report.values_differ or report.not_compared)
+    return report
+
+
+def _plain_equal(left: Any, right: Any) -> bool:
+    if isinstance(left, float) and isinstance(right, float) and left != left and right != right:
+        return True
+    try:
+        return bool(left == right) and type(left) is type(right)
+    except Exception:
+        return False
+
+
+def _compare_tensor(report: DiffReport, path: str, left: Any, right: Any, files: OpenFiles,
+                    rtol: float, atol: float) -> None:
+    report.tensors_compared += 1
+    dtype_a, dtype_b = _dtype_of(left), _dtype_of(right)
+    shape_a, shape_b = _shape_of(left), _shape_of(right)
+    if dtype_a != dtype_b or shape_a != shape_b:
+        report.mismatched.append({"path": path, "a": f"{dtype_a} {shape_a}", "b": f"{dtype_b} {shape_b}"})
+        return
+    bytes_a, bytes_b = tensor_c_bytes(left, files), tensor_c_bytes(right, files)
+    if bytes_a == bytes_b:
+        report.tensors_equal += 1
+        return
+    measured = _measure(bytes_a, bytes_b, dtype_a, shape_a, rtol, atol)
+    if measured["within_tolerance"] and (rtol or atol):
+        report.tensors_equal += 1
+        return
+    report.different.append({"path": path, "dtype": dtype_a, "shape": shape_a, **measured})
+
+
+def render(report: DiffReport) -> str:
+    """Human-readable diff."""
+    lines = []
+    if report.equal:
+        lines.append(f"equal: {report.tensors_compared} tensors and every other value match")
+        return "\n".join(lines)
+    for title, items in (("only in A", report.only_in_a), ("only in B", report.only_in_b)):
+        if items:
+            more = f" ... (+{len(items) - _MAX_LISTED})" if len(items) > _MAX_LISTED else ""
+            shown = ", ".join(items[:_MAX_LISTED]) + more
+            lines.append(f"{title} ({len(items)}): {shown}")
+    for m in report.mismatched[:_MAX_LISTED]:
+        lines.append(f"shape/dtype differ: {m['path']}: {m['a']} vs {m['b']}")
+    for d in report.different[:_MAX_LISTED]:
+        lines.append(
+            f"values differ: {d['path']}: {d['differing_elements']}/{d['numel']} elements, "
+            f"max abs diff {d['max_abs_diff']:.6g}, max rel diff {d['max_rel_diff']:.6g}"
+        )
+    for v in report.values_differ[:_MAX_LISTED]:
+        lines.append(f"value differs: {v['path']}: {v['a']} vs {v['b']}")
+    if report.not_compared:
+        lines.append(f"not compared (sparse/quantized/other tensor kinds): {', '.join(report.not_compared[:10])}")
+    if report.hint:
+        lines.append(f"hint: {report.hint}")
+    lines.append(
+        f"different: {len(report.different)} of {report.tensors_compared} tensors differ in value, "
+        f"{len(report.mismatched)} in shape/dtype, "
+        f"{len(report.only_in_a) + len(report.only_in_b)} keys on one side only"
+    )
+    return "\n".join(lines)
+
+
+def _prefix_hint(only_a: list[str], only_b: list[str]) -> str:
+    """When the one-sided keys differ by a prefix, say which transform of A would match them."""
+    from .fitting import plan_fit
+
+    plan = plan_fit((), dict.fromkeys(only_a, ()), dict.fromkeys(only_b, ()))
+    if not plan.matched or not (plan.strips or plan.add):
+        return ""
+    steps = [f"--strip-prefix {p}" for p in plan.strips] + ([f"--add-prefix {plan.add}"] if plan.add else [])
+    options = " ".join(steps)
+    return f"{plan.matched} of these keys match after `{options}` on A"
