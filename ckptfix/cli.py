@@ -77,6 +77,20 @@ _IN_OUT = _apply([
     click.argument("out_path", metavar="OUT", required=False, type=click.Path()),
 ])
 
+#: IN OUT, or many inputs with -o DIR / --in-place (files, folders of checkpoints, shard folders)
+_INPUTS = _apply([
+    click.argument("paths", nargs=-1, required=True, metavar="IN... [OUT]", type=click.Path()),
+    click.option("-o", "--output-dir", type=click.Path(file_okay=False),
+                 help="Write every input into DIR, keeping names (the extension follows --format)."),
+    click.option("--recursive", is_flag=True, help="Folder inputs: include sub-folders."),
+    click.option("-j", "--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default="CPUs",
+                 help="Files processed in parallel."),
+    click.option("--continue-on-error", is_flag=True,
+                 help="Process every input and report failures at the end (default: stop at the first)."),
+    click.option("--backup", metavar="SUFFIX", help="With --in-place: keep the original as IN+SUFFIX."),
+    click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors."),
+])
+
 #: the options every writing command shares (one pipeline: ckptfix.ops.convert)
 _PIPELINE = _apply([
     click.option("--select", metavar="PATH", help="Use this sub-tree as the checkpoint, e.g. state_dict or ema."),
@@ -120,10 +134,11 @@ _PREFIX_COMMAND = _apply([
 ])
 
 
-def _run(command: str, in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
-    """Build the options, run the pipeline with a progress bar on a terminal, print the report."""
-    from .ops import ConvertOptions, convert
+def _run(command: str, paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
+    """Build the options and run one file (IN OUT) or a batch (-o DIR, --in-place, folders)."""
+    from .ops import ConvertOptions
 
+    batch = {k: kw.pop(k) for k in ("output_dir", "recursive", "jobs", "continue_on_error", "backup", "quiet")}
     prefix, strict, kw_rules = kw.pop("prefix", None), kw.pop("strict", False), kw.pop("rules", ())
     kw["map_location"] = ",".join(kw["map_location"]) or None
     opts = ConvertOptions(**kw, strict=strict)
@@ -145,6 +160,18 @@ def _run(command: str, in_path: str, out_path: str | None, as_json: bool, **kw: 
         if not opts.map_location:
             raise click.UsageError("remap needs --map-location, e.g. --map-location cpu")
         opts.require_change = True
+    if batch["output_dir"] is None and not opts.in_place:
+        if len(paths) != 2:
+            raise click.UsageError("give IN OUT, or several inputs with -o DIR (or --in-place)")
+        if batch["backup"]:
+            raise click.UsageError("--backup goes with --in-place")
+        return _run_single(command, paths[0], paths[1], opts, as_json)
+    return _run_batch(command, paths, opts, as_json, **batch)
+
+
+def _run_single(command: str, in_path: str, out_path: str, opts: Any, as_json: bool) -> int:
+    from .ops import convert
+
     progress, close = (None, lambda ok: None) if (as_json or opts.dry_run) else _progress_for(in_path)
     ok = False
     try:
@@ -167,10 +194,55 @@ def _run(command: str, in_path: str, out_path: str | None, as_json: bool, **kw: 
     return 0
 
 
+def _run_batch(command: str, paths: tuple[str, ...], opts: Any, as_json: bool, *, output_dir: str | None,
+               recursive: bool, jobs: int, continue_on_error: bool, backup: str | None, quiet: bool) -> int:
+    from pathlib import Path
+
+    from .batch import expand_inputs, plan_outputs, run_batch
+
+    if output_dir is not None and opts.in_place:
+        raise click.UsageError("give either -o DIR or --in-place, not both")
+    if backup and not opts.in_place:
+        raise click.UsageError("--backup goes with --in-place")
+    inputs = expand_inputs(paths, recursive)
+    out_dir = Path(output_dir) if output_dir else None
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    pairs = plan_outputs(inputs, out_dir, opts.in_place, opts.out_format)
+    bar = None
+    if not (as_json or quiet) and sys.stderr.isatty() and len(pairs) > 1:
+        bar = click.progressbar(length=len(pairs), file=sys.stderr, label=command, show_pos=True)
+        bar.__enter__()
+
+    def on_result(result: Any) -> None:
+        if result.status == "failed":
+            click.echo(f"ckptfix: error: {result.message}", err=True)
+        elif bar is None and not (as_json or quiet):
+            click.echo(result.message if result.status == "unchanged" else f"{result.input}: {result.message}",
+                       err=True)
+        if bar is not None:
+            bar.update(1)
+
+    try:
+        report = run_batch(command, pairs, opts, jobs=jobs, continue_on_error=continue_on_error, backup=backup,
+                           on_result=on_result)
+    finally:
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    summary = report.to_dict()
+    if as_json:
+        _emit_json(summary)
+    elif not quiet:
+        stopped = "; stopped at the first failure" if report.stopped_early else ""
+        click.echo(f"{summary['written']} written, {summary['unchanged']} unchanged, {summary['failed']} failed "
+                   f"of {len(pairs)} ({report.seconds:.2f} s){stopped}")
+    return report.exit_code
+
+
 @cli.command("convert", context_settings=_CONTEXT)
-@_IN_OUT
+@_INPUTS
 @_PIPELINE
-def convert_command(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
+def convert_command(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
     """Convert between .pth, safetensors and HF-style shards, applying any fixes on the way.
 
     The output format follows OUT: .safetensors; .pth/.pt/.bin/.ckpt/.tar are torch's zip
@@ -190,14 +262,14 @@ def convert_command(in_path: str, out_path: str | None, as_json: bool, **kw: Any
       ckptfix convert model.pth dcp_dir/ --format dcp
       ckptfix convert dcp_dir/ model.pth --unsafe-load    # DCP metadata is a plain pickle
     """
-    return _run("convert", in_path, out_path, as_json, **kw)
+    return _run("convert", paths, as_json, **kw)
 
 
 @cli.command("strip-module", context_settings=_CONTEXT)
-@_IN_OUT
+@_INPUTS
 @_PREFIX_COMMAND
 @_PIPELINE
-def strip_module(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
+def strip_module(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
     """Strip a wrapper prefix (default 'module.') from every state-dict key.
 
     Fixes "Missing key(s) ... Unexpected key(s) ... module.xxx" when a checkpoint saved from
@@ -214,14 +286,14 @@ def strip_module(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -
       ckptfix strip-module ddp.pth bare.safetensors --map-location cpu
       ckptfix strip-module model.pth --in-place
     """
-    return _run("strip-module", in_path, out_path, as_json, **kw)
+    return _run("strip-module", paths, as_json, **kw)
 
 
 @cli.command("add-module", context_settings=_CONTEXT)
-@_IN_OUT
+@_INPUTS
 @_PREFIX_COMMAND
 @_PIPELINE
-def add_module(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
+def add_module(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
     """Add a wrapper prefix (default 'module.') to every state-dict key lacking it.
 
     For loading a bare model's weights into a DataParallel/DDP-wrapped model with strict=True.
@@ -232,14 +304,14 @@ def add_module(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> 
       ckptfix add-module bare.pth ddp.pth
       ckptfix add-module bare.pth compiled.pth --prefix _orig_mod.
     """
-    return _run("add-module", in_path, out_path, as_json, **kw)
+    return _run("add-module", paths, as_json, **kw)
 
 
 @cli.command("remap", context_settings=_CONTEXT)
-@_IN_OUT
+@_INPUTS
 @click.option("--strict", is_flag=True, help="Exit 1 when no device tag changes.")
 @_PIPELINE
-def remap(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
+def remap(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
     """Rewrite the device tags of a checkpoint's storages (no GPU needed, no data decoded).
 
     Fixes "Attempting to deserialize object on a CUDA device but torch.cuda.is_available()
@@ -254,16 +326,16 @@ def remap(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
       ckptfix remap model.pth --in-place --map-location cuda:1=cuda:0,cuda:2=cuda:0
     """
     kw["prefix"] = None
-    return _run("remap", in_path, out_path, as_json, **kw)
+    return _run("remap", paths, as_json, **kw)
 
 
 @cli.command("rename", context_settings=_CONTEXT)
-@_IN_OUT
+@_INPUTS
 @click.option("--rule", "rules", multiple=True, metavar="RULE",
               help="'REGEX=>REPLACEMENT', Python re syntax with backrefs; repeatable, applied in order.")
 @click.option("--strict", is_flag=True, help="Exit 1 when no key matches.")
 @_PIPELINE
-def rename(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
+def rename(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
     """Rename state-dict keys with regular expressions (like mmengine's revise_keys).
 
     Rules apply in order to every state-dict key (or those under --key). A rename that would
@@ -275,14 +347,14 @@ def rename(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
       ckptfix rename in.pth out.pth --rule '^(\\w+)\\.conv(\\d)=>\\1.convs.\\2' --dry-run
     """
     kw["prefix"] = None
-    return _run("rename", in_path, out_path, as_json, **kw)
+    return _run("rename", paths, as_json, **kw)
 
 
 @cli.command("prune", context_settings=_CONTEXT)
-@_IN_OUT
+@_INPUTS
 @click.option("--strict", is_flag=True, help="Exit 1 when there is nothing to prune.")
 @_PIPELINE
-def prune(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
+def prune(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
     """Keep only the weights: drop optimizer, scheduler, loop, callback, AMP and RNG state.
 
     State dicts (EMA copies included) and small values (epoch, config) stay; the report says
@@ -295,7 +367,7 @@ def prune(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
       ckptfix prune train.pth weights.safetensors --select model
     """
     kw["prefix"] = None
-    return _run("prune", in_path, out_path, as_json, **kw)
+    return _run("prune", paths, as_json, **kw)
 
 
 @cli.command("fit", context_settings=_CONTEXT)
@@ -390,6 +462,46 @@ def diff_command(a_path: str, b_path: str, rtol: float, atol: float, select_b: s
     else:
         click.echo(render(report))
     return 0 if report.equal else 1
+
+
+@cli.command("verify", context_settings=_CONTEXT)
+@click.argument("paths", nargs=-1, required=True, metavar="PATH...", type=click.Path())
+@click.option("--expect-prefix", metavar="none|PREFIX",
+              help="Require no wrapper prefix on any key ('none'), or PREFIX on every key.")
+@click.option("--expect-device", metavar="DEVICE", help="Require every storage on DEVICE (e.g. cpu).")
+@click.option("--recursive", is_flag=True, help="Folder inputs: include sub-folders.")
+@click.option("-q", "--quiet", is_flag=True, help="Print only failures.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+def verify(paths: tuple[str, ...], expect_prefix: str | None, expect_device: str | None, recursive: bool,
+           quiet: bool, as_json: bool) -> int:
+    """Check checkpoints load safely and completely: a CI gate (exit 1 if any check fails).
+
+    Each file is read by the safe readers (offsets in range, tensors inside their storages,
+    shard indexes consistent), every zip record's CRC32 is checked, all tensor data is read,
+    and optionally key prefixes and devices are as expected.
+
+    \b
+    Examples:
+      ckptfix verify checkpoints/ --recursive
+      ckptfix verify release/*.safetensors --expect-prefix none --expect-device cpu --json
+    """
+    from .batch import expand_inputs
+    from .verify import verify_path
+
+    results = [verify_path(p, expect_prefix=expect_prefix, expect_device=expect_device)
+               for p, _ in expand_inputs(paths, recursive)]
+    failed = [r for r in results if not r.ok]
+    if as_json:
+        _emit_json({"ok": len(results) - len(failed), "failed": len(failed), "files": [r.to_dict() for r in results]})
+    else:
+        for r in results:
+            if not r.ok:
+                click.echo(f"FAIL {r.path}: " + "; ".join(r.problems), err=True)
+            elif not quiet:
+                click.echo(f"ok   {r.path} ({r.format})" + ("".join(f"; {n}" for n in r.notes)))
+        if not quiet:
+            click.echo(f"{len(results) - len(failed)} ok, {len(failed)} failed")
+    return 1 if failed else 0
 
 
 @cli.command("inspect", context_settings=_CONTEXT)

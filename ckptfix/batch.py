@@ -1,0 +1,218 @@
+"""Many checkpoints per command: input expansion, output naming, parallel runs, one report.
+
+Used by every writing command when it is given ``-o/--output-dir``, ``--in-place`` with
+several inputs, or folders. Each file is processed by :func:`ckptfix.ops.convert` in a worker
+process (``--jobs``); results come back in input order whatever the scheduling, so the report
+and the exit code are reproducible. By default the first failure stops the run (files already
+written stay); ``--continue-on-error`` processes everything and fails at the end.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import EXIT_CANNOT_WRITE, CannotWriteError, CkptfixError, UsageError
+from .formats.sharded import find_index
+
+#: file names a folder scan treats as checkpoints
+CHECKPOINT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".tar", ".safetensors", ".pkl", ".model")
+
+
+@dataclass
+class FileResult:
+    """The outcome for one input; ``report`` is that file's :class:`~ckptfix.ops.Report` as a dict."""
+
+    input: str
+    output: str | None
+    status: str  # "written", "unchanged" (nothing to do), "failed"
+    message: str = ""
+    exit_code: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+    seconds: float = 0.0
+    report: dict[str, Any] | None = None
+
+
+@dataclass
+class BatchReport:
+    """The ``--json`` document of a batch run."""
+
+    command: str
+    files: list[FileResult] = field(default_factory=list)
+    seconds: float = 0.0
+    stopped_early: bool = False
+
+    @property
+    def failed(self) -> list[FileResult]:
+        return [f for f in self.files if f.status == "failed"]
+
+    @property
+    def exit_code(self) -> int:
+        return self.failed[0].exit_code if self.failed else 0
+
+    def to_dict(self) -> dict[str, Any]:
+        counts = {s: sum(1 for f in self.files if f.status == s) for s in ("written", "unchanged", "failed")}
+        return {"command": self.command, **counts, "exit_code": self.exit_code, "stopped_early": self.stopped_early,
+                "seconds": round(self.seconds, 4), "files": [asdict(f) for f in self.files]}
+
+
+def _is_checkpoint_folder(folder: Path) -> bool:
+    from .formats.dcp import is_dcp_folder
+
+    return is_dcp_folder(folder) or any((folder / n).is_file() for n in ("model.safetensors.index.json",
+                                                                            "pytorch_model.bin.index.json"))
+
+
+def expand_inputs(paths: Sequence[str], recursive: bool) -> list[tuple[Path, Path]]:
+    """(input, path relative to its root) for every checkpoint named or inside a named folder.
+
+    A shard folder (with an ``*.index.json``) or a DCP folder is one checkpoint.
+    """
+    found: list[tuple[Path, Path]] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_dir() and not _is_checkpoint_folder(path):
+            found.extend((p, p.relative_to(path)) for p in _scan(path, recursive))
+        else:
+            found.append((path, Path(path.name)))
+    if not found:
+        raise UsageError(f"no checkpoints found in {', '.join(paths)} (looked for {', '.join(CHECKPOINT_SUFFIXES)})")
+    return found
+
+
+def _scan(folder: Path, recursive: bool) -> Iterator[Path]:
+    for entry in sorted(folder.iterdir()):
+        if entry.is_dir():
+            if _is_checkpoint_folder(entry):
+                yield entry
+            elif recursive:
+                yield from _scan(entry, recursive)
+        elif entry.suffix.lower() in CHECKPOINT_SUFFIXES and not entry.name.endswith(".index.json"):
+            if entry.name.startswith(".") and entry.name.endswith(".ckptfix-tmp"):
+                continue
+            if find_index(folder) is not None and "-of-" in entry.name:
+                continue  # a shard of a folder checkpoint
+            yield entry
+
+
+def output_path(relative: Path, out_dir: Path, out_format: str | None) -> Path:
+    """Where an input goes under ``--output-dir``: the same relative name, with the suffix
+    changed when the format changes (``.safetensors`` <-> ``.pth``)."""
+    target = out_dir / relative
+    if out_format == "safetensors" and target.suffix != ".safetensors":
+        return target.with_suffix(".safetensors")
+    if out_format == "pth" and target.suffix == ".safetensors":
+        return target.with_suffix(".pth")
+    return target
+
+
+def process_one(command: str, in_path: str, out_path: str, options: Any, backup: str | None) -> FileResult:
+    """Run one file (in a worker process); never raises, the failure goes in the result."""
+    from .ops import convert
+
+    started = time.perf_counter()
+    result = FileResult(in_path, out_path, "failed")
+    backup_path = None
+    try:
+        result.bytes_in = _size(Path(in_path))
+        if backup:
+            backup_path = Path(in_path + backup)
+            if backup_path.exists() and not options.force:
+                raise CannotWriteError(f"{backup_path}: backup already exists", hint="pass --force to replace it")
+            backup_path.unlink(missing_ok=True)
+            os.link(in_path, backup_path)
+        if out_path != in_path:
+            Path(out_path).parent.mkdir(parents=True, exist_ok=True)
+        report = convert(in_path, out_path, options, command=command)
+        result.report = report.to_dict()
+        result.message = report.message
+        result.status = "written" if report.written else "unchanged"
+        result.bytes_out = report.output_bytes or 0
+        if backup_path is not None and not report.written:
+            backup_path.unlink(missing_ok=True)
+    except CkptfixError as exc:
+        result.message, result.exit_code = str(exc), exc.exit_code
+    except OSError as exc:
+        result.message, result.exit_code = f"{in_path}: {exc.strerror or exc}", EXIT_CANNOT_WRITE
+    except Exception as exc:  # a bug: report it for this file, keep the batch's report intact
+        result.message, result.exit_code = f"internal error: {type(exc).__name__}: {exc}", 5
+    if result.status == "failed" and backup_path is not None and backup_path.exists() and not Path(in_path).exists():
+        os.replace(backup_path, in_path)
+    result.seconds = round(time.perf_counter() - started, 4)
+    return result
+
+
+def _size(path: Path) -> int:
+    if path.is_dir():
+        return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return path.stat().st_size if path.exists() else 0
+
+
+def run_batch(
+    command: str,
+    jobs_list: Sequence[tuple[str, str]],
+    options: Any,
+    *,
+    jobs: int,
+    continue_on_error: bool,
+    backup: str | None = None,
+    on_result: Callable[[FileResult], None] | None = None,
+) -> BatchReport:
+    """Process ``(input, output)`` pairs with ``jobs`` workers; results in input order."""
+    started = time.perf_counter()
+    report = BatchReport(command)
+    results: dict[int, FileResult] = {}
+    if jobs <= 1 or len(jobs_list) == 1:
+        for index, (src, dst) in enumerate(jobs_list):
+            results[index] = process_one(command, src, dst, options, backup)
+            if on_result:
+                on_result(results[index])
+            if results[index].status == "failed" and not continue_on_error:
+                report.stopped_early = index < len(jobs_list) - 1
+                break
+    else:
+        with ProcessPoolExecutor(max_workers=jobs) as pool:
+            pending: dict[Future, int] = {}
+            queue = list(enumerate(jobs_list))
+            stop = False
+            while (queue and not stop) or pending:
+                while queue and not stop and len(pending) < jobs * 2:
+                    index, (src, dst) = queue.pop(0)
+                    pending[pool.submit(process_one, command, src, dst, options, backup)] = index
+                done, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in done:
+                    index = pending.pop(future)
+                    results[index] = future.result()
+                    if on_result:
+                        on_result(results[index])
+                    if results[index].status == "failed" and not continue_on_error:
+                        stop = True
+            report.stopped_early = stop and len(results) < len(jobs_list)
+    report.files = [results[i] for i in sorted(results)]
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def plan_outputs(
+    inputs: Sequence[tuple[Path, Path]], out_dir: Path | None, in_place: bool, out_format: str | None
+) -> list[tuple[str, str]]:
+    """(input, output) pairs; refuses two inputs that would write the same output."""
+    pairs: list[tuple[str, str]] = []
+    seen: dict[str, str] = {}
+    for src, relative in inputs:
+        if in_place and src.is_dir():
+            raise UsageError(f"{src}: --in-place cannot rewrite a folder checkpoint; use -o DIR")
+        dst = src if in_place else output_path(relative, out_dir, out_format)  # type: ignore[arg-type]
+        key = str(dst.resolve())
+        if key in seen:
+            raise UsageError(f"{seen[key]} and {src} would both be written to {dst}")
+        seen[key] = str(src)
+        is_folder_output = src.is_dir() and out_format not in ("pth", "safetensors")
+        pairs.append((str(src), str(dst) + ("/" if is_folder_output else "")))
+    return pairs
