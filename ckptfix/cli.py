@@ -261,6 +261,7 @@ def convert_command(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
       ckptfix convert model.pth model_fp16.safetensors --dtype float16 --dtype-keep '*norm*'
       ckptfix convert model.pth dcp_dir/ --format dcp
       ckptfix convert dcp_dir/ model.pth --unsafe-load    # DCP metadata is a plain pickle
+      ckptfix convert ckpts/ -o dist/ --recursive --format safetensors --select state_dict
     """
     return _run("convert", paths, as_json, **kw)
 
@@ -284,7 +285,8 @@ def strip_module(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
       ckptfix strip-module compiled.pth bare.pth --prefix _orig_mod.
       ckptfix strip-module train.ckpt fixed.ckpt --key state_dict --dry-run
       ckptfix strip-module ddp.pth bare.safetensors --map-location cpu
-      ckptfix strip-module model.pth --in-place
+      ckptfix strip-module model.pth --in-place --backup .orig
+      ckptfix strip-module ckpts/*.pth -o fixed/ --jobs 4 --continue-on-error --json
     """
     return _run("strip-module", paths, as_json, **kw)
 
