@@ -182,22 +182,18 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> 
         root, selection = filter_tree(root, drop, opts.keep)
         report.dropped = selection.dropped
         report.bytes_dropped = selection.bytes_before - selection.bytes_after
-    for prefix in opts.strip_prefixes:
-        result = strip_prefix(root, prefix, opts.keys)
-        root = result.root
-        report.state_dicts += [c.to_dict() | {"change": f"strip {normalize_prefix(prefix)!r}"}
-                               for c in result.changes]
-        report.renamed += result.renamed
+    steps: list[tuple[str, Callable[[Any], Any]]] = [
+        (f"strip {normalize_prefix(p)!r}", lambda r, p=p: strip_prefix(r, p, opts.keys)) for p in opts.strip_prefixes
+    ]
     if opts.add_prefix:
-        result = add_prefix(root, opts.add_prefix, opts.keys)
-        root = result.root
-        report.state_dicts += [c.to_dict() | {"change": f"add {normalize_prefix(opts.add_prefix)!r}"}
-                               for c in result.changes]
-        report.renamed += result.renamed
+        label = f"add {normalize_prefix(opts.add_prefix)!r}"
+        steps.append((label, lambda r: add_prefix(r, opts.add_prefix, opts.keys)))
     if opts.rename:
-        result = rename_keys(root, opts.rename, opts.keys)
+        steps.append(("rename by rules", lambda r: rename_keys(r, opts.rename, opts.keys)))
+    for label, step in steps:
+        result = step(root)
         root = result.root
-        report.state_dicts += [c.to_dict() | {"change": "rename by rules"} for c in result.changes]
+        report.state_dicts += [c.to_dict() | {"change": label} for c in result.changes]
         report.renamed += result.renamed
     if opts.map_location:
         if not ckpt.lazy:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +102,14 @@ def _check_collisions(originals: list[str], new_keys: list[str], prefix: str, ve
         first[new] = original
 
 
+def _rekeyed(state_dict: Mapping, new_keys: list, metadata: Any) -> Mapping:
+    """``state_dict`` with its keys replaced in order, and ``metadata`` as its ``_metadata``."""
+    new_sd = copy_mapping(state_dict, zip(new_keys, state_dict.values()))
+    if metadata is not None:
+        new_sd._metadata = metadata  # type: ignore[attr-defined]
+    return new_sd
+
+
 def _strip_metadata_pass(metadata: OrderedDict, prefix: str) -> None:
     """One pass of the reference's ``_metadata`` renaming, literally (including its quirks)."""
     for key in list(metadata.keys()):
@@ -122,12 +130,7 @@ def _strip_one(state_dict: Mapping, prefix: str) -> tuple[Mapping, list[tuple[st
         if metadata is not None:
             _strip_metadata_pass(metadata, prefix)
     renamed = [(old, new) for old, new in zip(originals, current) if old != new]
-    if not renamed:
-        return state_dict, []
-    new_sd = copy_mapping(state_dict, zip(current, state_dict.values()))
-    if metadata is not None:
-        new_sd._metadata = metadata  # type: ignore[attr-defined]
-    return new_sd, renamed
+    return (_rekeyed(state_dict, current, metadata), renamed) if renamed else (state_dict, [])
 
 
 def _add_one(state_dict: Mapping, prefix: str) -> tuple[Mapping, list[tuple[str, str]]]:
@@ -137,11 +140,9 @@ def _add_one(state_dict: Mapping, prefix: str) -> tuple[Mapping, list[tuple[str,
     renamed = [(old, new) for old, new in zip(originals, current) if old != new]
     if not renamed:
         return state_dict, []
-    new_sd = copy_mapping(state_dict, zip(current, state_dict.values()))
     metadata = getattr(state_dict, "_metadata", None)
-    if isinstance(metadata, dict):
-        new_sd._metadata = _add_metadata(metadata, prefix)  # type: ignore[attr-defined]
-    return new_sd, renamed
+    new_metadata = _add_metadata(metadata, prefix) if isinstance(metadata, dict) else None
+    return _rekeyed(state_dict, current, new_metadata), renamed
 
 
 def _add_metadata(metadata: dict, prefix: str) -> dict:
@@ -158,14 +159,14 @@ def _add_metadata(metadata: dict, prefix: str) -> dict:
     return new
 
 
-def _apply(root: Any, prefix: str, keys: Sequence[str], one: Any) -> TransformResult:
-    prefix = normalize_prefix(prefix)
+def _apply(root: Any, keys: Sequence[str], one: Callable[[Mapping], tuple[Mapping, list]]) -> TransformResult:
+    """Run ``one`` on every selected state dict; replace the changed ones by identity."""
     changes: list[StateDictChange] = []
     replacements: dict[int, Any] = {}
     for path, state_dict in select_state_dicts(root, keys):
         if id(state_dict) in replacements:
             continue  # the same object reached twice (e.g. by --key and by a parent)
-        new_sd, renamed = one(state_dict, prefix)
+        new_sd, renamed = one(state_dict)
         changes.append(StateDictChange(format_path(path), len(state_dict), renamed))
         if renamed:
             replacements[id(state_dict)] = new_sd
@@ -200,16 +201,15 @@ def _rename_one(state_dict: Mapping, rules: Sequence[tuple[re.Pattern[str], str]
     renamed = [(old, new) for old, new in zip(originals, current) if old != new]
     if not renamed:
         return state_dict, []
-    new_sd = copy_mapping(state_dict, zip(current, state_dict.values()))
     metadata = getattr(state_dict, "_metadata", None)
+    renamed_meta = None
     if isinstance(metadata, dict):
         # a module path is the prefix of its keys: rename "path." the way its keys are renamed
         renamed_meta = type(metadata)()
         for key, value in metadata.items():
-            new_key = apply(key + ".")[:-1] if key and apply(key + ".").endswith(".") else key
-            renamed_meta.setdefault(new_key, value)
-        new_sd._metadata = renamed_meta  # type: ignore[attr-defined]
-    return new_sd, renamed
+            new_key = apply(key + ".") if key else "."
+            renamed_meta.setdefault(new_key[:-1] if new_key.endswith(".") else key, value)
+    return _rekeyed(state_dict, current, renamed_meta), renamed
 
 
 def rename_keys(root: Any, rules: Sequence[str], keys: Sequence[str] = ()) -> TransformResult:
@@ -218,16 +218,7 @@ def rename_keys(root: Any, rules: Sequence[str], keys: Sequence[str] = ()) -> Tr
     prefix its keys share), so versioned modules such as BatchNorm keep their versions.
     Raises :class:`~ckptfix.errors.CheckFailedError` if two keys would end up the same."""
     compiled = [parse_rule(r) for r in rules]
-    changes: list[StateDictChange] = []
-    replacements: dict[int, Any] = {}
-    for path, state_dict in select_state_dicts(root, keys):
-        if id(state_dict) in replacements:
-            continue
-        new_sd, renamed = _rename_one(state_dict, compiled)
-        changes.append(StateDictChange(format_path(path), len(state_dict), renamed))
-        if renamed:
-            replacements[id(state_dict)] = new_sd
-    return TransformResult(substitute(root, replacements) if replacements else root, changes)
+    return _apply(root, keys, lambda sd: _rename_one(sd, compiled))
 
 
 def strip_prefix(root: Any, prefix: str = "module.", keys: Sequence[str] = ()) -> TransformResult:
@@ -242,9 +233,11 @@ def strip_prefix(root: Any, prefix: str = "module.", keys: Sequence[str] = ()) -
     ``keys`` restricts the change to the state dicts at or under those dotted paths.
     Raises :class:`~ckptfix.errors.CheckFailedError` if two keys would collide.
     """
-    return _apply(root, prefix, keys, _strip_one)
+    prefix = normalize_prefix(prefix)
+    return _apply(root, keys, lambda sd: _strip_one(sd, prefix))
 
 
 def add_prefix(root: Any, prefix: str = "module.", keys: Sequence[str] = ()) -> TransformResult:
     """Add ``prefix`` to every key of every state dict that lacks it (the inverse of strip)."""
-    return _apply(root, prefix, keys, _add_one)
+    prefix = normalize_prefix(prefix)
+    return _apply(root, keys, lambda sd: _add_one(sd, prefix))
