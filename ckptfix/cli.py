@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from . import __version__
-from .errors import CkptfixError
+from .errors import CkptfixError, one_line
 
 EXIT_INTERNAL = 5
 EXIT_INTERRUPTED = 130
@@ -216,7 +216,7 @@ def _run_batch(command: str, paths: tuple[str, ...], opts: Any, as_json: bool, *
 
     def on_result(result: Any) -> None:
         if result.status == "failed":
-            click.echo(f"ckptfix: error: {result.message}", err=True)
+            click.echo(one_line(f"ckptfix: error: {result.message}"), err=True)
         elif bar is None and not (as_json or quiet):
             click.echo(result.message if result.status == "unchanged" else f"{result.input}: {result.message}",
                        err=True)
@@ -565,7 +565,8 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:
         if debug:
             traceback.print_exc()
-        click.echo(f"ckptfix: internal error (please report with --debug): {type(exc).__name__}: {exc}", err=True)
+        click.echo(one_line(f"ckptfix: internal error (please report with --debug): {type(exc).__name__}: {exc}"),
+                   err=True)
         code = EXIT_INTERNAL
     sys.exit(code if isinstance(code, int) else 0)
 

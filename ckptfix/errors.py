@@ -13,6 +13,12 @@ EXIT_BAD_INPUT = 3
 EXIT_CANNOT_WRITE = 4
 
 
+def one_line(text: str) -> str:
+    """``text`` with control characters escaped, so an error is always exactly one line
+    (names read from a hostile file may hold newlines or terminal escapes)."""
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 class CkptfixError(Exception):
     """Base class: a message for the user and the exit code the CLI returns."""
 
@@ -24,7 +30,7 @@ class CkptfixError(Exception):
         self.hint = hint
 
     def __str__(self) -> str:
-        return self.message if not self.hint else f"{self.message} ({self.hint})"
+        return one_line(self.message if not self.hint else f"{self.message} ({self.hint})")
 
 
 class UsageError(CkptfixError):
