@@ -61,6 +61,7 @@ def describe_os_error(exc: OSError, dest: Path) -> str:
         errno.EACCES: "permission denied",
         errno.EPERM: "operation not permitted",
         errno.EROFS: "the file system is read-only",
+        errno.EFBIG: "file too large (a file-size limit or the file system's maximum)",
     }
     return f"{dest}: cannot write: {reasons.get(exc.errno, exc.strerror or str(exc))}"
 
