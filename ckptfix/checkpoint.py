@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -54,7 +55,9 @@ class Checkpoint:
         write_torch_zip(root, out, archive_name=name, source=self.archive, progress=progress)
 
 
-def read_checkpoint(path: str | os.PathLike, *, unsafe_load: bool = False) -> Checkpoint:
+def read_checkpoint(
+    path: str | os.PathLike, *, unsafe_load: bool = False, allow_globals: Sequence[str] = ()
+) -> Checkpoint:
     """Open ``path`` safely: diagnose the file, then read it without running any of its code.
 
     Zip-format torch checkpoints (whatever their extension: .pth, .pt, .bin, .ckpt, .tar),
@@ -62,13 +65,15 @@ def read_checkpoint(path: str | os.PathLike, *, unsafe_load: bool = False) -> Ch
     ``*.index.json``) are read lazily by ckptfix's own readers. Only the pre-2018 tar format goes
     through ``torch.load(weights_only=True)``.
     ``unsafe_load=True`` allows a fallback to ``torch.load(weights_only=False)`` for pickles
-    the allow-list refuses -- only for trusted files.
+    the allow-list refuses -- only for trusted files. ``allow_globals`` (names or globs such as
+    ``argparse.Namespace`` or ``numpy.*``) lets those globals through as opaque records that are
+    written back unchanged and never imported or called.
     """
     path = str(path)
     if Path(path).is_dir():
-        return _read_folder(Path(path), unsafe_load)
+        return _read_folder(Path(path), unsafe_load, allow_globals)
     if path.endswith(".index.json"):
-        return _read_sharded(Path(path))
+        return _read_sharded(Path(path), allow_globals)
     try:
         file_size = os.stat(path).st_size
         with open(path, "rb") as f:
@@ -76,7 +81,7 @@ def read_checkpoint(path: str | os.PathLike, *, unsafe_load: bool = False) -> Ch
             if what.kind == "zip":
                 globals_seen: set[str] = set()
                 try:
-                    root, archive = read_torch_zip(path, f, file_size, globals_seen)
+                    root, archive = read_torch_zip(path, f, file_size, globals_seen, allow_globals)
                 except UnsafeInputError:
                     if not unsafe_load:
                         raise
@@ -88,7 +93,7 @@ def read_checkpoint(path: str | os.PathLike, *, unsafe_load: bool = False) -> Ch
             if what.kind == "legacy":
                 globals_seen = set()
                 try:
-                    root = read_legacy(path, f, file_size, globals_seen)
+                    root = read_legacy(path, f, file_size, globals_seen, allow_globals)
                 except UnsafeInputError:
                     if not unsafe_load:
                         raise
@@ -108,7 +113,7 @@ def read_checkpoint(path: str | os.PathLike, *, unsafe_load: bool = False) -> Ch
     raise BadInputError(f"{path}: {what.description}")
 
 
-def _read_folder(folder: Path, unsafe_load: bool) -> Checkpoint:
+def _read_folder(folder: Path, unsafe_load: bool, allow_globals: Sequence[str]) -> Checkpoint:
     if is_dcp_folder(folder):
         if not unsafe_load:
             raise BadInputError(
@@ -125,14 +130,16 @@ def _read_folder(folder: Path, unsafe_load: bool) -> Checkpoint:
             f"{folder}: a folder without a checkpoint ckptfix knows (model.safetensors, pytorch_model.bin "
             "or a *.index.json)"
         )
-    return _read_sharded(found) if found.name.endswith(".index.json") else read_checkpoint(found)
+    if found.name.endswith(".index.json"):
+        return _read_sharded(found, allow_globals)
+    return read_checkpoint(found, unsafe_load=unsafe_load, allow_globals=allow_globals)
 
 
-def _read_sharded(index_path: Path) -> Checkpoint:
+def _read_sharded(index_path: Path, allow_globals: Sequence[str] = ()) -> Checkpoint:
     weight_map, metadata = read_index(index_path)
 
     def read_shard(shard: Path) -> Any:
-        ckpt = read_checkpoint(shard)
+        ckpt = read_checkpoint(shard, allow_globals=allow_globals)
         if not ckpt.lazy or not isinstance(ckpt.root, dict):
             raise BadInputError(f"{shard}: a shard must hold one flat state dict")
         return ckpt.root

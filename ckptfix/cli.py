@@ -124,6 +124,9 @@ _PIPELINE = _apply([
     click.option("--unsafe-load", is_flag=True,
                  help="For TRUSTED files only: allow torch.load(weights_only=False), which runs code "
                  "from the file, when the safe reader refuses it."),
+    click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME",
+                 help="Keep objects of this pickle global (or glob, e.g. 'numpy.*') as they are, without "
+                 "importing or running anything; the output carries them unchanged."),
     click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout."),
 ])
 
@@ -511,7 +514,9 @@ def verify(paths: tuple[str, ...], expect_prefix: str | None, expect_device: str
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--unsafe-load", is_flag=True,
               help="For TRUSTED files only: fall back to torch.load(weights_only=False).")
-def inspect_command(path: str, as_json: bool, unsafe_load: bool) -> int:
+@click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME",
+              help="Read objects of this global (or glob) as opaque records, never imported or run.")
+def inspect_command(path: str, as_json: bool, unsafe_load: bool, allow_globals: tuple[str, ...]) -> int:
     """Describe a checkpoint without reading its tensor data.
 
     Shows the format, where the state dicts are and which prefixes their keys share,
@@ -526,7 +531,7 @@ def inspect_command(path: str, as_json: bool, unsafe_load: bool) -> int:
     from .ops import inspect_checkpoint
     from .summary import render
 
-    summary = inspect_checkpoint(path, unsafe_load=unsafe_load)
+    summary = inspect_checkpoint(path, unsafe_load=unsafe_load, allow_globals=allow_globals)
     if as_json:
         _emit_json(summary)
     else:

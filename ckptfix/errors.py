@@ -53,8 +53,8 @@ class UnsafeInputError(BadInputError):
         super().__init__(
             f"{where}refusing to load: the pickle references {global_name}, which is not on the "
             "allow-list of plain checkpoint contents; nothing from the file was run",
-            hint="if and only if you trust this file, pass --unsafe-load "
-            "(it runs torch.load(weights_only=False), which executes code from the file)",
+            hint=f"to keep it without running it: --allow-global {global_name.split(' ')[0]}; "
+            "only if you trust this file: --unsafe-load (torch.load(weights_only=False) runs code from the file)",
         )
         self.global_name = global_name
 

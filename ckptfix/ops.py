@@ -65,6 +65,7 @@ class ConvertOptions:
     in_place: bool = False
     strict: bool = False
     unsafe_load: bool = False
+    allow_globals: Sequence[str] = ()
     #: strip-module/add-module: write only when a key was renamed
     require_change: bool = False
 
@@ -243,7 +244,7 @@ def convert(
     if not opts.dry_run and kind == "file":
         check_destination(in_path, out_path, overwrite=opts.force, in_place=opts.in_place)
     started = time.perf_counter()
-    ckpt = read_checkpoint(in_path, unsafe_load=opts.unsafe_load)
+    ckpt = read_checkpoint(in_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals)
     report = Report(
         command=command, input=in_path, output=out_path, input_format=ckpt.format,
         output_format=file_format if kind == "file" else f"sharded {file_format}", dry_run=opts.dry_run,
@@ -396,9 +397,11 @@ def write_checkpoint(
     return out_path.stat().st_size
 
 
-def inspect_checkpoint(path: str | os.PathLike, *, unsafe_load: bool = False) -> dict[str, Any]:
+def inspect_checkpoint(
+    path: str | os.PathLike, *, unsafe_load: bool = False, allow_globals: Sequence[str] = ()
+) -> dict[str, Any]:
     """The ``inspect`` report as plain data; reads structure only, never tensor data."""
-    return summarize(read_checkpoint(path, unsafe_load=unsafe_load))
+    return summarize(read_checkpoint(path, unsafe_load=unsafe_load, allow_globals=allow_globals))
 
 
 def diff_checkpoints(
@@ -413,8 +416,8 @@ def diff_checkpoints(
     """Compare two checkpoints of any formats; ``options`` transforms A first (e.g. strip
     ``module.``) so a fix can be checked against a reference. Tensors are read one at a time."""
     opts = options or ConvertOptions()
-    a = read_checkpoint(a_path, unsafe_load=opts.unsafe_load)
-    b = read_checkpoint(b_path, unsafe_load=opts.unsafe_load)
+    a = read_checkpoint(a_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals)
+    b = read_checkpoint(b_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals)
     scratch = Report("diff", str(a_path), None, a.format, b.format, dry_run=True)
     root_a = apply_transforms(a, opts, scratch)
     root_b = _select(b, select_b) if select_b else b.root

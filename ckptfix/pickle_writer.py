@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import BadInputError
-from .tree import ABSENT, Global, Reduce, StorageRef, TensorRef
+from .tree import ABSENT, Global, OpaqueObject, Reduce, StorageRef, TensorRef
 
 _PROTO2 = b"\x80\x02"
 _STOP = b"."
@@ -28,6 +28,7 @@ _NONE, _TRUE, _FALSE = b"N", b"\x88", b"\x89"
 _BININT, _BININT1, _BININT2, _LONG1, _LONG4 = b"J", b"K", b"M", b"\x8a", b"\x8b"
 _BINFLOAT, _BINUNICODE, _GLOBAL, _REDUCE, _BUILD, _BINPERSID = b"G", b"X", b"c", b"R", b"b", b"Q"
 _BINPUT, _LONG_BINPUT, _BINGET, _LONG_BINGET = b"q", b"r", b"h", b"j"
+_NEWOBJ, _NEWOBJ_EX = b"\x81", b"\x92"
 _BATCH = 1000  # items per SETITEMS/APPENDS, as pickle does
 _TUPLE_OPS = {0: _EMPTY_TUPLE, 1: _TUPLE1, 2: _TUPLE2, 3: _TUPLE3}
 # Python 3 names pickled under protocol 2 are written with their Python 2 spelling
@@ -91,6 +92,10 @@ class _Emitter:
             self._global(value)
         elif isinstance(value, Reduce):
             self._reduce_node(value)
+        elif isinstance(value, OpaqueObject):
+            self._opaque(value)
+        elif isinstance(value, type) and issubclass(value, OpaqueObject):
+            self._global(value.ckptfix_global)
         elif kind is tuple:
             self._tuple(value)
         elif kind is list:
@@ -225,6 +230,33 @@ class _Emitter:
 
     def _reduce_node(self, value: Reduce) -> None:
         self._reduce(value, value.func, value.args, value.state)
+
+    def _opaque(self, value: OpaqueObject) -> None:
+        """An allowed-by-name object, written back the way it was read: REDUCE or NEWOBJ(_EX),
+        then its list/dict items, then its BUILD state."""
+        if self._get(id(value)):
+            return
+        self._global(value.ckptfix_global)
+        self._tuple_of(value.ckptfix_args)
+        if value.ckptfix_called:
+            self.out.append(_REDUCE)
+        elif value.ckptfix_kwargs:
+            self.emit(dict(value.ckptfix_kwargs))
+            self.out.append(_NEWOBJ_EX)
+        else:
+            self.out.append(_NEWOBJ)
+        self._put(id(value))
+        self._keep_alive(value)
+        for start in range(0, len(value.ckptfix_items), _BATCH):
+            self.out.append(_MARK)
+            for item in value.ckptfix_items[start : start + _BATCH]:
+                self.emit(item)
+            self.out.append(_APPENDS)
+        if value.ckptfix_dictitems:
+            self._setitems(value.ckptfix_dictitems)
+        if value.ckptfix_state is not ABSENT:
+            self.emit(value.ckptfix_state)
+            self.out.append(_BUILD)
 
     def _storage(self, storage: StorageRef) -> None:
         key = self.storage_keys.get(id(storage))

@@ -68,6 +68,54 @@ class Reduce:
         return f"{self.func.full}(...)"
 
 
+class OpaqueObject:
+    """An object of a global the user allowed by name (``--allow-global``): recorded, never built.
+
+    Its class is made up on the spot (see :func:`opaque_class`); nothing is imported. The
+    pickle's construction -- ``cls(*args)`` (REDUCE) or ``cls.__new__(cls, *args)`` (NEWOBJ),
+    list/dict items, BUILD state -- is kept as data and written back exactly.
+    """
+
+    ckptfix_global: Global
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> OpaqueObject:
+        obj = object.__new__(cls)
+        obj.__dict__.update(ckptfix_args=args, ckptfix_kwargs=kwargs, ckptfix_called=False,
+                            ckptfix_state=ABSENT, ckptfix_items=[], ckptfix_dictitems=[])
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.__dict__["ckptfix_called"] = True  # REDUCE calls the class; NEWOBJ only __new__
+
+    def __setstate__(self, state: Any) -> None:
+        self.__dict__["ckptfix_state"] = state
+
+    def append(self, item: Any) -> None:
+        self.ckptfix_items.append(item)
+
+    def extend(self, items: Any) -> None:
+        self.ckptfix_items.extend(items)
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.ckptfix_dictitems.append((key, value))
+
+    def __repr__(self) -> str:
+        return f"<{self.ckptfix_global.full} (kept as is)>"
+
+
+_OPAQUE_CLASSES: dict[str, type[OpaqueObject]] = {}
+
+
+def opaque_class(module: str, name: str) -> type[OpaqueObject]:
+    """A stand-in class for ``module.name``: same name for the writer, no behaviour at all."""
+    full = f"{module}.{name}"
+    cls = _OPAQUE_CLASSES.get(full)
+    if cls is None:
+        cls = type(name, (OpaqueObject,), {"ckptfix_global": Global(module, name), "__module__": "ckptfix.opaque"})
+        _OPAQUE_CLASSES[full] = cls
+    return cls
+
+
 @dataclass(eq=False)
 class StorageRef:
     """One storage record: ``data/<key>`` in the archive, with its dtype and device tag."""
@@ -268,9 +316,14 @@ def _walk_leaves(root: Any) -> Iterator[tuple[Path, Any]]:
             continue
         if id(value) in seen:
             continue
-        if isinstance(value, (Mapping, list, tuple, set, frozenset, Reduce)):
+        if isinstance(value, (Mapping, list, tuple, set, frozenset, Reduce, OpaqueObject)):
             seen.add(id(value))
-        if isinstance(value, Reduce):
+        if isinstance(value, OpaqueObject):
+            items = [("__args__", value.ckptfix_args), ("__items__", value.ckptfix_items),
+                     ("__dictitems__", value.ckptfix_dictitems)]
+            if value.ckptfix_state is not ABSENT:
+                items.append(("__state__", value.ckptfix_state))
+        elif isinstance(value, Reduce):
             items = list(enumerate(value.args))
             if value.state is not ABSENT:
                 items.append(("__state__", value.state))
@@ -406,7 +459,7 @@ def substitute(root: Any, replacements: dict[int, Any]) -> Any:
             return replacements[key]
         if key in done:
             return done[key]
-        if not isinstance(value, (Mapping, list, tuple, Reduce)):
+        if not isinstance(value, (Mapping, list, tuple, Reduce, OpaqueObject)):
             return value
         done[key] = value  # provisional: a cycle back to here keeps the original
         if isinstance(value, Mapping):
@@ -417,6 +470,13 @@ def substitute(root: Any, replacements: dict[int, Any]) -> Any:
             args, state = rebuild(value.args), rebuild(value.state)
             changed = args is not value.args or state is not value.state
             result = Reduce(value.func, args, state) if changed else value
+        elif isinstance(value, OpaqueObject):
+            parts = {k: rebuild(v) for k, v in value.__dict__.items()}
+            changed = any(parts[k] is not v for k, v in value.__dict__.items())
+            result = value
+            if changed:
+                result = object.__new__(type(value))
+                result.__dict__.update(parts)
         else:
             elements = [rebuild(v) for v in value]
             changed = any(new is not old for new, old in zip(elements, value))

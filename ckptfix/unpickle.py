@@ -16,15 +16,16 @@ what we read is what a safe ``torch.load`` would read, and what we write loads t
 from __future__ import annotations
 
 import codecs
+import fnmatch
 import io
 import pickle
 from collections import Counter, OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 from .dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS_NAMES
 from .errors import BadInputError, UnsafeInputError
-from .tree import Global, StorageRef
+from .tree import Global, StorageRef, opaque_class
 
 _REBUILD_FUNCTIONS = (
     "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
@@ -101,11 +102,19 @@ PYTHON_GLOBALS: dict[str, Callable[..., Any]] = {
 StorageLoader = Callable[[Global, str, str, int, Any], StorageRef]
 
 
+def allowed_by_name(full: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(full, p) for p in patterns)
+
+
 class _RestrictedUnpickler(pickle.Unpickler):
-    def __init__(self, file: BinaryIO, load_storage: StorageLoader | None, globals_seen: set[str]) -> None:
+    def __init__(
+        self, file: BinaryIO, load_storage: StorageLoader | None, globals_seen: set[str],
+        allow: Sequence[str] = (),
+    ) -> None:
         super().__init__(file)
         self._load_storage = load_storage
         self._globals_seen = globals_seen
+        self._allow = allow
 
     def find_class(self, module: str, name: str) -> Any:
         module = _RENAMED_MODULES.get(module, module)
@@ -115,6 +124,8 @@ class _RestrictedUnpickler(pickle.Unpickler):
             return PYTHON_GLOBALS[full]
         if full in TORCH_GLOBALS:
             return Global(module, name)
+        if self._allow and allowed_by_name(full, self._allow):
+            return opaque_class(module, name)
         shown = _DISPLAY_MODULES.get(module)
         raise UnsafeInputError(f"{shown}.{name} (pickled as {full})" if shown else full)
 
@@ -144,6 +155,7 @@ def restricted_load(
     data: bytes | BinaryIO,
     load_storage: StorageLoader | None,
     globals_seen: set[str] | None = None,
+    allow: Sequence[str] = (),
 ) -> Any:
     """Unpickle one pickle from ``data`` (bytes, or a file positioned at it) into a tree.
 
@@ -151,11 +163,12 @@ def restricted_load(
     Raises :class:`UnsafeInputError` at the first global outside the allow-list and
     :class:`BadInputError` for anything malformed. ``globals_seen`` collects every global
     the pickle names (for ``inspect``). Reading from a file leaves it just after the pickle.
+    Globals matching an ``allow`` pattern become :class:`OpaqueObject` records (never imported).
     """
     seen = globals_seen if globals_seen is not None else set()
     file = io.BytesIO(data) if isinstance(data, bytes) else data
     try:
-        return _RestrictedUnpickler(file, load_storage, seen).load()
+        return _RestrictedUnpickler(file, load_storage, seen, allow).load()
     except BadInputError:
         raise
     except RecursionError as exc:

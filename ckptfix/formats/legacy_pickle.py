@@ -19,6 +19,7 @@ safe as that one, needs no torch, and copies tensor bytes straight from the file
 from __future__ import annotations
 
 import struct
+from collections.abc import Sequence
 from typing import Any, BinaryIO
 
 from ..errors import BadInputError, UnsafeInputError
@@ -30,7 +31,7 @@ MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
 
 
-def read_legacy(path: str, f: BinaryIO, file_size: int, globals_seen: set[str]) -> Any:
+def read_legacy(path: str, f: BinaryIO, file_size: int, globals_seen: set[str], allow: Sequence[str] = ()) -> Any:
     """Parse a legacy torch file into a tree of lazy references (no tensor data is read)."""
     f.seek(0)
     if restricted_load(f, None) != MAGIC_NUMBER:
@@ -60,7 +61,7 @@ def read_legacy(path: str, f: BinaryIO, file_size: int, globals_seen: set[str]) 
         return views[view_key][0]
 
     try:
-        tree = restricted_load(f, load_storage, globals_seen)
+        tree = restricted_load(f, load_storage, globals_seen, allow)
     except UnsafeInputError as exc:
         raise UnsafeInputError(exc.global_name, path) from None
     keys = restricted_load(f, None)

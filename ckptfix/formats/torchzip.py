@@ -17,7 +17,7 @@ range; writing re-pickles the (transformed) tree and copies storage records byte
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -59,7 +59,9 @@ def split_archive_names(records: dict[str, ZipRecord], path: str) -> dict[str, Z
     return {name.split("/", 1)[1]: record for name, record in records.items()}
 
 
-def read_torch_zip(path: str, f: BinaryIO, file_size: int, globals_seen: set[str]) -> tuple[Any, TorchZipArchive]:
+def read_torch_zip(
+    path: str, f: BinaryIO, file_size: int, globals_seen: set[str], allow: Sequence[str] = ()
+) -> tuple[Any, TorchZipArchive]:
     """Parse a torch zip checkpoint into a tree of lazy references (no tensor data is read)."""
     raw = read_directory(f, file_size, path)
     if not raw:
@@ -101,7 +103,7 @@ def read_torch_zip(path: str, f: BinaryIO, file_size: int, globals_seen: set[str
         return storage
 
     try:
-        root = restricted_load(pickle_bytes, load_storage, globals_seen)
+        root = restricted_load(pickle_bytes, load_storage, globals_seen, allow)
     except UnsafeInputError as exc:
         raise UnsafeInputError(exc.global_name, path) from None
     return root, TorchZipArchive(path, archive_name, records, byteorder)
