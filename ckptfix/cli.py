@@ -509,6 +509,44 @@ def verify(paths: tuple[str, ...], expect_prefix: str | None, expect_device: str
     return 1 if failed else 0
 
 
+@cli.command("scan", context_settings=_CONTEXT)
+@click.argument("paths", nargs=-1, required=True, metavar="PATH...", type=click.Path())
+@click.option("--recursive", is_flag=True, help="Folder inputs: include sub-folders.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+def scan(paths: tuple[str, ...], recursive: bool, as_json: bool) -> int:
+    """List every global each file's pickles reference, and judge them; never runs anything.
+
+    Verdicts: safe (what torch.load(weights_only=True) accepts), benign (argparse.Namespace,
+    numpy values, pathlib paths: keep with --allow-global, convert with --sanitize), dangerous
+    (os, subprocess, eval/exec, torch's own loaders, any unknown module). Nested pickles are
+    scanned too. Exit 1 if anything dangerous is found, 3 if a file cannot be scanned.
+
+    \b
+    Examples:
+      ckptfix scan downloaded.pth
+      ckptfix scan models/ --recursive --json
+    """
+    from .batch import expand_inputs
+    from .scan import scan_path
+
+    results = [scan_path(p) for p, _ in expand_inputs(paths, recursive)]
+    if as_json:
+        _emit_json({"files": [r.to_dict() for r in results]})
+    else:
+        for r in results:
+            verdicts: dict[str, set[str]] = {}
+            for g in r.globals:
+                verdicts.setdefault(g.verdict, set()).add(g.name)
+            status = "DANGEROUS" if r.dangerous else ("ERROR" if r.error else "ok")
+            click.echo(f"{status} {r.path} ({r.format})" + (f": {one_line(r.error)}" if r.error else ""))
+            for verdict in ("dangerous", "benign", "safe"):
+                if verdict in verdicts:
+                    click.echo(f"  {verdict}: {', '.join(sorted(verdicts[verdict]))}")
+    if any(r.dangerous for r in results):
+        return 1
+    return 3 if any(r.error for r in results) else 0
+
+
 @cli.command("inspect", context_settings=_CONTEXT)
 @click.argument("path", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
