@@ -127,6 +127,9 @@ _PIPELINE = _apply([
     click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME",
                  help="Keep objects of this pickle global (or glob, e.g. 'numpy.*') as they are, without "
                  "importing or running anything; the output carries them unchanged."),
+    click.option("--sanitize", is_flag=True,
+                 help="Replace argparse.Namespace, numpy values and pathlib paths by plain data (dict, numbers, "
+                 "tensors, str) so the output loads with weights_only=True."),
     click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout."),
 ])
 

@@ -30,6 +30,7 @@ from .formats.dcp import write_dcp
 from .formats.safetensors import plan_safetensors, write_safetensors, write_safetensors_from_torch
 from .formats.sharded import parse_size, write_sharded
 from .output import atomic_output, check_destination
+from .sanitize import SANITIZABLE, sanitize
 from .selection import filter_tree, prune_patterns
 from .summary import describe_tree, summarize
 from .transforms import add_prefix, normalize_prefix, parse_rule, rename_keys, strip_prefix
@@ -66,6 +67,7 @@ class ConvertOptions:
     strict: bool = False
     unsafe_load: bool = False
     allow_globals: Sequence[str] = ()
+    sanitize: bool = False
     #: strip-module/add-module: write only when a key was renamed
     require_change: bool = False
 
@@ -84,6 +86,7 @@ class Report:
     renamed: int = 0
     state_dicts: list[dict[str, Any]] = field(default_factory=list)
     selected: str | None = None
+    sanitized: list[dict[str, str]] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     bytes_dropped: int = 0
     devices: dict[str, int] = field(default_factory=dict)
@@ -178,6 +181,9 @@ def flat_state_dict(root: Any, original: Any, keep_metadata: bool) -> tuple[dict
 def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> Any:
     """Run the transform steps of the pipeline on ``ckpt``'s tree; record them in ``report``."""
     root = _select(ckpt, opts.select) if opts.select else ckpt.root
+    if opts.sanitize:
+        root, cleaned = sanitize(root)
+        report.sanitized = cleaned.replaced
     drop = list(opts.drop) + (prune_patterns(root) if opts.prune else [])
     if drop or opts.keep:
         root, selection = filter_tree(root, drop, opts.keep)
@@ -244,14 +250,15 @@ def convert(
     if not opts.dry_run and kind == "file":
         check_destination(in_path, out_path, overwrite=opts.force, in_place=opts.in_place)
     started = time.perf_counter()
-    ckpt = read_checkpoint(in_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals)
+    allow = [*opts.allow_globals, *(SANITIZABLE if opts.sanitize else ())]
+    ckpt = read_checkpoint(in_path, unsafe_load=opts.unsafe_load, allow_globals=allow)
     report = Report(
         command=command, input=in_path, output=out_path, input_format=ckpt.format,
         output_format=file_format if kind == "file" else f"sharded {file_format}", dry_run=opts.dry_run,
         notes=list(ckpt.notes), selected=opts.select,
     )
     root = apply_transforms(ckpt, opts, report)
-    changed = report.renamed or report.devices or report.cast.get("tensors") or report.dropped
+    changed = report.renamed or report.devices or report.cast.get("tensors") or report.dropped or report.sanitized
     if opts.require_change and not changed:
         report.message = _nothing_to_do(ckpt, report, opts)
         report.seconds = time.perf_counter() - started
@@ -336,6 +343,9 @@ def _write(
 
 def _describe_changes(report: Report) -> str:
     parts = []
+    if report.sanitized:
+        kinds = sorted({s["global"] for s in report.sanitized})
+        parts.append(f"sanitized {len(report.sanitized)} objects ({', '.join(kinds)})")
     if report.dropped:
         parts.append(f"dropped {len(report.dropped)} entries ({report.bytes_dropped} bytes of tensors)")
     for change in report.state_dicts:

@@ -1,0 +1,135 @@
+"""``--sanitize``: turn known-benign objects into plain data that ``weights_only=True`` accepts.
+
+Training checkpoints often hold ``argparse.Namespace`` arguments, numpy scalars and arrays,
+and ``pathlib`` paths, so ``torch.load`` (weights_only since torch 2.6) refuses them. They are
+read as opaque records (nothing imported or run) and replaced by:
+
+* ``argparse.Namespace`` -> ``dict`` of its attributes;
+* numpy scalars -> Python ``int``/``float``/``bool``/``complex``;
+* numpy arrays of numeric dtypes -> tensors (row-major, little-endian);
+* ``pathlib`` paths -> ``str``.
+
+numpy is used only to decode the raw bytes the file carries, with a dtype parsed from a
+plain type code (``'<f8'``); anything else is refused with the global's name.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import UsageError
+from .sources import ComputedSource
+from .tree import OpaqueObject, format_path, substitute, tensor_from_range
+
+_NUMPY = ("numpy.core.multiarray", "numpy._core.multiarray")
+SANITIZABLE = (
+    "argparse.Namespace", "numpy.dtype", "numpy.ndarray",
+    *(f"{m}.{n}" for m in _NUMPY for n in ("scalar", "_reconstruct")),
+    *(f"pathlib.{n}" for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")),
+)
+_TYPE_CODE = re.compile(r"^[<>|=]?([biufc])(\d{1,2})$")
+_TORCH_DTYPE = {
+    "b1": "bool", "i1": "int8", "u1": "uint8", "i2": "int16", "i4": "int32", "i8": "int64", "u2": "uint16",
+    "u4": "uint32", "u8": "uint64", "f2": "float16", "f4": "float32", "f8": "float64", "c8": "complex64",
+    "c16": "complex128",
+}
+
+
+@dataclass
+class SanitizeReport:
+    replaced: list[dict[str, str]] = field(default_factory=list)
+
+
+def _name(obj: OpaqueObject) -> str:
+    return obj.ckptfix_global.full
+
+
+def _numpy_dtype(obj: Any) -> Any:
+    """A numpy dtype from a pickled ``numpy.dtype('f8', False, True)`` plus its byte-order state."""
+    import numpy as np
+
+    if not (isinstance(obj, OpaqueObject) and _name(obj) == "numpy.dtype" and obj.ckptfix_args):
+        raise UsageError(f"cannot sanitize: expected a numpy dtype, found {obj!r:.80}")
+    code = obj.ckptfix_args[0]
+    match = _TYPE_CODE.match(code) if isinstance(code, str) else None
+    if not match or f"{match.group(1)}{match.group(2)}" not in _TORCH_DTYPE:
+        raise UsageError(f"cannot sanitize a numpy value of dtype {code!r:.40}: only numeric dtypes convert")
+    state = obj.ckptfix_state
+    order = state[1] if isinstance(state, tuple) and len(state) > 1 and state[1] in ("<", ">", "|") else "="
+    return np.dtype(match.group(1) + match.group(2)).newbyteorder(order if order != "|" else "=")
+
+
+def _convert(obj: OpaqueObject) -> Any:
+    name = _name(obj)
+    if name == "argparse.Namespace" and not obj.ckptfix_args and isinstance(obj.ckptfix_state, dict):
+        return dict(obj.ckptfix_state)
+    if name.startswith("pathlib.") and all(isinstance(a, str) for a in obj.ckptfix_args):
+        from pathlib import PurePosixPath, PureWindowsPath
+
+        pure = PureWindowsPath if "Windows" in name else PurePosixPath
+        return str(pure(*obj.ckptfix_args))
+    if name in (f"{m}.scalar" for m in _NUMPY) and len(obj.ckptfix_args) == 2:
+        import numpy as np
+
+        dtype, raw = _numpy_dtype(obj.ckptfix_args[0]), obj.ckptfix_args[1]
+        raw = raw.encode("latin-1") if isinstance(raw, str) else raw
+        if not isinstance(raw, bytes) or len(raw) != dtype.itemsize:
+            raise UsageError(f"cannot sanitize a corrupt numpy scalar ({name})")
+        return np.frombuffer(raw, dtype=dtype)[0].item()
+    if name in (f"{m}._reconstruct" for m in _NUMPY):
+        return _array_to_tensor(obj)
+    raise UsageError(
+        f"--sanitize does not know how to turn {name} into plain data; drop it (--drop PATH) or keep it "
+        f"as it is (--allow-global {name}, then the output needs weights_only=False)"
+    )
+
+
+def _array_to_tensor(obj: OpaqueObject) -> Any:
+    import numpy as np
+
+    state = obj.ckptfix_state
+    if not (isinstance(state, tuple) and len(state) == 5):
+        raise UsageError("cannot sanitize a numpy array with an unexpected pickled state")
+    _, shape, dtype_obj, fortran, raw = state
+    dtype = _numpy_dtype(dtype_obj)
+    raw = raw.encode("latin-1") if isinstance(raw, str) else raw
+    if not (isinstance(shape, tuple) and all(type(s) is int and s >= 0 for s in shape) and isinstance(raw, bytes)):
+        raise UsageError("cannot sanitize a corrupt numpy array")
+    count = int(np.prod(shape)) if shape else 1
+    if len(raw) != count * dtype.itemsize:
+        raise UsageError("cannot sanitize a numpy array whose data does not match its shape")
+    array = np.frombuffer(raw, dtype=dtype).reshape(shape, order="F" if fortran else "C")
+    data = np.ascontiguousarray(array.astype(dtype.newbyteorder("<"), copy=False)).tobytes()
+    torch_dtype = _TORCH_DTYPE[f"{dtype.kind}{dtype.itemsize}"]
+    return tensor_from_range(torch_dtype, tuple(shape), ComputedSource(len(data), lambda files, data=data: data))
+
+
+def sanitize(root: Any) -> tuple[Any, SanitizeReport]:
+    """A copy of ``root`` with every opaque object of a known kind replaced by plain data."""
+    report = SanitizeReport()
+    replacements: dict[int, Any] = {}
+    stack: list[tuple[tuple, Any]] = [((), root)]
+    seen: set[int] = set()
+    while stack:
+        path, value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if isinstance(value, OpaqueObject):
+            if _name(value) not in SANITIZABLE:
+                continue  # allowed by name by the user: passes through as it is
+            new = _convert(value)
+            if isinstance(new, dict):
+                new, inner = sanitize(new)
+                report.replaced += inner.replaced
+            replacements[id(value)] = new
+            kind = f"tensor {new.dtype}" if hasattr(new, "dtype") else type(new).__name__
+            report.replaced.append({"path": format_path(path) or "(top level)", "global": _name(value), "to": kind})
+            continue
+        if isinstance(value, dict):
+            stack.extend((path + (k,), v) for k, v in value.items())
+        elif isinstance(value, (list, tuple)):
+            stack.extend((path + (i,), v) for i, v in enumerate(value))
+    return (substitute(root, replacements) if replacements else root), report
