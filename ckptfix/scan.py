@@ -66,12 +66,17 @@ class ScanResult:
                 "globals": [asdict(g) for g in self.globals]}
 
 
-def classify(name: str) -> str:
+def canonical(name: str) -> str:
+    """The name users know: ``posix.system`` is ``os.system``, ``__builtin__`` is ``builtins``."""
     module = name.rsplit(".", 1)[0]
-    canonical = _RENAMED.get(module, module) + name[len(module):]
-    if canonical in TORCH_GLOBALS or canonical in PYTHON_GLOBALS:
+    return _RENAMED.get(module, module) + name[len(module):]
+
+
+def classify(name: str) -> str:
+    canonical_name = canonical(name)
+    if canonical_name in TORCH_GLOBALS or canonical_name in PYTHON_GLOBALS:
         return "safe"
-    if canonical in BENIGN:
+    if canonical_name in BENIGN:
         return "benign"
     return "dangerous"
 
@@ -86,12 +91,12 @@ def scan_pickle(data: bytes | BinaryIO, where: str, depth: int = 0) -> list[Foun
     stream = io.BytesIO(data) if isinstance(data, bytes) else data
     for opcode, arg, _ in pickletools.genops(stream):
         if opcode.name in ("GLOBAL", "INST"):
-            module, name = arg.split(" ", 1)
-            found.append(Found(f"{module}.{name}", classify(f"{module}.{name}"), where))
+            full = canonical(arg.replace(" ", ".", 1))
+            found.append(Found(full, classify(full), where))
         elif opcode.name == "STACK_GLOBAL":
             if len(strings) >= 2:
-                name = f"{strings[-2]}.{strings[-1]}"
-                found.append(Found(name, classify(name), where))
+                full = canonical(f"{strings[-2]}.{strings[-1]}")
+                found.append(Found(full, classify(full), where))
             else:
                 found.append(Found("<STACK_GLOBAL with computed name>", "dangerous", where))
         elif isinstance(arg, str) and opcode.name.endswith(("UNICODE", "STRING")):

@@ -187,8 +187,12 @@ def _warnings(devices: Counter[str]) -> list[str]:
 def _real_tensors(root: Any) -> list[Any]:
     found: list[Any] = []
     stack = [root]
+    seen: set[int] = set()
     while stack:
         value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
         if is_torch_tensor(value):
             found.append(value)
         elif isinstance(value, Mapping):

@@ -276,6 +276,37 @@ def tensor_from_range(dtype: str, shape: tuple[int, ...], source: Any, location:
 Path = tuple[Any, ...]
 
 
+#: containers nested deeper than this are refused at read time: real checkpoints nest a few
+#: levels; a hostile pickle nests 10**5 deep to make every later walk slow or recursive code crash
+MAX_NESTING = 1000
+
+
+def check_nesting(root: Any, limit: int = MAX_NESTING) -> None:
+    """Raise :class:`BadInputError` if containers nest deeper than ``limit`` (cycles are fine)."""
+    seen: set[int] = set()
+    stack: list[tuple[Any, int]] = [(root, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > limit:
+            raise BadInputError(f"corrupt or hostile checkpoint: containers nested more than {limit} deep")
+        if id(value) in seen:
+            continue
+        if isinstance(value, Mapping):
+            seen.add(id(value))
+            stack.extend((v, depth + 1) for v in value.values())
+            stack.extend((k, depth + 1) for k in value if isinstance(k, tuple))
+        elif isinstance(value, (list, tuple, set, frozenset)):
+            seen.add(id(value))
+            stack.extend((v, depth + 1) for v in value)
+        elif isinstance(value, Reduce):
+            seen.add(id(value))
+            stack.append((value.args, depth + 1))
+            stack.append((value.state, depth + 1))
+        elif isinstance(value, OpaqueObject):
+            seen.add(id(value))
+            stack.extend((v, depth + 1) for v in value.__dict__.values())
+
+
 def format_path(path: Path) -> str:
     """Dotted form of a container path, as ``--key`` accepts it ("" is the root)."""
     return ".".join(str(p) for p in path)

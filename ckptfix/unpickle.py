@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 from .dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS_NAMES
 from .errors import BadInputError, UnsafeInputError
-from .tree import Global, StorageRef, opaque_class
+from .tree import Global, StorageRef, check_nesting, opaque_class
 
 _REBUILD_FUNCTIONS = (
     "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
@@ -168,7 +168,9 @@ def restricted_load(
     seen = globals_seen if globals_seen is not None else set()
     file = io.BytesIO(data) if isinstance(data, bytes) else data
     try:
-        return _RestrictedUnpickler(file, load_storage, seen, allow).load()
+        tree = _RestrictedUnpickler(file, load_storage, seen, allow).load()
+        check_nesting(tree)
+        return tree
     except BadInputError:
         raise
     except RecursionError as exc:
