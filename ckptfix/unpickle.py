@@ -106,12 +106,38 @@ def allowed_by_name(full: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(full, p) for p in patterns)
 
 
-class _RestrictedUnpickler(pickle.Unpickler):
+class _BoundedReader:
+    """A file view whose reads never ask for more than the file holds, so a pickle declaring a
+    2 GB string in a 1 KB file cannot make the reader allocate 2 GB."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self._file = file
+        position = file.tell()
+        self._end = file.seek(0, io.SEEK_END)
+        file.seek(position)
+
+    def read(self, n: int = -1) -> bytes:
+        remaining = self._end - self._file.tell()
+        return self._file.read(remaining if n < 0 else min(n, remaining))
+
+    def readinto(self, buffer: Any) -> int:
+        data = self.read(len(buffer))
+        buffer[: len(data)] = data
+        return len(data)
+
+    def readline(self) -> bytes:
+        return self._file.readline(1 << 16)
+
+
+class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
+    """The pure-Python unpickler: its memo is a dict, so ``LONG_BINPUT 700000000`` costs one
+    entry, where the C unpickler would grow an array of that many slots (gigabytes)."""
+
     def __init__(
         self, file: BinaryIO, load_storage: StorageLoader | None, globals_seen: set[str],
         allow: Sequence[str] = (),
     ) -> None:
-        super().__init__(file)
+        super().__init__(_BoundedReader(file))
         self._load_storage = load_storage
         self._globals_seen = globals_seen
         self._allow = allow
