@@ -67,13 +67,13 @@ def assert_same_tree(a: Any, b: Any, where: str = "root", *, check_stride: bool 
 
 
 def sharing_groups(tree: Any) -> set[frozenset[str]]:
-    """Which tensors share one storage, as a set of groups of tensor paths (non-empty storages)."""
+    """Which (non-empty) tensors share one storage, as a set of groups of tensor paths."""
     groups: dict[tuple[str, int], set[str]] = {}
 
     def visit(value: Any, path: str) -> None:
         if isinstance(value, torch.Tensor):
-            storage = value.untyped_storage()
-            if storage.nbytes():  # empty storages have no identity worth comparing
+            if value.numel():  # an empty tensor holds no data to share
+                storage = value.untyped_storage()
                 groups.setdefault((str(value.device), storage.data_ptr()), set()).add(path)
         elif isinstance(value, Mapping):
             for k, v in value.items():

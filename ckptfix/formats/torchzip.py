@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
+from ..compaction import compact_storages
 from ..errors import BadInputError, UnsafeInputError
 from ..pickle_writer import dumps
 from ..sources import OpenFiles
@@ -129,10 +130,12 @@ def write_torch_zip(
     """Write ``root`` as a torch zip checkpoint into the open file ``out``.
 
     Storage bytes are copied from wherever the tree's :class:`StorageRef` s point (a zip
-    record, a safetensors range, a legacy storage). ``source`` supplies extra records of the
-    input to carry over. All storages must share one byte order, which is recorded.
+    record, a safetensors range, a legacy storage), cut down to the span tensors still use.
+    ``source`` supplies extra records of the input to carry over. All storages must share one
+    byte order, which is recorded.
     Returns the storages written, in key order; ``progress`` gets each storage's byte count.
     """
+    root, _ = compact_storages(root)
     pickled = dumps(root)
     orders = {s.byteorder for s in pickled.storages}
     if len(orders) > 1:

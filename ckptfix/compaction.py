@@ -1,0 +1,76 @@
+"""Compact storages: write only the bytes tensors still reference.
+
+``torch.save`` of a small view writes its whole storage, and dropping tensors (the optimizer,
+``--drop``, ``--select`` of one view) can leave a storage mostly unreferenced. Before a .pth is
+written, every storage whose tensors cover less than all of it is cut down to the span they
+use; the tensors' offsets move with it, and tensors that shared the storage still share the
+(smaller) one. Storages also reached in other ways (inside recorded calls such as sparse
+tensors) are left whole, since their use cannot be measured.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from typing import Any
+
+from .dtypes import DTYPE_ITEMSIZE
+from .sources import ComputedSource, OpenFiles, is_plain_range, read_all
+from .tree import StorageRef, TensorRef, _walk_leaves, substitute
+
+
+def _extent(t: TensorRef) -> int:
+    """Elements from the tensor's first to one past its last (0 for an empty tensor)."""
+    if 0 in t.shape:
+        return 0
+    return sum((n - 1) * s for n, s in zip(t.shape, t.stride)) + 1
+
+
+def _slice_source(source: Any, start: int, length: int) -> Any:
+    if is_plain_range(source):
+        return source.sub(start, length)
+
+    def produce(files: OpenFiles) -> bytes:
+        return read_all(source, files)[start : start + length]
+
+    return ComputedSource(length, produce)
+
+
+def compact_storages(root: Any) -> tuple[Any, int]:
+    """A copy of ``root`` whose storages hold only referenced bytes; returns it and the bytes saved."""
+    users: dict[int, list[TensorRef]] = {}
+    opaque: set[int] = set()
+    storages: dict[int, StorageRef] = {}
+    for _, leaf in _walk_leaves(root):
+        if isinstance(leaf, TensorRef):
+            users.setdefault(id(leaf.storage), []).append(leaf)
+            storages[id(leaf.storage)] = leaf.storage
+        else:
+            opaque.add(id(leaf))
+    replacements: dict[int, Any] = {}
+    saved = 0
+    for storage_id, tensors in users.items():
+        storage = storages[storage_id]
+        if storage_id in opaque or storage.source is None or len({t.dtype for t in tensors}) != 1:
+            continue
+        itemsize = DTYPE_ITEMSIZE[tensors[0].dtype]
+        used = [t for t in tensors if _extent(t)]
+        if not used:
+            start_b = end_b = 0
+        else:
+            start_b = min(t.storage_offset for t in used) * itemsize
+            end_b = max(t.storage_offset + _extent(t) for t in used) * itemsize
+        unit = math.lcm(itemsize, storage.itemsize)
+        start_b -= start_b % unit
+        if start_b == 0 and end_b >= storage.nbytes:
+            continue
+        source = _slice_source(storage.source, start_b, end_b - start_b)
+        new_storage = replace(storage, numel=(end_b - start_b) // storage.itemsize, source=source)
+        replacements[storage_id] = new_storage
+        saved += storage.nbytes - new_storage.nbytes
+        shift = start_b // itemsize
+        for tensor in tensors:
+            if id(tensor) not in replacements:
+                offset = tensor.storage_offset - shift if _extent(tensor) else 0
+                replacements[id(tensor)] = replace(tensor, storage=new_storage, storage_offset=offset)
+    return (substitute(root, replacements) if replacements else root), saved
