@@ -512,6 +512,37 @@ def verify(paths: tuple[str, ...], expect_prefix: str | None, expect_device: str
     return 1 if failed else 0
 
 
+@cli.command("publish", context_settings=_CONTEXT)
+@click.argument("in_path", metavar="IN", type=click.Path())
+@click.argument("out_dir", metavar="OUTDIR", type=click.Path(file_okay=False))
+@click.option("--format", "out_format", type=click.Choice(["safetensors", "pth"]), default="safetensors",
+              show_default=True, help="Output format.")
+@click.option("--name", help="File name stem (default: IN's name without extensions).")
+@click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
+@click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME",
+              help="Read objects of this global as opaque records (they are not published).")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+def publish_command(in_path: str, out_dir: str, as_json: bool, **kw: Any) -> int:
+    """Release preset: weights only, wrapper prefixes stripped, on cpu, named by content hash.
+
+    Writes OUTDIR/NAME-<first 8 hex of sha256>.<ext>, the name torch.hub's
+    load_state_dict_from_url(check_hash=True), timm and mmdet verify, and prints the full sha256.
+
+    \b
+    Examples:
+      ckptfix publish train.ckpt release/ --name resnet50
+      ckptfix publish ddp.pth release/ --format pth
+    """
+    from .ops import publish
+
+    result = publish(in_path, out_dir, **kw)
+    if as_json:
+        _emit_json({"path": result.path, "sha256": result.sha256, "report": result.report.to_dict()})
+    else:
+        click.echo(result.report.message)
+    return 0
+
+
 @cli.command("scan", context_settings=_CONTEXT)
 @click.argument("paths", nargs=-1, required=True, metavar="PATH...", type=click.Path())
 @click.option("--recursive", is_flag=True, help="Folder inputs: include sub-folders.")

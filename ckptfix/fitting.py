@@ -83,6 +83,11 @@ def reference_from_model(spec: str) -> Shapes:
     return shapes_of(model.state_dict())
 
 
+def wrapper_chain(keys: Sequence[str]) -> list[str]:
+    """The wrapper prefixes every key starts with, outermost first (``_orig_mod.module.``)."""
+    return _wrapper_chain(keys)
+
+
 def _wrapper_chain(keys: Sequence[str]) -> list[str]:
     chain: list[str] = []
     rest = list(keys)

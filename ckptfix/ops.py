@@ -25,7 +25,7 @@ from .checkpoint import Checkpoint, read_checkpoint
 from .devices import parse_map_location, remap_devices
 from .diffing import DiffReport, diff_trees
 from .errors import CannotWriteError, CheckFailedError, UsageError
-from .fitting import FitPlan, best_fit, reference_from_model, shapes_of
+from .fitting import FitPlan, best_fit, reference_from_model, shapes_of, wrapper_chain
 from .formats.dcp import write_dcp
 from .formats.safetensors import plan_safetensors, write_safetensors, write_safetensors_from_torch
 from .formats.sharded import parse_size, write_sharded
@@ -484,3 +484,57 @@ def fit_checkpoint(
         add_prefix=plan.add or None, dry_run=dry_run, force=force, unsafe_load=unsafe_load, out_format=out_format,
     )
     return plan, convert(in_path, out_path, opts, command="fit")
+
+
+@dataclass
+class PublishResult:
+    path: str
+    sha256: str
+    report: Report
+
+
+def publish(
+    in_path: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    *,
+    out_format: str = "safetensors",
+    name: str | None = None,
+    unsafe_load: bool = False,
+    allow_globals: Sequence[str] = (),
+) -> PublishResult:
+    """The release preset: the weights only (the largest state dict), wrapper prefixes stripped,
+    every tensor on ``cpu``, written as ``NAME-<first 8 hex of sha256>.<ext>`` -- the name
+    ``torch.hub.load_state_dict_from_url(check_hash=True)``, timm and mmdet check."""
+    import hashlib
+
+    if out_format not in ("pth", "safetensors"):
+        raise UsageError(f"publish writes pth or safetensors, not {out_format!r}")
+    out_dir = Path(out_dir)
+    if not out_dir.is_dir():
+        raise CannotWriteError(f"{out_dir}: no such folder")
+    ckpt = read_checkpoint(in_path, unsafe_load=unsafe_load, allow_globals=allow_globals)
+    found = find_state_dicts(ckpt.root)
+    if not found:
+        raise UsageError(f"{in_path}: no state dict to publish")
+    path, state_dict = max(found, key=lambda item: len(item[1]))
+    chain = wrapper_chain([k for k in state_dict if isinstance(k, str)])
+    stem = name or Path(str(in_path).rstrip("/")).name.split(".")[0]
+    ext = ".safetensors" if out_format == "safetensors" else ".pth"
+    staging = out_dir / f".{stem}.publish{ext}"
+    opts = ConvertOptions(
+        select=format_path(path) or None, strip_prefixes=list(dict.fromkeys(chain)), map_location="cpu",
+        out_format=out_format, force=True, unsafe_load=unsafe_load, allow_globals=allow_globals,
+    )
+    try:
+        report = convert(in_path, staging, opts, command="publish")
+        digest = hashlib.sha256()
+        with open(staging, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 22), b""):
+                digest.update(chunk)
+        final = out_dir / f"{stem}-{digest.hexdigest()[:8]}{ext}"
+        os.replace(staging, final)
+    finally:
+        staging.unlink(missing_ok=True)
+    report.outputs = [str(final)]
+    report.message = f"published {final} (sha256 {digest.hexdigest()})"
+    return PublishResult(str(final), digest.hexdigest(), report)
