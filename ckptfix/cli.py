@@ -120,7 +120,10 @@ _PIPELINE = _apply([
                  help="safetensors: keep small plain values (epoch, config) as __metadata__ strings."),
     click.option("--dry-run", is_flag=True, help="Say what would change; write nothing."),
     click.option("--force", is_flag=True, help="Overwrite OUT if it exists."),
-    click.option("--in-place", is_flag=True, help="Replace IN atomically (no OUT)."),
+    click.option("--in-place", is_flag=True, help="Replace IN atomically (no OUT); implies --verify."),
+    click.option("--verify", is_flag=True,
+                 help="Re-read the output and check every tensor's bytes, keys, dtypes, shapes, devices and "
+                 "ties against the plan before it replaces anything (exit 4 if not)."),
     click.option("--unsafe-load", is_flag=True,
                  help="For TRUSTED files only: allow torch.load(weights_only=False), which runs code "
                  "from the file, when the safe reader refuses it."),

@@ -24,6 +24,7 @@ from .casting import cast_floats
 from .checkpoint import Checkpoint, read_checkpoint
 from .devices import parse_map_location, remap_devices
 from .diffing import DiffReport, diff_trees
+from .diffing import render as render_diff
 from .errors import CannotWriteError, CheckFailedError, UsageError
 from .fitting import FitPlan, best_fit, reference_from_model, shapes_of, wrapper_chain
 from .formats.dcp import write_dcp
@@ -68,6 +69,8 @@ class ConvertOptions:
     unsafe_load: bool = False
     allow_globals: Sequence[str] = ()
     sanitize: bool = False
+    #: re-read the output and check it against the plan before it replaces anything
+    verify: bool = False
     #: strip-module/add-module: write only when a key was renamed
     require_change: bool = False
 
@@ -91,6 +94,7 @@ class Report:
     bytes_dropped: int = 0
     devices: dict[str, int] = field(default_factory=dict)
     cast: dict[str, Any] = field(default_factory=dict)
+    verify_seconds: float | None = None
     tensors: int = 0
     aliases: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, str] = field(default_factory=dict)
@@ -176,6 +180,37 @@ def flat_state_dict(root: Any, original: Any, keep_metadata: bool) -> tuple[dict
         )
         raise UsageError(f"safetensors holds one flat mapping of names to tensors, but this holds: {layout}; {hint}")
     return tensors, metadata
+
+
+def verify_output(temp: Path, planned: Any, file_format: str, report: Report) -> None:
+    """Re-open a written file and require it to hold exactly the planned tree: keys, dtypes,
+    shapes and every tensor's bytes (and, for .pth, device tags and which tensors share storage)."""
+    from .tree import iter_storages
+
+    started = time.perf_counter()
+    written = read_checkpoint(temp)
+    result = diff_trees(planned, written.root)
+    problems = []
+    if not result.equal:
+        problems.append(render_diff(result).splitlines()[0])
+    if file_format == "pth":
+        planned_tags = sorted(s.location for s in iter_storages(planned))
+        written_tags = sorted(s.location for s in iter_storages(written.root))
+        if planned_tags != written_tags:
+            problems.append(f"device tags {sorted(set(written_tags))} instead of {sorted(set(planned_tags))}")
+        if _sharing(planned) != _sharing(written.root):
+            problems.append("tensors that should share a storage do not (or the reverse)")
+    report.verify_seconds = round(time.perf_counter() - started, 4)
+    if problems:
+        raise CannotWriteError(f"{report.output}: the written file failed verification: {'; '.join(problems)}",
+                               hint="nothing was replaced; this is a bug or a failing disk")
+
+
+def _sharing(root: Any) -> set[frozenset[str]]:
+    groups: dict[int, set[str]] = {}
+    for path, tensor in iter_tensors(root):
+        groups.setdefault(id(tensor.storage), set()).add(format_path(path))
+    return {frozenset(g) for g in groups.values() if len(g) > 1}
 
 
 def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> Any:
@@ -327,7 +362,11 @@ def _write(
         report.outputs = [str(p) for p in written.files]
         report.output_bytes = sum(p.stat().st_size for p in written.files)
     else:
-        with atomic_output(out) as f:
+        check = None
+        if opts.verify or opts.in_place:
+            planned = root if file_format == "pth" else flat
+            check = lambda temp: verify_output(temp, planned, file_format, report)  # noqa: E731
+        with atomic_output(out, check) as f:
             if file_format == "pth":
                 ckpt.write(root, f, progress=progress)
             elif ckpt.lazy:

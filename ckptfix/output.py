@@ -14,7 +14,7 @@ import contextlib
 import errno
 import os
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
@@ -22,6 +22,10 @@ from typing import BinaryIO
 from .errors import CannotWriteError, UsageError
 
 TEMP_SUFFIX = ".ckptfix-tmp"
+
+#: called with the temporary file after it is written and before it is checked and renamed:
+#: a seam for tests that must corrupt real output bytes (e.g. to prove --verify catches it)
+WRITE_HOOKS: list[Callable[[Path], None]] = []
 
 
 def _current_umask() -> int:
@@ -67,8 +71,12 @@ def describe_os_error(exc: OSError, dest: Path) -> str:
 
 
 @contextmanager
-def atomic_output(dest: str | Path) -> Iterator[BinaryIO]:
-    """Yield a binary file to write; on success it becomes ``dest`` with a umask-honouring mode."""
+def atomic_output(dest: str | Path, check: Callable[[Path], None] | None = None) -> Iterator[BinaryIO]:
+    """Yield a binary file to write; on success it becomes ``dest`` with a umask-honouring mode.
+
+    ``check`` runs on the complete temporary file before the rename; if it raises, the
+    temporary file is removed and ``dest`` is left as it was.
+    """
     dest = Path(dest)
     try:
         fd, temp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=TEMP_SUFFIX)
@@ -78,6 +86,10 @@ def atomic_output(dest: str | Path) -> Iterator[BinaryIO]:
         with os.fdopen(fd, "wb") as out:
             yield out
             out.flush()
+            for hook in WRITE_HOOKS:
+                hook(Path(temp))
+            if check is not None:
+                check(Path(temp))
             os.fchmod(out.fileno(), 0o666 & ~_current_umask())
         os.replace(temp, dest)
     except OSError as exc:
