@@ -31,6 +31,17 @@ class Sniffed:
     description: str
 
 
+def _gunzip_head(head: bytes) -> Sniffed | None:
+    """What the first bytes inside a gzip stream look like (zip/legacy/safetensors), if readable."""
+    import zlib
+
+    try:
+        inner = zlib.decompressobj(16 + zlib.MAX_WBITS).decompress(head, 512)
+    except zlib.error:
+        return None
+    return sniff(inner, 1 << 40) if len(inner) >= 16 else None
+
+
 def sniff(head: bytes, file_size: int) -> Sniffed:
     """Classify a file from its first bytes (give at least 512) and its size."""
     if file_size == 0:
@@ -51,6 +62,12 @@ def sniff(head: bytes, file_size: int) -> Sniffed:
         )
     if len(head) >= 262 and head[257:262] == b"ustar":
         return Sniffed("tar", "a tar archive (the format of torch before 0.4)")
+    if head.startswith(b"\x1f\x8b"):
+        inner = _gunzip_head(head)
+        what = {"zip": "torch checkpoint (zip format)", "legacy": "legacy torch checkpoint",
+                "safetensors": "safetensors file", "tar": "tar-era torch checkpoint"}.get(inner.kind if inner else "")
+        if what:
+            return Sniffed("not-checkpoint", f"a gzip-compressed {what}: decompress it first (gunzip)")
     for magic, what in _ARCHIVES.items():
         if head.startswith(magic):
             return Sniffed("not-checkpoint", what)

@@ -158,6 +158,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
     ]
     return {
         "path": ckpt.path,
+        "diagnosis": _DIAGNOSIS.get(ckpt.format, ckpt.format),
         "format": ckpt.format,
         "file_bytes": ckpt.file_size,
         "tensors": tensors,
@@ -172,6 +173,16 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         "notes": list(ckpt.notes),
         "warnings": _warnings(devices),
     }
+
+
+_DIAGNOSIS = {
+    "torch-zip": "a torch checkpoint in the zip format (torch.save since 1.6)",
+    "torch-legacy": "a torch checkpoint in the legacy format (_use_new_zipfile_serialization=False)",
+    "torch-tar": "a torch checkpoint in the tar format of torch before 0.4",
+    "safetensors": "a safetensors file",
+    "sharded": "an HF-style sharded checkpoint (index + shards)",
+    "dcp": "a torch.distributed.checkpoint (DCP) folder",
+}
 
 
 def _warnings(devices: Counter[str]) -> list[str]:
@@ -213,7 +224,7 @@ def format_size(n: int) -> str:
 
 def render(summary: dict[str, Any]) -> str:
     """The human-readable ``inspect`` report."""
-    lines = [f"{summary['path']}: {summary['format']}, {format_size(summary['file_bytes'])}"]
+    lines = [f"{summary['path']}: {summary['diagnosis']}, {format_size(summary['file_bytes'])}"]
     lines.append(
         f"tensors: {summary['tensors']} in {summary['storages']} storages, "
         f"{format_size(summary['tensor_bytes'])} of tensor data"

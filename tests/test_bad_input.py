@@ -23,7 +23,7 @@ def _cases(tmp: Path) -> dict[str, tuple[bytes, str]]:
         "empty": (b"", "empty file"),
         "lfs": (b"version https://git-lfs.github.com/spec/v1\noid sha256:abc\nsize 123\n", "git lfs pull"),
         "html": (b"<!DOCTYPE html><html><body>404 Not Found</body></html>", "HTML"),
-        "gzip": (gzip.compress(good), "gzip"),
+        "gzip": (gzip.compress(good), "gzip-compressed torch checkpoint"),
         "text": (b"just some notes about the model\n", "plain text"),
         "pickle": (pickle.dumps({"a": 1}, protocol=4), "plain Python pickle"),
         "random": (random.Random(0).randbytes(4096), "not a checkpoint"),
@@ -96,3 +96,15 @@ def test_safetensors_whose_header_length_looks_like_a_pickle_header(tmp_path: Pa
 
     head = (0x280).to_bytes(8, "little") + b"{" + b" " * 0x27F
     assert sniff(head + bytes(64), len(head) + 64).kind == "safetensors"
+
+
+def test_zip_wrapping_a_checkpoint_says_so(tmp_path: Path) -> None:
+    with zipfile.ZipFile(tmp_path / "download.zip", "w") as z:
+        z.write(DP, "weights/model.pth")
+    result = run_cli("inspect", tmp_path / "download.zip")
+    assert result.returncode == 3 and "containing weights/model.pth: extract" in result.stderr
+
+
+def test_inspect_prints_the_diagnosis_first() -> None:
+    first = run_cli("inspect", FIXTURES / "legacy_dataparallel_tinynet.pth").stdout.splitlines()[0]
+    assert "legacy format" in first

@@ -52,10 +52,18 @@ class TorchZipArchive:
         ]
 
 
+def _refuse_wrapped(records: dict[str, ZipRecord], path: str) -> None:
+    """A zip that carries a checkpoint file (a download bundle) rather than being one."""
+    inside = [n for n in records if n.lower().endswith((".pth", ".pt", ".bin", ".ckpt", ".safetensors"))]
+    if inside:
+        raise BadInputError(f"{path}: a zip archive containing {inside[0]}: extract the checkpoint from it first")
+
+
 def split_archive_names(records: dict[str, ZipRecord], path: str) -> dict[str, ZipRecord]:
     """Strip the single top folder torch puts every record in; refuse other layouts."""
     tops = {name.split("/", 1)[0] for name in records}
     if len(tops) != 1 or any("/" not in name for name in records):
+        _refuse_wrapped(records, path)
         raise BadInputError(f"{path}: a zip archive, but not a torch checkpoint (no single top folder)")
     return {name.split("/", 1)[1]: record for name, record in records.items()}
 
@@ -75,6 +83,7 @@ def read_torch_zip(
             "checkpoint; load it with torch.jit.load(), and use module.state_dict() to get weights"
         )
     if "data.pkl" not in records:
+        _refuse_wrapped(raw, path)
         raise BadInputError(f"{path}: a zip archive without data.pkl: not a torch checkpoint")
     pickle_bytes = read_record_bytes(f, records["data.pkl"], MAX_PICKLE_BYTES)
     byteorder = None
