@@ -17,30 +17,12 @@ import torch
 from conftest import assert_same_tree, reference_strip, sharing_groups
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from strategies import ALL_DTYPES, FLOATING, random_tensor
 
 import ckptfix
 
-DTYPES = [
-    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8,
-    torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128,
-    torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64,
-]
-FLOATING = {torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64}
+DTYPES = ALL_DTYPES
 NAMES = ["conv", "bn", "fc", "layer1", "0", "1", "weight", "bias", "running_mean", "module", "modules"]
-
-
-def _random_tensor(data: st.DataObject, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    """Arbitrary bit patterns (NaN, inf, subnormals, -0.0 all occur) of the given dtype."""
-    numel = 1
-    for s in shape:
-        numel *= s
-    nbytes = numel * dtype.itemsize
-    raw = data.draw(st.binary(min_size=nbytes, max_size=nbytes))
-    if dtype is torch.bool:
-        raw = bytes(b & 1 for b in raw)
-    if nbytes == 0:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape).clone()
 
 
 @st.composite
@@ -60,15 +42,15 @@ def state_dicts(draw: st.DrawFn) -> tuple[OrderedDict, dict]:
         shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
         layout = draw(st.sampled_from(["plain", "transposed", "slice", "tie", "view_of_previous"]))
         if layout == "transposed" and len(shape) >= 2:
-            tensor = _random_tensor(data, dtype, shape[::-1]).transpose(0, -1)
+            tensor = random_tensor(data, dtype, shape[::-1]).transpose(0, -1)
         elif layout == "slice":
-            big = _random_tensor(data, dtype, (shape[0] + 2, *shape[1:]) if shape else (3,))
+            big = random_tensor(data, dtype, (shape[0] + 2, *shape[1:]) if shape else (3,))
             tensor = big[1 : 1 + shape[0]] if shape else big[1]
         elif layout in ("tie", "view_of_previous") and sd:
             previous = sd[draw(st.sampled_from(list(sd)))]
             tensor = previous if layout == "tie" else previous.detach().reshape(-1)[: previous.numel() // 2]
         else:
-            tensor = _random_tensor(data, dtype, shape)
+            tensor = random_tensor(data, dtype, shape)
         if draw(st.booleans()) and not isinstance(tensor, torch.nn.Parameter):
             grad = tensor.dtype in FLOATING and draw(st.booleans())
             tensor = torch.nn.Parameter(tensor, requires_grad=grad)
