@@ -29,6 +29,22 @@ def random_tensor(data: st.DataObject, dtype: torch.dtype, shape: tuple[int, ...
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(shape).clone()
 
 
+def draw_laid_out_tensor(draw: st.DrawFn, data: st.DataObject, dtype: torch.dtype, previous: dict) -> torch.Tensor:
+    """A tensor in one of the layouts checkpoints hold: contiguous, transposed, a slice of a
+    bigger storage, the very same object as an earlier tensor, or a view of an earlier one."""
+    shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
+    layout = draw(st.sampled_from(["plain", "transposed", "slice", "tie", "view_of_previous"]))
+    if layout == "transposed" and len(shape) >= 2:
+        return random_tensor(data, dtype, shape[::-1]).transpose(0, -1)
+    if layout == "slice":
+        big = random_tensor(data, dtype, (shape[0] + 2, *shape[1:]) if shape else (3,))
+        return big[1 : 1 + shape[0]] if shape else big[1]
+    if layout in ("tie", "view_of_previous") and previous:
+        earlier = previous[draw(st.sampled_from(list(previous)))]
+        return earlier if layout == "tie" else earlier.detach().reshape(-1)[: earlier.numel() // 2]
+    return random_tensor(data, dtype, shape)
+
+
 @st.composite
 def flat_state_dicts(draw: st.DrawFn, dtypes: list[torch.dtype] = SAFETENSORS_DTYPES, max_size: int = 7) -> dict:
     """``{name: tensor}`` with contiguous, transposed, sliced, tied and view-of-other tensors."""
@@ -36,18 +52,6 @@ def flat_state_dicts(draw: st.DrawFn, dtypes: list[torch.dtype] = SAFETENSORS_DT
     sd: dict[str, torch.Tensor] = {}
     for i in range(draw(st.integers(1, max_size))):
         name = f"layer{i}." + draw(st.sampled_from(["weight", "bias", "running_mean", "w.x"]))
-        dtype = draw(st.sampled_from(dtypes))
-        shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
-        layout = draw(st.sampled_from(["plain", "transposed", "slice", "tie", "view_of_previous"]))
-        if layout == "transposed" and len(shape) >= 2:
-            tensor = random_tensor(data, dtype, shape[::-1]).transpose(0, -1)
-        elif layout == "slice":
-            big = random_tensor(data, dtype, (shape[0] + 2, *shape[1:]) if shape else (3,))
-            tensor = big[1 : 1 + shape[0]] if shape else big[1]
-        elif layout in ("tie", "view_of_previous") and sd:
-            previous = sd[draw(st.sampled_from(list(sd)))]
-            tensor = previous if layout == "tie" else previous.reshape(-1)[: previous.numel() // 2]
-        else:
-            tensor = random_tensor(data, dtype, shape)
+        tensor = draw_laid_out_tensor(draw, data, draw(st.sampled_from(dtypes)), sd)
         sd[name] = tensor
     return sd

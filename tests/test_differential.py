@@ -17,7 +17,7 @@ import torch
 from conftest import assert_same_tree, reference_strip, sharing_groups
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-from strategies import ALL_DTYPES, FLOATING, random_tensor
+from strategies import ALL_DTYPES, FLOATING, draw_laid_out_tensor
 
 import ckptfix
 
@@ -38,19 +38,7 @@ def state_dicts(draw: st.DrawFn) -> tuple[OrderedDict, dict]:
         if key in names:
             continue
         names.add(key)
-        dtype = draw(st.sampled_from(DTYPES))
-        shape = tuple(draw(st.lists(st.integers(0, 4), max_size=3)))
-        layout = draw(st.sampled_from(["plain", "transposed", "slice", "tie", "view_of_previous"]))
-        if layout == "transposed" and len(shape) >= 2:
-            tensor = random_tensor(data, dtype, shape[::-1]).transpose(0, -1)
-        elif layout == "slice":
-            big = random_tensor(data, dtype, (shape[0] + 2, *shape[1:]) if shape else (3,))
-            tensor = big[1 : 1 + shape[0]] if shape else big[1]
-        elif layout in ("tie", "view_of_previous") and sd:
-            previous = sd[draw(st.sampled_from(list(sd)))]
-            tensor = previous if layout == "tie" else previous.detach().reshape(-1)[: previous.numel() // 2]
-        else:
-            tensor = random_tensor(data, dtype, shape)
+        tensor = draw_laid_out_tensor(draw, data, draw(st.sampled_from(DTYPES)), sd)
         if draw(st.booleans()) and not isinstance(tensor, torch.nn.Parameter):
             grad = tensor.dtype in FLOATING and draw(st.booleans())
             tensor = torch.nn.Parameter(tensor, requires_grad=grad)
