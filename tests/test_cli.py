@@ -14,7 +14,8 @@ import torch
 from conftest import FIXTURES, ROOT, run_cli
 
 DP = FIXTURES / "dataparallel_tinynet.pth"
-COMMANDS = ["strip-module", "add-module", "inspect"]
+COMMANDS = ["strip-module", "add-module", "inspect", "convert", "remap", "rename", "prune", "diff", "fit",
+            "verify", "scan", "publish"]
 
 
 def test_version_and_help_with_examples() -> None:
@@ -154,7 +155,8 @@ LEGACY = FIXTURES / "legacy_dataparallel_tinynet.pth"
 
 @pytest.mark.parametrize("args", [
     ["inspect", DP], ["strip-module", DP, "OUT"], ["add-module", DP, "OUT"], ["--help"],
-    ["inspect", LEGACY], ["strip-module", LEGACY, "OUT"],
+    ["inspect", LEGACY], ["strip-module", LEGACY, "OUT"], ["scan", DP, LEGACY], ["verify", DP, LEGACY],
+    ["diff", DP, DP], ["remap", DP, "OUT", "--map-location", "cuda:1"],
 ])
 def test_torch_is_not_imported(tmp_path: Path, args: list) -> None:
     args = [str(tmp_path / "out.pth") if a == "OUT" else str(a) for a in args]
