@@ -19,19 +19,30 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-from .api import LoadIntoReport, load, load_into
-from .checkpoint import Checkpoint, read_checkpoint
-from .errors import (
-    BadInputError,
-    CannotWriteError,
-    CheckFailedError,
-    CkptfixError,
-    UnsafeInputError,
-    UsageError,
-)
-from .ops import ConvertOptions, Report, convert, fix_prefix, inspect_checkpoint, write_checkpoint
-from .transforms import TransformResult, add_prefix, strip_prefix
-from .tree import StorageRef, TensorRef, find_state_dicts
+# The public names are imported on first use (PEP 562), so `ckptfix --help` and the CLI's
+# fast paths do not pay for modules a command does not need.
+_EXPORTS = {
+    "LoadIntoReport": "api", "load": "api", "load_into": "api",
+    "Checkpoint": "checkpoint", "read_checkpoint": "checkpoint",
+    "BadInputError": "errors", "CannotWriteError": "errors", "CheckFailedError": "errors",
+    "CkptfixError": "errors", "UnsafeInputError": "errors", "UsageError": "errors",
+    "ConvertOptions": "ops", "Report": "ops", "convert": "ops", "fix_prefix": "ops",
+    "inspect_checkpoint": "ops", "write_checkpoint": "ops",
+    "TransformResult": "transforms", "add_prefix": "transforms", "strip_prefix": "transforms",
+    "StorageRef": "tree", "TensorRef": "tree", "find_state_dicts": "tree",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptfix' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "BadInputError",

@@ -18,24 +18,22 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .casting import cast_floats
 from .checkpoint import Checkpoint, read_checkpoint
 from .devices import parse_map_location, remap_devices
-from .diffing import DiffReport, diff_trees
-from .diffing import render as render_diff
 from .errors import CannotWriteError, CheckFailedError, UsageError
-from .fitting import FitPlan, best_fit, reference_from_model, shapes_of, wrapper_chain
-from .formats.dcp import write_dcp
 from .formats.safetensors import plan_safetensors, write_safetensors, write_safetensors_from_torch
 from .formats.sharded import parse_size, write_sharded
 from .output import atomic_output, check_destination
-from .sanitize import SANITIZABLE, sanitize
 from .selection import filter_tree, prune_patterns
 from .summary import describe_tree, summarize
 from .transforms import add_prefix, normalize_prefix, parse_rule, rename_keys, strip_prefix
 from .tree import find_state_dicts, format_path, get_at, is_tensor_like, iter_tensors, resolve_path
+
+if TYPE_CHECKING:
+    from .diffing import DiffReport
+    from .fitting import FitPlan
 
 PTH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".tar", ".pkl", ".model")
 OUTPUT_FORMATS = ("pth", "safetensors", "dcp")
@@ -185,6 +183,8 @@ def flat_state_dict(root: Any, original: Any, keep_metadata: bool) -> tuple[dict
 def verify_output(temp: Path, planned: Any, file_format: str, report: Report) -> None:
     """Re-open a written file and require it to hold exactly the planned tree: keys, dtypes,
     shapes and every tensor's bytes (and, for .pth, device tags and which tensors share storage)."""
+    from .diffing import diff_trees
+    from .diffing import render as render_diff
     from .tree import iter_storages
 
     started = time.perf_counter()
@@ -217,6 +217,8 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> 
     """Run the transform steps of the pipeline on ``ckpt``'s tree; record them in ``report``."""
     root = _select(ckpt, opts.select) if opts.select else ckpt.root
     if opts.sanitize:
+        from .sanitize import sanitize
+
         root, cleaned = sanitize(root)
         report.sanitized = cleaned.replaced
     drop = list(opts.drop) + (prune_patterns(root) if opts.prune else [])
@@ -244,6 +246,8 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> 
     if opts.dtype:
         if not ckpt.lazy:
             raise UsageError(f"--dtype cannot be applied to a {ckpt.format} file read through torch")
+        from .casting import cast_floats
+
         root, cast = cast_floats(root, opts.dtype, opts.dtype_keep, opts.keys)
         report.cast = asdict(cast)
     return root
@@ -285,6 +289,8 @@ def convert(
     if not opts.dry_run and kind == "file":
         check_destination(in_path, out_path, overwrite=opts.force, in_place=opts.in_place)
     started = time.perf_counter()
+    if opts.sanitize:
+        from .sanitize import SANITIZABLE
     allow = [*opts.allow_globals, *(SANITIZABLE if opts.sanitize else ())]
     ckpt = read_checkpoint(in_path, unsafe_load=opts.unsafe_load, allow_globals=allow)
     report = Report(
@@ -346,6 +352,8 @@ def _write(
         report.message = f"would write {report.output_format} to {out}{changes}; nothing written (dry run)"
         return
     if kind == "dcp":
+        from .formats.dcp import write_dcp
+
         files = write_dcp(lambda f: ckpt.write(root, f), out, overwrite=opts.force)
         report.outputs = [str(p) for p in files]
         report.output_bytes = sum(p.stat().st_size for p in files)
@@ -464,6 +472,8 @@ def diff_checkpoints(
 ) -> DiffReport:
     """Compare two checkpoints of any formats; ``options`` transforms A first (e.g. strip
     ``module.``) so a fix can be checked against a reference. Tensors are read one at a time."""
+    from .diffing import diff_trees
+
     opts = options or ConvertOptions()
     a = read_checkpoint(a_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals)
     b = read_checkpoint(b_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals)
@@ -494,6 +504,8 @@ def fit_checkpoint(
     are left out, so ``load_state_dict(strict=False)`` accepts the file).
     Returns the plan and the write report (None when nothing was written).
     """
+    from .fitting import best_fit, reference_from_model, shapes_of
+
     if (reference is None) == (model is None):
         raise UsageError("give exactly one of --reference FILE or --model package.module:callable")
     if model is not None:
@@ -545,6 +557,8 @@ def publish(
     every tensor on ``cpu``, written as ``NAME-<first 8 hex of sha256>.<ext>`` -- the name
     ``torch.hub.load_state_dict_from_url(check_hash=True)``, timm and mmdet check."""
     import hashlib
+
+    from .fitting import wrapper_chain
 
     if out_format not in ("pth", "safetensors"):
         raise UsageError(f"publish writes pth or safetensors, not {out_format!r}")
