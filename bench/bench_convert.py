@@ -8,13 +8,10 @@ way back (safetensors -> .pth). The page cache is warm for all contenders.
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import subprocess
 import sys
-from pathlib import Path
 
-from harness import compare, make_checkpoint
+from harness import compare, setup
 
 TO_ST = """
 import sys, torch
@@ -29,34 +26,21 @@ torch.save(load_file(sys.argv[1]), sys.argv[2])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--size-gb", type=float, default=1.2)
-    parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--workdir", type=Path, default=Path(__file__).parent / "_work")
-    args = parser.parse_args()
-    src = args.workdir / "ddp_large.pth"
+    args, src, ckptfix = setup(__doc__)
     st, back = args.workdir / "out.safetensors", args.workdir / "back.pth"
-    make_checkpoint(src, args.size_gb)
-    ckptfix = shutil.which("ckptfix") or sys.exit("ckptfix is not installed (pip install -e .)")
-    print("## .pth -> .safetensors\n")
-    compare(
-        {
-            "cp": ["cp", str(src), str(st)],
-            "ckptfix convert": [ckptfix, "convert", str(src), str(st)],
-            "save_file(torch.load(...))": [sys.executable, "-c", TO_ST, str(src), str(st)],
-        },
-        [st], args.runs, src,
-    )
-    subprocess.run([ckptfix, "convert", str(src), str(st)], check=True, capture_output=True)
-    print("\n## .safetensors -> .pth\n")
-    compare(
-        {
-            "cp": ["cp", str(st), str(back)],
-            "ckptfix convert": [ckptfix, "convert", str(st), str(back)],
-            "torch.save(load_file(...))": [sys.executable, "-c", TO_PTH, str(st), str(back)],
-        },
-        [back], args.runs, st,
-    )
+    for title, (a, b, ours, theirs, script) in {
+        ".pth -> .safetensors": (src, st, "ckptfix convert", "save_file(torch.load(...))", TO_ST),
+        ".safetensors -> .pth": (st, back, "ckptfix convert", "torch.save(load_file(...))", TO_PTH),
+    }.items():
+        if a == st:
+            subprocess.run([ckptfix, "convert", str(src), str(st)], check=True, capture_output=True)
+        print(f"## {title}\n")
+        compare(
+            {"cp": ["cp", str(a), str(b)], ours: [ckptfix, "convert", str(a), str(b)],
+             theirs: [sys.executable, "-c", script, str(a), str(b)]},
+            [b], args.runs, a,
+        )
+        print()
     st.unlink(missing_ok=True)
 
 

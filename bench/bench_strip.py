@@ -7,12 +7,9 @@ The page cache is warm for all contenders (the file was just written and every r
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import sys
-from pathlib import Path
 
-from harness import compare, make_checkpoint
+from harness import compare, setup
 
 TORCH_SCRIPT = """
 import sys, torch
@@ -24,14 +21,8 @@ torch.save(sd, sys.argv[2])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--size-gb", type=float, default=1.2)
-    parser.add_argument("--runs", type=int, default=7)
-    parser.add_argument("--workdir", type=Path, default=Path(__file__).parent / "_work")
-    args = parser.parse_args()
-    src, out = args.workdir / "ddp_large.pth", args.workdir / "out.pth"
-    make_checkpoint(src, args.size_gb)
-    ckptfix = shutil.which("ckptfix") or sys.exit("ckptfix is not installed (pip install -e .)")
+    args, src, ckptfix = setup(__doc__)
+    out = args.workdir / "out.pth"
     compare(
         {
             "cp": ["cp", str(src), str(out)],

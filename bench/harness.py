@@ -7,8 +7,10 @@ table reports the median wall time, every run, ratios to the first and last cont
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -20,6 +22,19 @@ import sys, torch
 n_tensors, per_tensor = 200, int(float(sys.argv[2]) * 1e9 / 4 / 200)
 torch.save({f"module.layer{i}.weight": torch.randn(per_tensor) for i in range(n_tensors)}, sys.argv[1])
 """
+
+
+def setup(description: str | None = None) -> tuple[argparse.Namespace, Path, str]:
+    """Common arguments (--size-gb, --runs, --workdir); makes the input; finds ckptfix."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--size-gb", type=float, default=1.2)
+    parser.add_argument("--runs", type=int, default=7)
+    parser.add_argument("--workdir", type=Path, default=Path(__file__).parent / "_work")
+    args = parser.parse_args()
+    src = args.workdir / "ddp_large.pth"
+    make_checkpoint(src, args.size_gb)
+    ckptfix = shutil.which("ckptfix") or sys.exit("ckptfix is not installed (pip install -e .)")
+    return args, src, ckptfix
 
 
 def make_checkpoint(path: Path, size_gb: float) -> None:
