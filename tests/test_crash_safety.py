@@ -50,7 +50,10 @@ def test_sigterm_mid_write_cleans_up(tmp_path: Path) -> None:
     _big_checkpoint(src)
     proc = subprocess.Popen([sys.executable, "-m", "ckptfix", "convert", str(src), str(out), "--dtype", "float16"],
                             cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    time.sleep(0.5)
+    deadline = time.monotonic() + 20
+    while not list(tmp_path.glob(".out.safetensors.*.ckptfix-tmp")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "the writer never started"
+        time.sleep(0.01)  # signal only once the output is being written
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate()
     if out.exists():  # the work finished before the signal (it may then hit interpreter shutdown)
