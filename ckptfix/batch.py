@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import EXIT_CANNOT_WRITE, CannotWriteError, CkptfixError, UsageError
-from .formats.sharded import find_index
+from .formats.sharded import INDEX_NAMES, find_index
 
 #: file names a folder scan treats as checkpoints
 CHECKPOINT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".tar", ".safetensors", ".pkl", ".model")
@@ -65,8 +65,7 @@ class BatchReport:
 def _is_checkpoint_folder(folder: Path) -> bool:
     from .formats.dcp import is_dcp_folder
 
-    return is_dcp_folder(folder) or any((folder / n).is_file() for n in ("model.safetensors.index.json",
-                                                                            "pytorch_model.bin.index.json"))
+    return is_dcp_folder(folder) or any((folder / n).is_file() for n in INDEX_NAMES)
 
 
 def expand_inputs(paths: Sequence[str], recursive: bool) -> list[tuple[Path, Path]]:

@@ -336,7 +336,6 @@ def remap(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
       ckptfix remap 8gpu.pth one_gpu.pth --map-location cuda=cuda:0
       ckptfix remap model.pth --in-place --map-location cuda:1=cuda:0,cuda:2=cuda:0
     """
-    kw["prefix"] = None
     return _run("remap", paths, as_json, **kw)
 
 
@@ -357,7 +356,6 @@ def rename(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
       ckptfix rename in.pth out.pth --rule '^backbone\\.=>encoder.'
       ckptfix rename in.pth out.pth --rule '^(\\w+)\\.conv(\\d)=>\\1.convs.\\2' --dry-run
     """
-    kw["prefix"] = None
     return _run("rename", paths, as_json, **kw)
 
 
@@ -377,7 +375,6 @@ def prune(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
       ckptfix prune train.ckpt weights.ckpt
       ckptfix prune train.pth weights.safetensors --select model
     """
-    kw["prefix"] = None
     return _run("prune", paths, as_json, **kw)
 
 

@@ -89,7 +89,3 @@ def remap_devices(root: Any, spec: str) -> tuple[Any, dict[str, int]]:
             replacements[id(tensor)] = replace(tensor, storage=new_storage)
     return substitute(root, replacements), changes
 
-
-def devices_of(root: Any) -> set[str]:
-    """The device tags of every storage in the tree."""
-    return {s.location for s in iter_storages(root)}

@@ -85,10 +85,6 @@ def reference_from_model(spec: str) -> Shapes:
 
 def wrapper_chain(keys: Sequence[str]) -> list[str]:
     """The wrapper prefixes every key starts with, outermost first (``_orig_mod.module.``)."""
-    return _wrapper_chain(keys)
-
-
-def _wrapper_chain(keys: Sequence[str]) -> list[str]:
     chain: list[str] = []
     rest = list(keys)
     while rest:
@@ -113,14 +109,14 @@ def _strip_all(key: str, strips: Sequence[str]) -> str:
 
 
 def _candidates(keys: Sequence[str], ref_keys: Sequence[str]) -> tuple[list[list[str]], list[str]]:
-    chain = list(dict.fromkeys(_wrapper_chain(keys)))
+    chain = list(dict.fromkeys(wrapper_chain(keys)))
     strips: list[list[str]] = [[]] + [chain[:i] for i in range(1, len(chain) + 1)]
     for depth in (1, 2):
         common = _common_segments(keys, depth)
         if common and [common] not in strips:
             strips.append([common])
     adds = [""]
-    ref_chain = "".join(_wrapper_chain(ref_keys))
+    ref_chain = "".join(wrapper_chain(ref_keys))
     for extra in [ref_chain] + [_common_segments(ref_keys, d) for d in (1, 2)]:
         if extra and extra not in adds:
             adds.append(extra)

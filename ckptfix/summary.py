@@ -88,7 +88,7 @@ def _devices(value: Any) -> dict[str, int]:
 
 
 def _count_tensors(value: Any) -> int:
-    return sum(1 for _ in iter_tensors(value)) if not is_torch_tensor(value) else 1
+    return sum(1 for _ in iter_tensors(value))
 
 
 def describe_tree(root: Any) -> list[dict[str, Any]]:
@@ -102,8 +102,8 @@ def describe_tree(root: Any) -> list[dict[str, Any]]:
         if looks_like_state_dict(value):
             entries.append({"path": where, "kind": "state dict", "tensors": len(value), "devices": _devices(value)})
         elif is_optimizer_state(value):
-            n = sum(1 for _ in iter_tensors(value))
-            entries.append({"path": where, "kind": "optimizer state", "tensors": n, "devices": _devices(value)})
+            entries.append({"path": where, "kind": "optimizer state", "tensors": _count_tensors(value),
+                            "devices": _devices(value)})
         elif is_tensor_like(value):
             entries.append({"path": where, "kind": "tensor", "value": _tensor_line(value)})
         elif isinstance(value, (Mapping, list, tuple)) and value and depth < _MAX_DEPTH:

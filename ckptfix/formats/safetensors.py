@@ -23,7 +23,7 @@ import itertools
 import json
 import struct
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, BinaryIO
 
 from ..dtypes import DTYPE_ITEMSIZE, DTYPE_TO_SAFETENSORS, SAFETENSORS_DTYPES
@@ -103,8 +103,6 @@ class SafetensorsPlan:
     aliases: dict[str, str]
     header: bytes
     data_bytes: int
-    contiguous_copies: int = 0
-    gathered: list[str] = field(default_factory=list)
 
 
 def _view_key(t: TensorRef) -> tuple:
@@ -167,23 +165,21 @@ def write_safetensors(
     stream = OutputStream(out)
     stream.write(plan.header)
     with OpenFiles() as files:
-        for name, t in plan.tensors:
-            _write_tensor(stream, t, files, plan, name)
+        for _, t in plan.tensors:
+            _write_tensor(stream, t, files)
             if progress:
                 progress(t.nbytes)
     stream.flush()
     return plan
 
 
-def _write_tensor(stream: OutputStream, t: TensorRef, files: OpenFiles, plan: SafetensorsPlan, name: str) -> None:
+def _write_tensor(stream: OutputStream, t: TensorRef, files: OpenFiles) -> None:
     source = t.storage.source
     if t.storage.byteorder != "big" and is_plain_range(source) and is_c_contiguous(t.shape, t.stride):
         start = t.storage_offset * DTYPE_ITEMSIZE[t.dtype]
         stream.copy(source.sub(start, t.nbytes), files)  # file to file, in the kernel
-        plan.contiguous_copies += 1
         return
     stream.write(tensor_c_bytes(t, files))
-    plan.gathered.append(name)
 
 
 def write_safetensors_from_torch(
