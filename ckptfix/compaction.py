@@ -16,7 +16,7 @@ from typing import Any
 
 from .dtypes import DTYPE_ITEMSIZE
 from .sources import ComputedSource, OpenFiles, is_plain_range, read_all
-from .tree import StorageRef, TensorRef, _walk_leaves, substitute
+from .tree import StorageRef, TensorRef, substitute, walk
 
 
 def _extent(t: TensorRef) -> int:
@@ -41,12 +41,12 @@ def compact_storages(root: Any) -> tuple[Any, int]:
     users: dict[int, list[TensorRef]] = {}
     opaque: set[int] = set()
     storages: dict[int, StorageRef] = {}
-    for _, leaf in _walk_leaves(root):
+    for path, leaf in walk(root):
         if isinstance(leaf, TensorRef):
             users.setdefault(id(leaf.storage), []).append(leaf)
             storages[id(leaf.storage)] = leaf.storage
-        else:
-            opaque.add(id(leaf))
+        elif isinstance(leaf, StorageRef) and not (path and path[-1] == "__storage__"):
+            opaque.add(id(leaf))  # a storage pickled on its own: its bytes are kept whole
     replacements: dict[int, Any] = {}
     saved = 0
     for storage_id, tensors in users.items():

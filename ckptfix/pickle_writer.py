@@ -6,31 +6,38 @@ using only those that torch's ``weights_only`` unpickler understands, laid out t
 ``torch.save`` lays them out (same memo use, same reduce forms), so the result loads with
 ``torch.load(weights_only=True)`` and compares equal to what torch would have written.
 
+The emitter mirrors the reader (:mod:`ckptfix.pickle_vm`): a table from node type to writer
+(:data:`_WRITERS`), an explicit stack of pending work instead of recursion (any depth the
+reader accepts), and a memo by ``id`` so shared objects are written once and cycles close
+exactly as pickle closes them (a container is memoized before its contents). Output goes
+into one ``bytearray``; tensors -- the bulk of a training checkpoint -- are written by one
+function without touching the stack in the common case.
+
 Storages are renumbered ``"0", "1", ...`` in the order they first appear, as ``torch.save``
 numbers them; :attr:`PickleResult.storages` lists them in that order for the zip writer.
+Every global written must be a dotted Python identifier, so no name read from a file can
+smuggle a newline (an opcode boundary) into the output.
 """
 
 from __future__ import annotations
 
 import struct
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import BadInputError
 from .tree import ABSENT, Global, OpaqueObject, Reduce, StorageRef, TensorRef
+from .unpickle import is_dotted_identifier
 
-_PROTO2 = b"\x80\x02"
-_STOP = b"."
-_MARK, _TUPLE, _EMPTY_TUPLE, _TUPLE1, _TUPLE2, _TUPLE3 = b"(", b"t", b")", b"\x85", b"\x86", b"\x87"
+_MARK, _TUPLE, _EMPTY_TUPLE = b"(", b"t", b")"
+_TUPLE_N = (b")", b"\x85", b"\x86", b"\x87")
 _EMPTY_DICT, _SETITEMS, _EMPTY_LIST, _APPENDS = b"}", b"u", b"]", b"e"
 _NONE, _TRUE, _FALSE = b"N", b"\x88", b"\x89"
-_BININT, _BININT1, _BININT2, _LONG1, _LONG4 = b"J", b"K", b"M", b"\x8a", b"\x8b"
-_BINFLOAT, _BINUNICODE, _GLOBAL, _REDUCE, _BUILD, _BINPERSID = b"G", b"X", b"c", b"R", b"b", b"Q"
-_BINPUT, _LONG_BINPUT, _BINGET, _LONG_BINGET = b"q", b"r", b"h", b"j"
+_REDUCE, _BUILD, _BINPERSID, _POP, _POP_MARK = b"R", b"b", b"Q", b"0", b"1"
 _NEWOBJ, _NEWOBJ_EX = b"\x81", b"\x92"
 _BATCH = 1000  # items per SETITEMS/APPENDS, as pickle does
-_TUPLE_OPS = {0: _EMPTY_TUPLE, 1: _TUPLE1, 2: _TUPLE2, 3: _TUPLE3}
 # Python 3 names pickled under protocol 2 are written with their Python 2 spelling
 _PY2_MODULES = {"builtins": "__builtin__"}
 _ORDERED_DICT = Global("collections", "OrderedDict")
@@ -42,6 +49,12 @@ _REBUILD_V2 = Global("torch._utils", "_rebuild_tensor_v2")
 _REBUILD_V3 = Global("torch._utils", "_rebuild_tensor_v3")
 _REBUILD_PARAM = Global("torch._utils", "_rebuild_parameter")
 _REBUILD_PARAM_STATE = Global("torch._utils", "_rebuild_parameter_with_state")
+_STORAGE = "storage"
+
+_pack_i = struct.Struct("<i").pack
+_pack_I = struct.Struct("<I").pack
+_pack_H = struct.Struct("<H").pack
+_pack_d = struct.Struct(">d").pack
 
 
 @dataclass
@@ -51,267 +64,346 @@ class PickleResult:
     storages: list[StorageRef] = field(default_factory=list)
 
 
+class _Raw(bytes):
+    """Opcode bytes waiting on the work stack (a value of type ``bytes`` is data, not this)."""
+
+
+class _Then:
+    """A step to run when the work stack reaches it (e.g. close a tuple after its items)."""
+
+    __slots__ = ("arg", "func")
+
+    def __init__(self, func: Callable[[Any], None], arg: Any) -> None:
+        self.func, self.arg = func, arg
+
+
 class _Emitter:
     def __init__(self) -> None:
-        self.out: list[bytes] = [_PROTO2]
+        self.out = bytearray(b"\x80\x02")
         self.memo: dict[Any, int] = {}
         self.storage_keys: dict[int, str] = {}
         self.storages: list[StorageRef] = []
         self.alive: list[Any] = []
+        self.todo: list[Any] = []
 
     # -- memo ---------------------------------------------------------------------------
-    def _get(self, key: Any) -> bool:
+    def get(self, key: Any) -> bool:
         index = self.memo.get(key)
         if index is None:
             return False
-        self.out.append(_BINGET + bytes([index]) if index < 256 else _LONG_BINGET + struct.pack("<I", index))
+        self.out += b"h" + bytes((index,)) if index < 256 else b"j" + _pack_I(index)
         return True
 
-    def _put(self, key: Any) -> None:
+    def put(self, key: Any) -> None:
         index = self.memo[key] = len(self.memo)
-        self.out.append(_BINPUT + bytes([index]) if index < 256 else _LONG_BINPUT + struct.pack("<I", index))
+        self.out += b"q" + bytes((index,)) if index < 256 else b"r" + _pack_I(index)
 
-    # -- values -------------------------------------------------------------------------
-    def emit(self, value: Any) -> None:
+    # -- atoms (written at once) ------------------------------------------------------------
+    def atom(self, value: Any) -> bool:
+        """Write ``value`` if it is an atom; False if it needs the work stack."""
         kind = type(value)
-        if value is None:
-            self.out.append(_NONE)
-        elif kind is bool:
-            self.out.append(_TRUE if value else _FALSE)
+        out = self.out
+        if kind is str:
+            if not self.get(value):
+                encoded = value.encode("utf-8", "surrogatepass")
+                out += b"X" + _pack_I(len(encoded)) + encoded
+                self.put(value)
         elif kind is int:
-            self._int(value)
-        elif kind is float:
-            self.out.append(_BINFLOAT + struct.pack(">d", value))
-        elif kind is str:
-            self._str(value)
-        elif isinstance(value, TensorRef):
-            self._tensor(value)
-        elif isinstance(value, StorageRef):
-            self._storage(value)
-        elif isinstance(value, Global):
-            self._global(value)
-        elif isinstance(value, Reduce):
-            self._reduce_node(value)
-        elif isinstance(value, OpaqueObject):
-            self._opaque(value)
-        elif isinstance(value, type) and issubclass(value, OpaqueObject):
-            self._global(value.ckptfix_global)
-        elif kind is tuple:
-            self._tuple(value)
-        elif kind is list:
-            self._list(value)
-        elif kind is dict:
-            self._dict(value)
-        elif kind in (OrderedDict, Counter):
-            self._special_mapping(value)
-        elif kind is bytes:
-            self._bytes(value)
-        elif kind in (set, frozenset):
-            self._reduce(value, _SET if kind is set else _FROZENSET, (list(value),))
-        elif kind is bytearray:
-            self._reduce(value, _BYTEARRAY, (bytes(value).decode("latin-1"), "latin-1"))
-        elif kind is complex:
-            self._reduce(value, _COMPLEX, (value.real, value.imag))
-        else:
-            raise BadInputError(f"cannot write a {kind.__name__} into a torch checkpoint")
-
-    def _int(self, value: int) -> None:
-        if 0 <= value < 256:
-            self.out.append(_BININT1 + bytes([value]))
-        elif 0 <= value < 65536:
-            self.out.append(_BININT2 + struct.pack("<H", value))
-        elif -(2**31) <= value < 2**31:
-            self.out.append(_BININT + struct.pack("<i", value))
-        else:
-            encoded = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
-            if len(encoded) < 256:
-                self.out.append(_LONG1 + bytes([len(encoded)]) + encoded)
+            if 0 <= value < 256:
+                out += b"K" + bytes((value,))
+            elif 0 <= value < 65536:
+                out += b"M" + _pack_H(value)
+            elif -(2**31) <= value < 2**31:
+                out += b"J" + _pack_i(value)
             else:
-                self.out.append(_LONG4 + struct.pack("<i", len(encoded)) + encoded)
-
-    def _str(self, value: str) -> None:
-        if self._get(("str", value)):
-            return
-        encoded = value.encode("utf-8", "surrogatepass")
-        self.out.append(_BINUNICODE + struct.pack("<I", len(encoded)) + encoded)
-        self._put(("str", value))
-
-    def _global(self, value: Global) -> None:
-        if self._get(("global", value.module, value.name)):
-            return
-        module = _PY2_MODULES.get(value.module, value.module)
-        self.out.append(_GLOBAL + f"{module}\n{value.name}\n".encode())
-        self._put(("global", value.module, value.name))
-
-    def _bytes(self, value: bytes) -> None:
-        # protocol 2 has no bytes opcode torch's safe loader reads: pickle uses _codecs.encode
-        if self._get(id(value)):
-            return
-        self._global(_ENCODE)
-        self._tuple_of((value.decode("latin-1"), "latin1"))
-        self.out.append(_REDUCE)
-        self._put(id(value))
-
-    def _tuple_of(self, items: tuple) -> None:
-        op = _TUPLE_OPS.get(len(items))
-        if op is None:
-            self.out.append(_MARK)
-        for item in items:
-            self.emit(item)
-        self.out.append(op if op is not None else _TUPLE)
-
-    def _tuple(self, value: tuple) -> None:
-        if self._get(id(value)):
-            return
-        self._tuple_of(value)
-        self._put(id(value))
-        self._keep_alive(value)
-
-    def _list(self, value: list) -> None:
-        if self._get(id(value)):
-            return
-        self.out.append(_EMPTY_LIST)
-        self._put(id(value))
-        self._keep_alive(value)
-        for start in range(0, len(value), _BATCH):
-            batch = value[start : start + _BATCH]
-            self.out.append(_MARK)
-            for item in batch:
-                self.emit(item)
-            self.out.append(_APPENDS)
-
-    def _setitems(self, items: list) -> None:
-        for start in range(0, len(items), _BATCH):
-            self.out.append(_MARK)
-            for key, item in items[start : start + _BATCH]:
-                self.emit(key)
-                self.emit(item)
-            self.out.append(_SETITEMS)
-
-    def _dict(self, value: dict) -> None:
-        if self._get(id(value)):
-            return
-        self.out.append(_EMPTY_DICT)
-        self._put(id(value))
-        self._keep_alive(value)
-        self._setitems(list(value.items()))
-
-    def _special_mapping(self, value: OrderedDict | Counter) -> None:
-        """OrderedDict/Counter: ``cls()`` then items then BUILD with ``__dict__`` (``_metadata``)."""
-        if self._get(id(value)):
-            return
-        if type(value) is Counter:
-            self._global(_COUNTER)
-            self._tuple_of((dict(value),))
+                encoded = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
+                out += (b"\x8a" + bytes((len(encoded),)) if len(encoded) < 256 else b"\x8b" + _pack_i(len(encoded)))
+                out += encoded
+        elif kind is bool:
+            out += _TRUE if value else _FALSE
+        elif value is None:
+            out += _NONE
+        elif kind is float:
+            out += b"G" + _pack_d(value)
+        elif kind is Global:
+            self.global_(value)
         else:
-            self._global(_ORDERED_DICT)
-            self.out.append(_EMPTY_TUPLE)
-        self.out.append(_REDUCE)
-        self._put(id(value))
-        self._keep_alive(value)
-        if type(value) is OrderedDict:
-            self._setitems(list(value.items()))
+            return False
+        return True
+
+    def global_(self, value: Global) -> None:
+        if self.get(value):
+            return
+        if not is_dotted_identifier(value.full):
+            raise BadInputError(f"refusing to write a global named {value.full!r:.120}: not a Python name")
+        module = _PY2_MODULES.get(value.module, value.module)
+        self.out += b"c" + f"{module}\n{value.name}\n".encode()
+        self.put(value)
+
+    def int_tuple(self, values: tuple[int, ...]) -> None:
+        """A shape or stride: small tuples of ints, written without the memo (as the reader
+        never shares them)."""
+        if len(values) > 3:
+            self.out += _MARK
+        for v in values:
+            self.atom(v)
+        self.out += _TUPLE_N[len(values)] if len(values) <= 3 else _TUPLE
+
+    # -- the loop -----------------------------------------------------------------------
+    def run(self, root: Any) -> None:
+        todo = self.todo
+        todo.append(root)
+        atom, out = self.atom, self.out
+        while todo:
+            item = todo.pop()
+            kind = type(item)
+            if kind is _Raw:
+                out += item
+            elif kind is _Then:
+                item.func(item.arg)
+            elif not atom(item):
+                writer = _WRITERS.get(kind)
+                if writer is None:
+                    writer = _writer_for_subclass(item)
+                writer(self, item)
+
+    def later(self, *items: Any) -> None:
+        """Queue ``items`` to be written in order, before anything queued earlier."""
+        self.todo.extend(reversed(items))
+
+    def later_seq(self, items: Any) -> None:
+        self.todo.extend(reversed(items if isinstance(items, list) else list(items)))
+
+    # -- containers ---------------------------------------------------------------------
+    def tuple_(self, value: tuple) -> None:
+        if self.get(id(value)):
+            return
+        n = len(value)
+        if n == 0:
+            self.out += _EMPTY_TUPLE
+            return
+        if n > 3:
+            self.out += _MARK
+        self.alive.append(value)
+        self.todo.append(_Then(self._close_tuple, value))
+        self.later_seq(value)
+
+    def _close_tuple(self, value: tuple) -> None:
+        n = len(value)
+        index = self.memo.get(id(value))
+        if index is not None:  # the tuple reached itself through a list: pickle's recursion rule
+            self.out += (_POP * n) if n <= 3 else _POP_MARK
+            self.get(id(value))
+            return
+        self.out += _TUPLE_N[n] if n <= 3 else _TUPLE
+        self.put(id(value))
+
+    def list_(self, value: list) -> None:
+        if self.get(id(value)):
+            return
+        self.out += _EMPTY_LIST
+        self.put(id(value))
+        self.alive.append(value)
+        self.items(value)
+
+    def items(self, values: list) -> None:
+        self.later_seq(_batches(values, _APPENDS))
+
+    def setitems(self, pairs: list) -> None:
+        self.later_seq(_batches(pairs, _SETITEMS, pairs=True))
+
+    def dict_(self, value: dict) -> None:
+        if self.get(id(value)):
+            return
+        self.out += _EMPTY_DICT
+        self.put(id(value))
+        self.alive.append(value)
+        self.setitems(list(value.items()))
+
+    def ordered_dict(self, value: OrderedDict) -> None:
+        """``OrderedDict()`` then items then BUILD with ``__dict__`` (``_metadata``)."""
+        if self.get(id(value)):
+            return
+        self.global_(_ORDERED_DICT)
+        self.out += _EMPTY_TUPLE + _REDUCE
+        self.put(id(value))
+        self.alive.append(value)
         state = getattr(value, "__dict__", None)
         if state:
-            self.emit(dict(state))
-            self.out.append(_BUILD)
+            copy = dict(state)
+            self.alive.append(copy)
+            self.later(copy, _Raw(_BUILD))
+        if value:
+            self.setitems(list(value.items()))
 
-    def _reduce(self, value: Any, func: Global, args: tuple, state: Any = ABSENT) -> None:
-        if self._get(id(value)):
+    def counter(self, value: Counter) -> None:
+        if self.get(id(value)):
             return
-        self._global(func)
-        self._tuple_of(args)
-        self.out.append(_REDUCE)
-        self._put(id(value))
-        self._keep_alive(value)
+        self.global_(_COUNTER)
+        plain = dict(value)
+        self.alive.extend((value, plain))
+        self.later((plain,), _Raw(_REDUCE), _Then(self.put, id(value)))
+
+    def reduce_(self, value: Any, func: Global, args: tuple, state: Any = ABSENT) -> None:
+        if self.get(id(value)):
+            return
+        self.global_(func)
+        self.alive.append(value)
+        pending: list[Any] = [args, _Raw(_REDUCE), _Then(self.put, id(value))]
         if state is not ABSENT:
-            self.emit(state)
-            self.out.append(_BUILD)
+            pending += [state, _Raw(_BUILD)]
+        self.later_seq(pending)
 
-    def _reduce_node(self, value: Reduce) -> None:
-        self._reduce(value, value.func, value.args, value.state)
+    def record(self, value: Reduce) -> None:
+        self.reduce_(value, value.func, value.args, value.state)
 
-    def _opaque(self, value: OpaqueObject) -> None:
+    def set_(self, value: set | frozenset) -> None:
+        elements = list(value)
+        self.alive.append(elements)
+        self.reduce_(value, _SET if type(value) is set else _FROZENSET, (elements,))
+
+    def bytes_(self, value: bytes) -> None:
+        # protocol 2 has no bytes opcode torch's safe loader reads: pickle uses _codecs.encode
+        self.reduce_(value, _ENCODE, (value.decode("latin-1"), "latin1"))
+
+    def bytearray_(self, value: bytearray) -> None:
+        self.reduce_(value, _BYTEARRAY, (bytes(value).decode("latin-1"), "latin-1"))
+
+    def complex_(self, value: complex) -> None:
+        self.reduce_(value, _COMPLEX, (value.real, value.imag))
+
+    def opaque(self, value: OpaqueObject) -> None:
         """An allowed-by-name object, written back the way it was read: REDUCE or NEWOBJ(_EX),
         then its list/dict items, then its BUILD state."""
-        if self._get(id(value)):
+        if self.get(id(value)):
             return
-        self._global(value.ckptfix_global)
-        self._tuple_of(value.ckptfix_args)
-        if value.ckptfix_called:
-            self.out.append(_REDUCE)
-        elif value.ckptfix_kwargs:
-            self.emit(dict(value.ckptfix_kwargs))
-            self.out.append(_NEWOBJ_EX)
+        self.global_(value.global_)
+        self.alive.append(value)
+        pending: list[Any] = [value.args]
+        if value.kind == "reduce":
+            pending.append(_Raw(_REDUCE))
+        elif value.kind == "newobj_ex":
+            kwargs = dict(value.kwargs or {})
+            self.alive.append(kwargs)
+            pending += [kwargs, _Raw(_NEWOBJ_EX)]
         else:
-            self.out.append(_NEWOBJ)
-        self._put(id(value))
-        self._keep_alive(value)
-        for start in range(0, len(value.ckptfix_items), _BATCH):
-            self.out.append(_MARK)
-            for item in value.ckptfix_items[start : start + _BATCH]:
-                self.emit(item)
-            self.out.append(_APPENDS)
-        if value.ckptfix_dictitems:
-            self._setitems(value.ckptfix_dictitems)
-        if value.ckptfix_state is not ABSENT:
-            self.emit(value.ckptfix_state)
-            self.out.append(_BUILD)
+            pending.append(_Raw(_NEWOBJ))
+        pending.append(_Then(self.put, id(value)))
+        pending += _batches(value.items, _APPENDS)
+        pending += _batches(value.dictitems, _SETITEMS, pairs=True)
+        if value.state is not ABSENT:
+            pending += [value.state, _Raw(_BUILD)]
+        self.later_seq(pending)
 
-    def _storage(self, storage: StorageRef) -> None:
+    def global_value(self, value: Global) -> None:
+        self.global_(value)
+
+    # -- tensors ------------------------------------------------------------------------
+    def storage(self, storage: StorageRef) -> None:
         key = self.storage_keys.get(id(storage))
         if key is None:
             key = self.storage_keys[id(storage)] = str(len(self.storages))
             self.storages.append(storage)
-        self._tuple_of(("storage", storage.storage_type, key, storage.location, storage.numel))
-        self.out.append(_BINPERSID)
+        out = self.out
+        out += _MARK
+        self.atom(_STORAGE)
+        self.global_(storage.storage_type)
+        self.atom(key)
+        self.atom(storage.location)
+        self.atom(storage.numel)
+        out += _TUPLE + _BINPERSID
 
-    def _tensor(self, tensor: TensorRef) -> None:
-        if self._get(id(tensor)):
+    def tensor(self, t: TensorRef) -> None:
+        if self.get(id(t)):
             return
-        if tensor.param is not None:
-            with_state = tensor.param.state is not ABSENT
-            self._global(_REBUILD_PARAM_STATE if with_state else _REBUILD_PARAM)
-            self.out.append(_MARK)
-        self._plain_tensor(tensor)
-        if tensor.param is not None:
-            self.emit(tensor.param.requires_grad)
-            self.emit(tensor.param.hooks)
-            if tensor.param.state is not ABSENT:
-                self.emit(tensor.param.state)
-            self.out.append(_TUPLE)
-            self.out.append(_REDUCE)
-        self._put(id(tensor))
-        self._keep_alive(tensor)
-
-    def _plain_tensor(self, t: TensorRef) -> None:
-        self._global(_REBUILD_V3 if t.rebuild == "v3" else _REBUILD_V2)
-        self.out.append(_MARK)
-        self._storage(t.storage)
-        self.emit(t.storage_offset)
-        self._tuple_of(t.shape)
-        self._tuple_of(t.stride)
-        self.emit(t.requires_grad)
-        self.emit(t.hooks)
+        self.alive.append(t)
+        out = self.out
+        param = t.param
+        if param is not None:
+            self.global_(_REBUILD_PARAM_STATE if param.state is not ABSENT else _REBUILD_PARAM)
+            out += _MARK
+        self.global_(_REBUILD_V3 if t.rebuild == "v3" else _REBUILD_V2)
+        out += _MARK
+        self.storage(t.storage)
+        self.atom(t.storage_offset)
+        self.int_tuple(t.shape)
+        self.int_tuple(t.stride)
+        pending: list[Any] = []
+        if not self.atom(t.requires_grad):
+            pending.append(t.requires_grad)
+        self._hooks(t.hooks, pending)
         if t.rebuild == "v3":
-            self.emit(t.dtype_global)
+            pending.append(t.dtype_global)
         if t.metadata is not ABSENT:
-            self.emit(t.metadata)
-        self.out.append(_TUPLE)
-        self.out.append(_REDUCE)
+            pending.append(t.metadata)
+        pending.append(_Raw(_TUPLE + _REDUCE))
+        if param is not None:
+            pending.append(param.requires_grad)
+            self.alive.append(param)
+            pending.append(param.hooks)
+            if param.state is not ABSENT:
+                pending.append(param.state)
+            pending.append(_Raw(_TUPLE + _REDUCE))
+        pending.append(_Then(self.put, id(t)))
+        if len(pending) == 2 and type(pending[0]) is _Raw:  # the common case: finish inline
+            out += pending[0]
+            self.put(id(t))
+            return
+        self.later_seq(pending)
 
-    def _keep_alive(self, value: Any) -> None:
-        # the memo is keyed by id(): keep temporaries (e.g. a Counter's dict copy) alive so no
-        # id is reused by a different object while the pickle is being written
-        self.alive.append(value)
+    def _hooks(self, hooks: Any, pending: list[Any]) -> None:
+        """``OrderedDict()`` per tensor, as torch.save writes its empty backward hooks."""
+        if pending or type(hooks) is not OrderedDict or hooks or getattr(hooks, "__dict__", None):
+            pending.append(hooks)
+            return
+        if self.get(id(hooks)):
+            return
+        self.global_(_ORDERED_DICT)
+        self.out += _EMPTY_TUPLE + _REDUCE
+        self.put(id(hooks))
+        self.alive.append(hooks)
+
+
+def _batches(values: list, closing: bytes, *, pairs: bool = False) -> list[Any]:
+    """MARK, up to 1000 items (or key/value pairs), APPENDS/SETITEMS -- as pickle batches them."""
+    pending: list[Any] = []
+    for start in range(0, len(values), _BATCH):
+        pending.append(_Raw(_MARK))
+        if pairs:
+            for key, item in values[start : start + _BATCH]:
+                pending.append(key)
+                pending.append(item)
+        else:
+            pending.extend(values[start : start + _BATCH])
+        pending.append(_Raw(closing))
+    return pending
+
+
+def _writer_for_subclass(value: Any) -> Callable[[_Emitter, Any], None]:
+    for kind, writer in _SUBCLASS_WRITERS:
+        if isinstance(value, kind):
+            return writer
+    raise BadInputError(f"cannot write a {type(value).__name__} into a torch checkpoint")
+
+
+#: node type -> writer: the one place that says how each kind of node is pickled
+_WRITERS: dict[type, Callable[[_Emitter, Any], None]] = {
+    tuple: _Emitter.tuple_, list: _Emitter.list_, dict: _Emitter.dict_,
+    OrderedDict: _Emitter.ordered_dict, Counter: _Emitter.counter,
+    set: _Emitter.set_, frozenset: _Emitter.set_,
+    bytes: _Emitter.bytes_, bytearray: _Emitter.bytearray_, complex: _Emitter.complex_,
+    TensorRef: _Emitter.tensor, StorageRef: lambda e, s: e.storage(s), Global: _Emitter.global_value,
+    Reduce: _Emitter.record, OpaqueObject: _Emitter.opaque,
+}
+#: subclasses made in code (a transform's own mapping type) fall back to their base's writer
+_SUBCLASS_WRITERS: tuple[tuple[type, Callable[[_Emitter, Any], None]], ...] = (
+    (OrderedDict, _Emitter.ordered_dict), (dict, _Emitter.dict_), (list, _Emitter.list_), (tuple, _Emitter.tuple_),
+)
 
 
 def dumps(root: Any) -> PickleResult:
     """Pickle ``root`` the way ``torch.save`` would; returns the bytes and storages in key order."""
     emitter = _Emitter()
-    try:
-        emitter.emit(root)
-    except RecursionError as exc:
-        raise BadInputError("the checkpoint is nested too deeply to write") from exc
-    emitter.out.append(_STOP)
-    return PickleResult(b"".join(emitter.out), emitter.storages)
+    emitter.run(root)
+    emitter.out += b"."
+    return PickleResult(bytes(emitter.out), emitter.storages)

@@ -21,7 +21,7 @@ from typing import Any
 
 from .errors import UsageError
 from .sources import ComputedSource
-from .tree import OpaqueObject, format_path, substitute, tensor_from_range
+from .tree import OpaqueObject, format_path, substitute, tensor_from_range, walk
 
 _NUMPY = ("numpy.core.multiarray", "numpy._core.multiarray")
 SANITIZABLE = (
@@ -43,37 +43,37 @@ class SanitizeReport:
 
 
 def _name(obj: OpaqueObject) -> str:
-    return obj.ckptfix_global.full
+    return obj.global_.full
 
 
 def _numpy_dtype(obj: Any) -> Any:
     """A numpy dtype from a pickled ``numpy.dtype('f8', False, True)`` plus its byte-order state."""
     import numpy as np
 
-    if not (isinstance(obj, OpaqueObject) and _name(obj) == "numpy.dtype" and obj.ckptfix_args):
+    if not (isinstance(obj, OpaqueObject) and _name(obj) == "numpy.dtype" and obj.args):
         raise UsageError(f"cannot sanitize: expected a numpy dtype, found {obj!r:.80}")
-    code = obj.ckptfix_args[0]
+    code = obj.args[0]
     match = _TYPE_CODE.match(code) if isinstance(code, str) else None
     if not match or f"{match.group(1)}{match.group(2)}" not in _TORCH_DTYPE:
         raise UsageError(f"cannot sanitize a numpy value of dtype {code!r:.40}: only numeric dtypes convert")
-    state = obj.ckptfix_state
+    state = obj.state
     order = state[1] if isinstance(state, tuple) and len(state) > 1 and state[1] in ("<", ">", "|") else "="
     return np.dtype(match.group(1) + match.group(2)).newbyteorder(order if order != "|" else "=")
 
 
 def _convert(obj: OpaqueObject) -> Any:
     name = _name(obj)
-    if name == "argparse.Namespace" and not obj.ckptfix_args and isinstance(obj.ckptfix_state, dict):
-        return dict(obj.ckptfix_state)
-    if name.startswith("pathlib.") and all(isinstance(a, str) for a in obj.ckptfix_args):
+    if name == "argparse.Namespace" and not obj.args and isinstance(obj.state, dict):
+        return dict(obj.state)
+    if name.startswith("pathlib.") and all(isinstance(a, str) for a in obj.args):
         from pathlib import PurePosixPath, PureWindowsPath
 
         pure = PureWindowsPath if "Windows" in name else PurePosixPath
-        return str(pure(*obj.ckptfix_args))
-    if name in (f"{m}.scalar" for m in _NUMPY) and len(obj.ckptfix_args) == 2:
+        return str(pure(*obj.args))
+    if name in (f"{m}.scalar" for m in _NUMPY) and len(obj.args) == 2:
         import numpy as np
 
-        dtype, raw = _numpy_dtype(obj.ckptfix_args[0]), obj.ckptfix_args[1]
+        dtype, raw = _numpy_dtype(obj.args[0]), obj.args[1]
         raw = raw.encode("latin-1") if isinstance(raw, str) else raw
         if not isinstance(raw, bytes) or len(raw) != dtype.itemsize:
             raise UsageError(f"cannot sanitize a corrupt numpy scalar ({name})")
@@ -89,7 +89,7 @@ def _convert(obj: OpaqueObject) -> Any:
 def _array_to_tensor(obj: OpaqueObject) -> Any:
     import numpy as np
 
-    state = obj.ckptfix_state
+    state = obj.state
     if not (isinstance(state, tuple) and len(state) == 5):
         raise UsageError("cannot sanitize a numpy array with an unexpected pickled state")
     _, shape, dtype_obj, fortran, raw = state
@@ -107,29 +107,28 @@ def _array_to_tensor(obj: OpaqueObject) -> Any:
 
 
 def sanitize(root: Any) -> tuple[Any, SanitizeReport]:
-    """A copy of ``root`` with every opaque object of a known kind replaced by plain data."""
+    """A copy of ``root`` with every opaque object of a known kind replaced by plain data.
+
+    One walk per converted object: a Namespace's dict may itself hold objects to convert, so
+    each new dict is walked in turn (a queue, not recursion: any depth the reader accepts).
+    """
     report = SanitizeReport()
     replacements: dict[int, Any] = {}
-    stack: list[tuple[tuple, Any]] = [((), root)]
-    seen: set[int] = set()
-    while stack:
-        path, value = stack.pop()
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        if isinstance(value, OpaqueObject):
-            if _name(value) not in SANITIZABLE:
-                continue  # allowed by name by the user: passes through as it is
+    queue: list[tuple[tuple, Any]] = [((), root)]
+
+    def descend(path: tuple, value: Any) -> bool:
+        return type(value) is not OpaqueObject
+
+    while queue:
+        base, node = queue.pop()
+        for path, value in walk(node, descend):
+            if type(value) is not OpaqueObject or id(value) in replacements or _name(value) not in SANITIZABLE:
+                continue  # objects allowed by name by the user pass through as they are
             new = _convert(value)
-            if isinstance(new, dict):
-                new, inner = sanitize(new)
-                report.replaced += inner.replaced
             replacements[id(value)] = new
             kind = f"tensor {new.dtype}" if hasattr(new, "dtype") else type(new).__name__
-            report.replaced.append({"path": format_path(path) or "(top level)", "global": _name(value), "to": kind})
-            continue
-        if isinstance(value, dict):
-            stack.extend((path + (k,), v) for k, v in value.items())
-        elif isinstance(value, (list, tuple)):
-            stack.extend((path + (i,), v) for i, v in enumerate(value))
+            where = format_path(base + path) or "(top level)"
+            report.replaced.append({"path": where, "global": _name(value), "to": kind})
+            if isinstance(new, dict):
+                queue.append((base + path, new))
     return (substitute(root, replacements) if replacements else root), report

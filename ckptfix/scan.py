@@ -1,10 +1,14 @@
 """``scan``: list every global a checkpoint's pickles reference, without running any of them.
 
-The pickle opcodes are read with :func:`pickletools.genops`, which decodes and never executes.
-Globals come from GLOBAL/INST (module and name in the opcode) and STACK_GLOBAL (the two
-strings pushed before it, memo included). Byte and text constants that are pickles
-themselves (a nested ``torch.storage._load_from_bytes`` payload, a legacy storage pickled
-inside) are scanned too, recursively.
+The pickles are run by the same VM the reader uses (:mod:`ckptfix.pickle_vm`), with hooks that
+record instead of build: every GLOBAL/STACK_GLOBAL/INST is resolved exactly as the reader
+resolves it (memo, DUP, POP and all), recorded, and replaced by an inert symbol; calls,
+BUILD and persistent ids make inert symbols too, and nothing is refused. So what ``scan``
+reports is exactly what the reader would meet. A pickle that names a global and is garbage
+afterwards keeps its findings (``torch.load`` would have run the payload before failing).
+Bytes that are pickles themselves (a ``torch.storage._load_from_bytes`` payload) are scanned
+too, recursively; every consecutive pickle of a legacy file or raw pickle stream is scanned
+(protocol 0 included), and in a zip every record whose name ends in ``.pkl`` in any case.
 
 Verdicts: ``safe`` (on ckptfix's allow-list, which ``torch.load(weights_only=True)`` also
 accepts), ``benign`` (known data classes that ``--allow-global`` can keep and ``--sanitize`` can
@@ -14,15 +18,17 @@ own loaders, and any unknown module -- unknown code is dangerous until proven ot
 
 from __future__ import annotations
 
-import io
-import pickletools
+import mmap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from .detect import sniff
-from .errors import CkptfixError
-from .unpickle import PYTHON_GLOBALS, TORCH_GLOBALS
+from .errors import BadInputError, CkptfixError
+from .formats.torchzip import MAX_PICKLE_BYTES
+from .pickle_vm import Hooks, PickleVM
+from .tree import Global
+from .unpickle import PYTHON_GLOBALS, TORCH_GLOBALS, _encode, looks_like_pickle
 from .ziparchive import read_directory, read_record_bytes
 
 BENIGN = {
@@ -81,56 +87,86 @@ def classify(name: str) -> str:
     return "dangerous"
 
 
-def scan_pickle(data: bytes | BinaryIO, where: str, depth: int = 0) -> list[Found]:
-    """Globals in the pickle at the start of ``data`` (and in nested pickles). A stream is left
-    just after the pickle's STOP, so consecutive pickles can be scanned in turn."""
-    found: list[Found] = []
-    strings: list[str] = []
-    memo: dict[int, Any] = {}
-    last: Any = None
-    stream = io.BytesIO(data) if isinstance(data, bytes) else data
-    for opcode, arg, _ in pickletools.genops(stream):
-        if opcode.name in ("GLOBAL", "INST"):
-            full = canonical(arg.replace(" ", ".", 1))
-            found.append(Found(full, classify(full), where))
-        elif opcode.name == "STACK_GLOBAL":
-            if len(strings) >= 2:
-                full = canonical(f"{strings[-2]}.{strings[-1]}")
-                found.append(Found(full, classify(full), where))
-            else:
-                found.append(Found("<STACK_GLOBAL with computed name>", "dangerous", where))
-        elif isinstance(arg, str) and opcode.name.endswith(("UNICODE", "STRING")):
-            strings.append(arg)
-            last = arg
-        elif isinstance(arg, bytes):
-            last = arg
-        if opcode.name in ("BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"):
-            memo[arg if arg is not None else len(memo)] = last
-        elif opcode.name in ("BINGET", "LONG_BINGET", "GET") and isinstance(memo.get(arg), str):
-            strings.append(memo[arg])
-        if depth < _MAX_DEPTH and isinstance(arg, (bytes, str)) and len(arg) > 2:
-            raw = arg.encode("latin-1", "ignore") if isinstance(arg, str) else arg
-            if raw[:1] == b"\x80" and 2 <= raw[1] <= 5:
-                found.extend(_scan_nested(raw, f"{where} (nested pickle)", depth + 1))
-        if opcode.name == "STOP":
-            break
-    return found
+class _Symbol:
+    """What a call or a persistent id "returns" while scanning: nothing real, just a name."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
 
 
-def _scan_nested(raw: bytes | BinaryIO, where: str, depth: int) -> list[Found]:
-    """Every pickle in a row at the start of ``raw`` (the legacy format is five of them)."""
+class ScanHooks(Hooks):
+    """Record every global; build nothing; refuse nothing (budgets and malformed input still stop)."""
+
+    def __init__(self, where: str, found: list[Found], depth: int) -> None:
+        self.where, self.found, self.depth = where, found, depth
+
+    def find_global(self, module: str, name: str) -> Any:
+        full = canonical(f"{module}.{name}")
+        self.found.append(Found(full, classify(full), self.where))
+        return _Symbol(full)
+
+    def call(self, func: Any, args: tuple) -> Any:
+        if isinstance(func, _Symbol) and func.name == "_codecs.encode":
+            try:  # protocol 2 spells bytes this way: rebuild them, a nested pickle may hide inside
+                data = _encode(Global("_codecs", "encode"), args)
+                self._nested(data)
+                return data
+            except BadInputError:
+                pass
+        for arg in args:
+            if type(arg) in (bytes, bytearray):
+                self._nested(bytes(arg))
+        return _Symbol(f"{getattr(func, 'name', '?')}(...)")
+
+    def new_object(self, cls: Any, args: tuple, kwargs: dict | None) -> Any:
+        return self.call(cls, args)
+
+    def build(self, inst: Any, state: Any) -> None:
+        pass
+
+    def persistent_load(self, pid: Any) -> Any:
+        return _Symbol("persistent id")
+
+    def extend(self, target: Any, items: list) -> None:
+        pass
+
+    def set_items(self, target: Any, pairs: list) -> None:
+        pass
+
+    def check_key(self, key: Any) -> None:
+        pass
+
+    def _nested(self, data: bytes) -> None:
+        if self.depth < _MAX_DEPTH and looks_like_pickle(data):
+            found, _ = scan_pickles(data, f"{self.where} (nested pickle)", self.depth + 1)
+            self.found.extend(found)
+
+
+def scan_pickles(data: bytes | Any, where: str, depth: int = 0, count: int | None = None) -> tuple[list[Found], str]:
+    """Globals in ``count`` consecutive pickles (all, if None) at the start of ``data`` (bytes
+    or an mmap), nested pickles included; returns them and an error ("" if all read cleanly).
+
+    Without ``count``, stops quietly where the data stops being pickles after at least one
+    complete pickle, if the failed attempt named no global (trailing non-pickle bytes).
+    """
     found: list[Found] = []
-    stream = io.BytesIO(raw) if isinstance(raw, bytes) else raw
-    while True:
-        start = stream.tell()
-        if stream.read(1) != b"\x80":
-            break
-        stream.seek(start)
+    pos, complete = 0, 0
+    while pos < len(data) and (count is None or complete < count):
+        before = len(found)
+        vm = PickleVM(data, ScanHooks(where, found, depth), start=pos)
         try:
-            found.extend(scan_pickle(stream, where, depth))
-        except Exception:  # not (or no longer) a pickle: the raw data after the pickles
-            break
-    return found
+            vm.run()
+        except BadInputError as exc:
+            if count is None and complete and len(found) == before:
+                return found, ""
+            return found, str(exc)
+        pos = vm.pos
+        complete += 1
+    if count is not None and complete < count:
+        return found, f"only {complete} of the {count} pickles are there (truncated)"
+    return found, ""
 
 
 def scan_path(path: str | Path) -> ScanResult:
@@ -144,12 +180,16 @@ def scan_path(path: str | Path) -> ScanResult:
             if what.kind == "zip":
                 records = read_directory(f, size, str(path))
                 for name, record in records.items():
-                    if name.endswith(".pkl"):
-                        data = read_record_bytes(f, record, 1 << 30)
-                        result.globals.extend(scan_pickle(data, name))
+                    if name.lower().endswith(".pkl"):
+                        data = read_record_bytes(f, record, MAX_PICKLE_BYTES)
+                        found, error = scan_pickles(data, name)
+                        result.globals.extend(found)
+                        result.error = result.error or (f"{name}: {error}" if error else "")
             elif what.kind == "legacy" or (what.kind == "not-checkpoint" and "pickle" in what.description):
-                f.seek(0)
-                result.globals.extend(_scan_nested(f, "pickles", 0))
+                # a legacy file is exactly five pickles, then raw storage bytes (not opcodes)
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                    found, result.error = scan_pickles(data, "pickles", count=5 if what.kind == "legacy" else None)
+                result.globals.extend(found)
             elif what.kind == "safetensors":
                 pass  # JSON header and raw bytes: no code can be referenced
             elif what.kind == "tar":

@@ -15,23 +15,25 @@ objects, so transforms are ordinary Python code and Python users can walk the tr
 from __future__ import annotations
 
 import sys
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 from .dtypes import DTYPE_ITEMSIZE, DTYPE_STORAGE, STORAGE_DTYPE
 from .errors import BadInputError
+from .pickle_vm import MAX_NESTING
 
 #: marks an optional positional argument that the pickle did not pass
 ABSENT: Any = type("Absent", (), {"__repr__": lambda self: "ABSENT"})()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Global:
     """A module-level name the pickle refers to (``torch._utils._rebuild_tensor_v2``).
 
-    Calling it (which the unpickler does for REDUCE) never runs the real function: it builds
-    a :class:`TensorRef` for the tensor-rebuild functions and a :class:`Reduce` otherwise.
+    Frozen, no ``__dict__`` and no ``__setstate__``: a pickle that fetches an allowed global
+    cannot turn it into another one (the VM refuses BUILD on it, and nothing else writes it).
     """
 
     module: str
@@ -41,84 +43,64 @@ class Global:
     def full(self) -> str:
         return f"{self.module}.{self.name}"
 
-    def __call__(self, *args: Any) -> Any:
-        builder = _CALL_BUILDERS.get(self.full)
-        return builder(self, args) if builder else Reduce(self, args)
-
     def __repr__(self) -> str:
         return self.full
 
 
 class Reduce:
-    """An allow-listed call recorded as data: ``func(*args)``, plus BUILD state if any."""
+    """An allow-listed call recorded as data: ``func(*args)`` (``torch.Size``, sparse tensors...).
+
+    Made once by the reader, never changed: the VM refuses BUILD on it, as torch does.
+    ``state`` is ABSENT for everything the reader makes; it exists for trees built in code.
+    """
 
     __slots__ = ("args", "func", "state")
 
     def __init__(self, func: Global, args: tuple, state: Any = ABSENT) -> None:
         self.func, self.args, self.state = func, args, state
 
-    def __setstate__(self, state: Any) -> None:  # the pickle's BUILD opcode
-        self.state = state
-
     def __repr__(self) -> str:
-        if self.func.full == "torch.Size" and self.args:
-            return f"torch.Size({list(self.args[0])})"
+        if self.func.full == "torch.Size" and self.args and isinstance(self.args[0], (tuple, list)):
+            return f"torch.Size({list(self.args[0])[:16]})"
         if self.func.full == "torch.device":
-            return f"device({', '.join(map(repr, self.args))})"
+            return f"device({', '.join(repr(a)[:40] for a in self.args[:2])})"
         return f"{self.func.full}(...)"
 
 
 class OpaqueObject:
     """An object of a global the user allowed by name (``--allow-global``): recorded, never built.
 
-    Its class is made up on the spot (see :func:`opaque_class`); nothing is imported. The
-    pickle's construction -- ``cls(*args)`` (REDUCE) or ``cls.__new__(cls, *args)`` (NEWOBJ),
-    list/dict items, BUILD state -- is kept as data and written back exactly.
+    The pickle's construction is kept as data and written back exactly: ``kind`` is
+    ``"reduce"`` (``cls(*args)``), ``"newobj"`` (``cls.__new__(cls, *args)``) or ``"newobj_ex"``
+    (with ``kwargs``); ``items``/``dictitems`` are what APPENDS/SETITEMS added; ``state`` is what
+    BUILD gave. The VM fills ``items``, ``dictitems`` and ``state`` while reading (``state`` only
+    once); ``global_`` and ``kind`` never change.
     """
 
-    ckptfix_global: Global
+    __slots__ = ("args", "dictitems", "global_", "items", "kind", "kwargs", "state")
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> OpaqueObject:
-        obj = object.__new__(cls)
-        obj.__dict__.update(ckptfix_args=args, ckptfix_kwargs=kwargs, ckptfix_called=False,
-                            ckptfix_state=ABSENT, ckptfix_items=[], ckptfix_dictitems=[])
-        return obj
+    def __init__(self, global_: Global, args: tuple, kind: str = "reduce", kwargs: dict | None = None) -> None:
+        self.global_, self.args, self.kind, self.kwargs = global_, args, kind, kwargs
+        self.items: list[Any] = []
+        self.dictitems: list[tuple[Any, Any]] = []
+        self.state: Any = ABSENT
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self.__dict__["ckptfix_called"] = True  # REDUCE calls the class; NEWOBJ only __new__
-
-    def __setstate__(self, state: Any) -> None:
-        self.__dict__["ckptfix_state"] = state
-
-    def append(self, item: Any) -> None:
-        self.ckptfix_items.append(item)
-
-    def extend(self, items: Any) -> None:
-        self.ckptfix_items.extend(items)
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.ckptfix_dictitems.append((key, value))
+    @property
+    def name(self) -> str:
+        return self.global_.full
 
     def __repr__(self) -> str:
-        return f"<{self.ckptfix_global.full} (kept as is)>"
+        return f"<{self.global_.full} (kept as is)>"
 
 
-_OPAQUE_CLASSES: dict[str, type[OpaqueObject]] = {}
-
-
-def opaque_class(module: str, name: str) -> type[OpaqueObject]:
-    """A stand-in class for ``module.name``: same name for the writer, no behaviour at all."""
-    full = f"{module}.{name}"
-    cls = _OPAQUE_CLASSES.get(full)
-    if cls is None:
-        cls = type(name, (OpaqueObject,), {"ckptfix_global": Global(module, name), "__module__": "ckptfix.opaque"})
-        _OPAQUE_CLASSES[full] = cls
-    return cls
-
-
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class StorageRef:
-    """One storage record: ``data/<key>`` in the archive, with its dtype and device tag."""
+    """One storage record: ``data/<key>`` in the archive, with its dtype and device tag.
+
+    No ``__dict__`` and no ``__setstate__``; the VM refuses BUILD/SETITEMS on it. Readers set
+    ``source`` once, when they learn where the bytes are (the legacy format lists them after
+    the pickle); :func:`check_extents` then checks every tensor against it.
+    """
 
     key: str
     storage_type: Global
@@ -136,7 +118,7 @@ class StorageRef:
         return self.numel * self.itemsize
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ParamInfo:
     """What ``_rebuild_parameter(_with_state)`` adds on top of the tensor."""
 
@@ -145,9 +127,14 @@ class ParamInfo:
     state: Any = ABSENT
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class TensorRef:
-    """A tensor without its data: a view (offset, shape, stride) into a :class:`StorageRef`."""
+    """A tensor without its data: a view (offset, shape, stride) into a :class:`StorageRef`.
+
+    Built by the reader from ``_rebuild_tensor*`` calls and never changed afterwards (transforms
+    make new ones with :func:`dataclasses.replace`). Its extent is checked against the storage
+    once the whole pickle is read (:func:`check_extents`), not while building it.
+    """
 
     storage: StorageRef
     storage_offset: int
@@ -161,9 +148,6 @@ class TensorRef:
     dtype_global: Global | None = None
     metadata: Any = ABSENT
     param: ParamInfo | None = None
-
-    def __setstate__(self, state: Any) -> None:
-        raise BadInputError("corrupt pickle: BUILD applied to a tensor")
 
     @property
     def device(self) -> str:
@@ -179,64 +163,6 @@ class TensorRef:
     @property
     def nbytes(self) -> int:
         return self.numel * DTYPE_ITEMSIZE.get(self.dtype, 1)
-
-
-def _as_int_tuple(value: Any, what: str) -> tuple[int, ...]:
-    if isinstance(value, Reduce) and value.func.full == "torch.Size" and value.args:
-        value = value.args[0]
-    if not isinstance(value, (tuple, list)) or not all(type(v) is int and v >= 0 for v in value):
-        raise BadInputError(f"corrupt tensor record: {what} is {value!r}")
-    return tuple(value)
-
-
-def _rebuild_tensor(func: Global, args: tuple) -> TensorRef:
-    v3 = func.name == "_rebuild_tensor_v3"
-    fixed = 7 if v3 else 6
-    if len(args) not in (fixed, fixed + 1):
-        raise BadInputError(f"corrupt tensor record: {func.name} got {len(args)} arguments")
-    storage, offset, size, stride, requires_grad, hooks = args[:6]
-    if not isinstance(storage, StorageRef) or type(offset) is not int or offset < 0:
-        raise BadInputError("corrupt tensor record: bad storage or offset")
-    shape, strides = _as_int_tuple(size, "size"), _as_int_tuple(stride, "stride")
-    if len(shape) != len(strides):
-        raise BadInputError("corrupt tensor record: size and stride differ in length")
-    dtype_global = None
-    if v3:
-        dtype_global = args[6]
-        if not isinstance(dtype_global, Global) or dtype_global.name not in DTYPE_ITEMSIZE:
-            raise BadInputError(f"corrupt tensor record: unknown dtype {dtype_global!r}")
-        dtype = dtype_global.name
-        available = storage.nbytes // DTYPE_ITEMSIZE[dtype]
-    else:
-        dtype = storage.dtype
-        available = storage.numel
-    needed = 0 if 0 in shape else offset + sum((n - 1) * s for n, s in zip(shape, strides)) + 1
-    if needed > available:
-        raise BadInputError(
-            f"corrupt tensor record: a {dtype} tensor of shape {list(shape)} needs {needed} "
-            f"elements but its storage {storage.key!r} holds {available}"
-        )
-    return TensorRef(
-        storage=storage, storage_offset=offset, shape=shape, stride=strides, dtype=dtype,
-        requires_grad=requires_grad, hooks=hooks, rebuild="v3" if v3 else "v2",
-        dtype_global=dtype_global, metadata=args[fixed] if len(args) > fixed else ABSENT,
-    )
-
-
-def _rebuild_parameter(func: Global, args: tuple) -> Any:
-    with_state = func.name == "_rebuild_parameter_with_state"
-    if len(args) != (4 if with_state else 3) or not isinstance(args[0], TensorRef):
-        return Reduce(func, args)
-    info = ParamInfo(args[1], args[2], args[3] if with_state else ABSENT)
-    return replace(args[0], param=info)
-
-
-_CALL_BUILDERS: dict[str, Callable[[Global, tuple], Any]] = {
-    "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
-    "torch._utils._rebuild_tensor_v3": _rebuild_tensor,
-    "torch._utils._rebuild_parameter": _rebuild_parameter,
-    "torch._utils._rebuild_parameter_with_state": _rebuild_parameter,
-}
 
 
 def make_storage(
@@ -271,40 +197,170 @@ def tensor_from_range(dtype: str, shape: tuple[int, ...], source: Any, location:
     )
 
 
-# --------------------------------------------------------------------------- tree walking
+# --------------------------------------------------------------------------- the walk
 
 Path = tuple[Any, ...]
 
+#: path element for an OrderedDict's attributes (``Module.state_dict()``'s ``_metadata``)
+ATTRS = "__dict__"
 
-#: containers nested deeper than this are refused at read time: real checkpoints nest a few
-#: levels; a hostile pickle nests 10**5 deep to make every later walk slow or recursive code crash
-MAX_NESTING = 1000
+
+def _mapping_children(value: Any) -> list[tuple[Any, Any]]:
+    items = list(value.items())
+    attrs = getattr(value, "__dict__", None)
+    if attrs:
+        items.append((ATTRS, attrs))
+    return items
+
+
+def _sequence_children(value: Any) -> list[tuple[Any, Any]]:
+    return list(enumerate(value))
+
+
+def _reduce_children(value: Reduce) -> list[tuple[Any, Any]]:
+    items: list[tuple[Any, Any]] = list(enumerate(value.args))
+    if value.state is not ABSENT:
+        items.append(("__state__", value.state))
+    return items
+
+
+def _opaque_children(value: OpaqueObject) -> list[tuple[Any, Any]]:
+    items: list[tuple[Any, Any]] = [("__args__", value.args), ("__items__", value.items),
+                                    ("__dictitems__", value.dictitems)]
+    if value.kwargs:
+        items.append(("__kwargs__", value.kwargs))
+    if value.state is not ABSENT:
+        items.append(("__state__", value.state))
+    return items
+
+
+def _tensor_children(value: TensorRef) -> list[tuple[Any, Any]]:
+    """What a tensor record carries besides its storage: hooks, metadata, parameter state --
+    all data the pickle made, so the walk (depth, extents, storages) must see inside them."""
+    items: list[tuple[Any, Any]] = [("__storage__", value.storage)]
+    if value.hooks:
+        items.append(("__hooks__", value.hooks))
+    if value.metadata is not ABSENT:
+        items.append(("__metadata__", value.metadata))
+    if value.param is not None:
+        items.append(("__param__", (value.param.requires_grad, value.param.hooks, value.param.state)))
+    return items
+
+
+#: exact type -> its children as (key, child) pairs: the one place that says what a node holds
+CHILDREN: dict[type, Callable[[Any], list[tuple[Any, Any]]]] = {
+    dict: _mapping_children, OrderedDict: _mapping_children, Counter: _mapping_children,
+    list: _sequence_children, tuple: _sequence_children,
+    set: _sequence_children, frozenset: _sequence_children,
+    Reduce: _reduce_children, OpaqueObject: _opaque_children, TensorRef: _tensor_children,
+}
+#: nodes that are yielded each time they are reached (a tied weight has two names)
+_LEAF_RECORDS = (TensorRef, StorageRef)
+
+
+def children_of(value: Any) -> list[tuple[Any, Any]] | None:
+    """The (key, child) pairs of a node, or None for an atom; Mapping subclasses made in code count."""
+    getter = CHILDREN.get(type(value))
+    if getter is not None:
+        return getter(value)
+    if isinstance(value, Mapping):
+        return _mapping_children(value)
+    if isinstance(value, (list, tuple)):
+        return _sequence_children(value)
+    if isinstance(value, OpaqueObject):
+        return _opaque_children(value)
+    return None
+
+
+def walk(
+    root: Any, descend: Callable[[Path, Any], bool] | None = None, *, limit: int = MAX_NESTING,
+) -> Iterator[tuple[Path, Any]]:
+    """THE traversal: every container and record under ``root`` with its path, in order.
+
+    Iterative (an explicit stack: any depth the reader accepts, no recursion), and each
+    container is entered once (a visited set by ``id``), so shared sub-trees cost once and
+    cycles end. Tensor and storage records are yielded on every path that reaches them (a tied
+    weight has two names) but entered once. Atoms (str, int, ...) are not yielded.
+    ``descend(path, value)`` returning False keeps the walk out of that node's children.
+    Deeper than ``limit`` is :class:`BadInputError` -- the same limit the reader enforces.
+    """
+    seen: set[int] = set()
+    stack: list[tuple[Path, Any]] = [((), root)]
+    pop, push = stack.pop, stack.extend
+    while stack:
+        path, value = pop()
+        getter = CHILDREN.get(type(value))
+        if getter is None:
+            if isinstance(value, (*_LEAF_RECORDS, Mapping, list, tuple, OpaqueObject)):
+                getter = children_of
+            else:
+                continue
+        key = id(value)
+        if key in seen:
+            if isinstance(value, _LEAF_RECORDS):
+                yield path, value
+            continue
+        if not isinstance(value, StorageRef):
+            seen.add(key)
+        if len(path) > limit:
+            raise BadInputError(f"corrupt or hostile checkpoint: containers nested more than {limit} deep")
+        yield path, value
+        if isinstance(value, StorageRef) or (descend is not None and not descend(path, value)):
+            continue
+        kids = getter(value)
+        if kids:
+            push([(path + (k,), v) for k, v in reversed(kids)])
 
 
 def check_nesting(root: Any, limit: int = MAX_NESTING) -> None:
-    """Raise :class:`BadInputError` if containers nest deeper than ``limit`` (cycles are fine)."""
-    seen: set[int] = set()
-    stack: list[tuple[Any, int]] = [(root, 0)]
-    while stack:
-        value, depth = stack.pop()
-        if depth > limit:
-            raise BadInputError(f"corrupt or hostile checkpoint: containers nested more than {limit} deep")
-        if id(value) in seen:
+    """Raise :class:`BadInputError` if anything nests deeper than ``limit`` (cycles are fine)."""
+    for _ in walk(root, limit=limit):
+        pass
+
+
+def check_extents(root: Any, where: str = "") -> None:
+    """Every tensor's bytes must lie inside its storage, and every storage inside its source.
+
+    Called once the whole tree is final (the pickle is done and the readers know where every
+    storage's bytes are), before anything is written: this is the one place that guards every
+    writer against reading outside a record. Integer arithmetic is exact (no overflow).
+    """
+    prefix = f"{where}: " if where else ""
+    checked: set[int] = set()
+    for path, value in walk(root):
+        if isinstance(value, StorageRef):
+            if id(value) not in checked:
+                _check_storage(value, prefix)
+                checked.add(id(value))
             continue
-        if isinstance(value, Mapping):
-            seen.add(id(value))
-            stack.extend((v, depth + 1) for v in value.values())
-            stack.extend((k, depth + 1) for k in value if isinstance(k, tuple))
-        elif isinstance(value, (list, tuple, set, frozenset)):
-            seen.add(id(value))
-            stack.extend((v, depth + 1) for v in value)
-        elif isinstance(value, Reduce):
-            seen.add(id(value))
-            stack.append((value.args, depth + 1))
-            stack.append((value.state, depth + 1))
-        elif isinstance(value, OpaqueObject):
-            seen.add(id(value))
-            stack.extend((v, depth + 1) for v in value.__dict__.values())
+        if not isinstance(value, TensorRef):
+            continue
+        storage = value.storage
+        if id(storage) not in checked:
+            _check_storage(storage, prefix)
+            checked.add(id(storage))
+        itemsize = DTYPE_ITEMSIZE[value.dtype]
+        if 0 in value.shape:
+            continue
+        last = value.storage_offset + sum((n - 1) * s for n, s in zip(value.shape, value.stride))
+        needed = (last + 1) * itemsize
+        if needed > storage.nbytes:
+            raise BadInputError(
+                f"{prefix}corrupt tensor record at {format_path(path) or '(top level)'}: a {value.dtype} tensor "
+                f"of shape {list(value.shape)[:8]} needs {needed} bytes but its storage {storage.key!r:.40} "
+                f"holds {storage.nbytes}"
+            )
+
+
+def _check_storage(storage: StorageRef, prefix: str) -> None:
+    size = getattr(storage.source, "size", None)
+    if storage.source is None or size is None:
+        raise BadInputError(f"{prefix}storage {storage.key!r:.40} is used but its data is missing: truncated")
+    if storage.nbytes > size:
+        raise BadInputError(
+            f"{prefix}storage {storage.key!r:.40} declares {storage.nbytes} bytes but its record holds {size}: "
+            "the file is truncated or corrupt"
+        )
 
 
 def format_path(path: Path) -> str:
@@ -336,50 +392,24 @@ def children(value: Any) -> Iterator[tuple[Any, Any]]:
         yield from enumerate(value)
 
 
-def _walk_leaves(root: Any) -> Iterator[tuple[Path, Any]]:
-    """Every TensorRef and bare StorageRef in the tree, with paths, including inside recorded calls."""
-    seen: set[int] = set()
-    stack: list[tuple[Path, Any]] = [((), root)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, (TensorRef, StorageRef)):
-            yield path, value
-            continue
-        if id(value) in seen:
-            continue
-        if isinstance(value, (Mapping, list, tuple, set, frozenset, Reduce, OpaqueObject)):
-            seen.add(id(value))
-        if isinstance(value, OpaqueObject):
-            items = [("__args__", value.ckptfix_args), ("__items__", value.ckptfix_items),
-                     ("__dictitems__", value.ckptfix_dictitems)]
-            if value.ckptfix_state is not ABSENT:
-                items.append(("__state__", value.ckptfix_state))
-        elif isinstance(value, Reduce):
-            items = list(enumerate(value.args))
-            if value.state is not ABSENT:
-                items.append(("__state__", value.state))
-        elif isinstance(value, (set, frozenset)):
-            items = list(enumerate(value))
-        else:
-            items = list(children(value))
-        stack.extend((path + (k,), v) for k, v in reversed(items))
+def _not_into_tensors(path: Path, value: Any) -> bool:
+    return not isinstance(value, TensorRef)
 
 
 def iter_tensors(root: Any) -> Iterator[tuple[Path, TensorRef]]:
     """Every :class:`TensorRef` in the tree, with its path, including inside recorded calls."""
-    for path, leaf in _walk_leaves(root):
-        if isinstance(leaf, TensorRef):
-            yield path, leaf
+    for path, value in walk(root):
+        if isinstance(value, TensorRef):
+            yield path, value
 
 
 def iter_storages(root: Any) -> Iterator[StorageRef]:
     """Every distinct :class:`StorageRef` the tree uses, through tensors or directly."""
     seen: set[int] = set()
-    for _, leaf in _walk_leaves(root):
-        storage = leaf.storage if isinstance(leaf, TensorRef) else leaf
-        if id(storage) not in seen:
-            seen.add(id(storage))
-            yield storage
+    for _, value in walk(root):
+        if isinstance(value, StorageRef) and id(value) not in seen:
+            seen.add(id(value))
+            yield value
 
 
 def is_optimizer_state(value: Any) -> bool:
@@ -412,22 +442,20 @@ def find_state_dicts(root: Any) -> list[tuple[Path, Mapping]]:
     (``{"exp_avg": ..., "exp_avg_sq": ...}``) look like state dicts but are not.
     """
     found: list[tuple[Path, Mapping]] = []
-    stack: list[tuple[Path, Any]] = [((), root)]
-    seen: set[int] = set()
-    while stack:
-        path, value = stack.pop()
-        if id(value) in seen or not isinstance(value, (Mapping, list, tuple)):
-            continue
-        seen.add(id(value))
+
+    def descend(path: Path, value: Any) -> bool:
+        if not isinstance(value, (Mapping, list, tuple)) or is_tensor_like(value):
+            return False
         if looks_like_state_dict(value):
             found.append((path, value))
-            continue
+            return False
         if is_optimizer_state(value):
-            continue
-        if isinstance(value, Mapping) and not all(isinstance(k, str) for k in value):
-            continue
-        stack.extend((path + (k,), v) for k, v in reversed(list(children(value))))
-    return found
+            return False
+        return not (isinstance(value, Mapping) and not all(isinstance(k, str) for k in value))
+
+    for _ in walk(root, descend):
+        pass
+    return [(p, v) for p, v in found if ATTRS not in p]
 
 
 _MISSING = object()
@@ -437,9 +465,9 @@ def _lookup_key(container: Any, text: str) -> Any:
     if isinstance(container, Mapping):
         if text in container:
             return text
-        if text.lstrip("-").isdigit() and int(text) in container:
+        if text.lstrip("-").isdigit() and len(text) < 20 and int(text) in container:
             return int(text)
-    elif isinstance(container, (list, tuple)) and text.isdigit() and int(text) < len(container):
+    elif isinstance(container, (list, tuple)) and text.isdigit() and len(text) < 20 and int(text) < len(container):
         return int(text)
     return _MISSING
 
@@ -474,48 +502,120 @@ def get_at(root: Any, path: Path) -> Any:
     return value
 
 
+#: containers a substitution creates empty and fills afterwards, so cycles through them close
+_MUTABLE = (dict, list, set, OpaqueObject)
+
+
 def substitute(root: Any, replacements: dict[int, Any]) -> Any:
     """A copy of ``root`` where every object whose ``id`` is in ``replacements`` is replaced.
 
     Only containers on the way to a replaced object are copied; everything else is shared
-    with ``root``. Replacing by identity keeps pickle-level sharing intact: a state dict
-    referenced from two places (``model`` and ``ema`` being the same object) is replaced in
-    both, exactly as torch's in-place edits would change it in both.
+    with ``root`` (and nothing in ``root`` or in the replacement values is changed). Replacing
+    by identity keeps pickle-level sharing intact: a state dict referenced from two places
+    (``model`` and ``ema`` being the same object) is replaced in both, exactly as torch's
+    in-place edits would change it in both. Cycles are kept: a dict that contains itself
+    becomes a new dict that contains *itself* -- references to a replaced object are
+    redirected everywhere, inside the replacement values too.
+
+    How: one iterative pass collects the containers in post-order over the graph in which
+    every reference to a replaced object already leads to its replacement, and marks "dirty"
+    the ones that hold such a reference or a dirty container. Dirty mutable containers are
+    made empty first, dirty tuples and records are then built children-first (a cycle always
+    passes through a mutable container, which already exists), and the empty ones are filled.
     """
-    done: dict[int, Any] = {}
+    if not replacements:
+        return root
 
-    def rebuild(value: Any) -> Any:
+    def subst(value: Any) -> Any:
+        return replacements.get(id(value), value)
+
+    order: list[Any] = []
+    finished: dict[int, bool] = {}
+    stack: list[tuple[Any, bool]] = [(subst(root), False)]
+    back_edges = False
+    while stack:
+        value, leaving = stack.pop()
         key = id(value)
-        if key in replacements:
-            return replacements[key]
-        if key in done:
-            return done[key]
-        if not isinstance(value, (Mapping, list, tuple, Reduce, OpaqueObject)):
-            return value
-        done[key] = value  # provisional: a cycle back to here keeps the original
-        if isinstance(value, Mapping):
-            items = [(k, rebuild(v)) for k, v in value.items()]
-            changed = any(new is not old for (_, new), old in zip(items, value.values()))
-            result = copy_mapping(value, items) if changed else value
-        elif isinstance(value, Reduce):
-            args, state = rebuild(value.args), rebuild(value.state)
-            changed = args is not value.args or state is not value.state
-            result = Reduce(value.func, args, state) if changed else value
-        elif isinstance(value, OpaqueObject):
-            parts = {k: rebuild(v) for k, v in value.__dict__.items()}
-            changed = any(parts[k] is not v for k, v in value.__dict__.items())
-            result = value
-            if changed:
-                result = object.__new__(type(value))
-                result.__dict__.update(parts)
-        else:
-            elements = [rebuild(v) for v in value]
-            changed = any(new is not old for new, old in zip(elements, value))
-            result = type(value)(elements) if changed else value
-        done[key] = result
-        return result
+        if leaving:
+            finished[key] = True
+            order.append(value)
+            continue
+        if key in finished:
+            back_edges |= not finished[key]
+            continue
+        if isinstance(value, _LEAF_RECORDS):
+            continue
+        kids = children_of(value)
+        if kids is None:
+            continue
+        finished[key] = False
+        stack.append((value, True))
+        stack.extend((subst(child), False) for _, child in reversed(kids))
 
-    return rebuild(root)
+    dirty: set[int] = set()
+    changed = True
+    while changed:
+        changed = False
+        for value in order:
+            key = id(value)
+            if key not in dirty and any(
+                id(child) in replacements or id(subst(child)) in dirty for _, child in children_of(value) or ()
+            ):
+                dirty.add(key)
+                changed = True
+        changed = changed and back_edges
+
+    new: dict[int, Any] = {}
+
+    def mapped(child: Any) -> Any:
+        child = subst(child)
+        return new.get(id(child), child)
+
+    fill: list[tuple[Any, Any]] = []
+    for value in order:
+        if id(value) in dirty and isinstance(value, _MUTABLE):
+            new[id(value)] = shell = _empty_like(value)
+            fill.append((value, shell))
+    for value in order:
+        if id(value) in dirty and id(value) not in new:
+            new[id(value)] = _rebuilt(value, mapped)
+    for old, shell in fill:
+        _fill(old, shell, mapped)
+    return mapped(root)
+
+
+def _empty_like(value: Any) -> Any:
+    if isinstance(value, OpaqueObject):
+        return OpaqueObject(value.global_, (), value.kind, None)
+    return type(value)()
+
+
+def _fill(old: Any, shell: Any, mapped: Callable[[Any], Any]) -> None:
+    if isinstance(old, Mapping):
+        for k, v in old.items():
+            shell[k] = mapped(v)
+        attrs = getattr(old, "__dict__", None)
+        if attrs:
+            shell.__dict__.update(mapped(attrs))
+    elif isinstance(old, list):
+        shell.extend(mapped(v) for v in old)
+    elif isinstance(old, set):
+        shell.update(mapped(v) for v in old)
+    elif isinstance(old, OpaqueObject):
+        shell.args = mapped(old.args)
+        shell.kwargs = mapped(old.kwargs) if old.kwargs else old.kwargs
+        shell.items = mapped(old.items)
+        shell.dictitems = mapped(old.dictitems)
+        shell.state = mapped(old.state) if old.state is not ABSENT else ABSENT
+
+
+def _rebuilt(value: Any, mapped: Callable[[Any], Any]) -> Any:
+    if isinstance(value, Reduce):
+        state = mapped(value.state) if value.state is not ABSENT else ABSENT
+        return Reduce(value.func, mapped(value.args), state)
+    if isinstance(value, TensorRef):
+        return value
+    return type(value)(mapped(v) for v in value)
 
 
 def copy_mapping(original: Mapping, items: Any) -> Mapping:

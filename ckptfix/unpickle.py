@@ -1,31 +1,42 @@
-"""A restricted unpickler for torch's ``data.pkl``: allow-listed globals only, nothing executed.
+"""The reader's side of the pickle VM: one registry of allowed globals, inert records, nothing run.
 
-Python's pickle can call any importable function. ``find_class`` is the single door through
-which a pickle reaches code, so ours answers every request from a fixed allow-list and refuses
-everything else *before* the pickle gets to call it:
+:mod:`ckptfix.pickle_vm` executes the opcodes; this module answers the four questions through
+which a pickle could reach code (:class:`ReaderHooks`):
 
-* torch names (tensor rebuild functions, storage classes, dtypes, ``torch.Size`` ...) become
-  inert :class:`~ckptfix.tree.Global` markers; "calling" one only records the call;
-* a few builtins that plain containers need (``OrderedDict``, ``set``, ``complex``, bytes via
-  ``_codecs.encode``) are real but wrapped so their arguments cannot blow up memory.
+* ``GLOBAL`` -- only names in :data:`TORCH_GLOBALS` / :data:`PYTHON_GLOBALS`, or matching an
+  ``--allow-global`` pattern, and only valid dotted identifiers; the answer is always an inert
+  :class:`~ckptfix.tree.Global` record (nothing is imported). Anything else stops the read at
+  once, before the pickle can call it.
+* ``REDUCE``/``NEWOBJ`` -- a table from global name to builder (:data:`BUILDERS`): tensor
+  rebuilds make :class:`~ckptfix.tree.TensorRef` records, the few Python builtins a plain
+  checkpoint needs make real (checked) values, other torch calls make a
+  :class:`~ckptfix.tree.Reduce` record, allowed-by-name classes an
+  :class:`~ckptfix.tree.OpaqueObject`. Calling anything else is refused.
+* ``BUILD`` -- only where torch's own weights-only unpickler allows it and only on our records:
+  an OrderedDict's attributes (handled by the VM) and allowed-by-name objects (once).
+* persistent ids -- only ``("storage", <storage class>, key, location, numel[, view])``.
 
-The allow-list is the set of globals ``torch.load(weights_only=True)`` accepts by default, so
-what we read is what a safe ``torch.load`` would read, and what we write loads the same way.
+The allow-list is a subset of what ``torch.load(weights_only=True)`` accepts (a test checks),
+so what we read is what a safe ``torch.load`` would read, and what we write loads the same way.
+Nested pickles carried as bytes inside allowed-by-name objects are read by the same VM and
+must name only allowed globals; ``torch.storage._load_from_bytes`` (``torch.load`` of its
+bytes) is never allowed, not even by ``--allow-global``.
 """
 
 from __future__ import annotations
 
 import codecs
 import fnmatch
-import io
-import pickle
+import re
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Any, BinaryIO
+from dataclasses import replace
+from typing import Any
 
 from .dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS_NAMES
 from .errors import BadInputError, UnsafeInputError
-from .tree import Global, StorageRef, check_nesting, opaque_class
+from .pickle_vm import Budgets, Hooks, PickleVM
+from .tree import ABSENT, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef, check_nesting
 
 _REBUILD_FUNCTIONS = (
     "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
@@ -35,20 +46,31 @@ _REBUILD_FUNCTIONS = (
 )
 
 
-def _torch_allowed_names() -> frozenset[str]:
-    names = {
-        "torch.Size", "torch.device", "torch.Tensor", "torch.nn.parameter.Parameter",
-        "torch.serialization._get_layout", "torch._tensor._rebuild_from_type_v2",
-        "torch.storage.UntypedStorage", "torch.storage.TypedStorage",
-    }
-    names.update(f"torch._utils.{f}" for f in _REBUILD_FUNCTIONS)
-    names.update(f"torch.{d}" for d in DTYPE_ITEMSIZE)
-    names.update(f"torch.{q}" for q in QSCHEMES)
+def _storage_class_names() -> frozenset[str]:
+    names = {"torch.storage.UntypedStorage", "torch.storage.TypedStorage"}
     for storage in STORAGE_DTYPE:
         if storage != "UntypedStorage":
             names.add(f"torch.{storage}")
             if not storage.startswith("Q"):
                 names.add(f"torch.cuda.{storage}")
+    return frozenset(names)
+
+
+#: storage classes a persistent id may name
+STORAGE_GLOBALS: frozenset[str] = _storage_class_names()
+#: dtype globals (``torch.float32``) a ``_rebuild_tensor_v3`` may name
+DTYPE_GLOBALS: frozenset[str] = frozenset(f"torch.{d}" for d in DTYPE_ITEMSIZE)
+
+
+def _torch_allowed_names() -> frozenset[str]:
+    names = {
+        "torch.Size", "torch.device", "torch.Tensor", "torch.nn.parameter.Parameter",
+        "torch.serialization._get_layout", "torch._tensor._rebuild_from_type_v2",
+    }
+    names.update(STORAGE_GLOBALS)
+    names.update(f"torch._utils.{f}" for f in _REBUILD_FUNCTIONS)
+    names.update(DTYPE_GLOBALS)
+    names.update(f"torch.{q}" for q in QSCHEMES)
     for cls in TENSOR_CLASS_NAMES:
         names.update({f"torch.{cls}", f"torch.cuda.{cls}"})
         if cls not in ("BoolTensor",):
@@ -56,152 +78,289 @@ def _torch_allowed_names() -> frozenset[str]:
     return frozenset(names)
 
 
-#: torch globals a checkpoint may reference; they become inert :class:`Global` markers.
+#: torch globals a checkpoint may reference; they become inert :class:`Global` records.
 TORCH_GLOBALS: frozenset[str] = _torch_allowed_names()
 
-#: old spellings that torch itself maps to the current ones when loading
-_RENAMED_MODULES = {"__builtin__": "builtins", "torch.tensor": "torch._tensor"}
+#: globals that are never allowed, whatever ``--allow-global`` says: they run code on data
+NEVER_ALLOWED = frozenset({"torch.storage._load_from_bytes", "torch.load", "builtins.eval", "builtins.exec"})
+
 #: platform modules that pickles name instead of the module users know (os.system is posix.system)
 _DISPLAY_MODULES = {"posix": "os", "nt": "os", "_operator": "operator", "_io": "io"}
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
 
 
-def _safe_encode(text: Any, encoding: str = "utf-8", errors: str = "strict") -> bytes:
-    """``_codecs.encode`` as protocol-2 pickles use it for ``bytes``: text codecs only."""
-    if not isinstance(text, str) or codecs.lookup(encoding).name not in ("latin-1", "iso8859-1", "ascii", "utf-8"):
-        raise BadInputError("corrupt pickle: _codecs.encode used for something other than bytes")
-    return codecs.encode(text, encoding, errors)
-
-
-def _safe_bytearray(*args: Any) -> bytearray:
-    """``bytearray`` from text or bytes only: ``bytearray(10**12)`` must not allocate."""
-    if args and not isinstance(args[0], (str, bytes)):
-        raise BadInputError("corrupt pickle: bytearray built from something other than bytes")
-    return bytearray(*args)
-
-
-def _safe_complex(real: Any = 0.0, imag: Any = 0.0) -> complex:
-    if not isinstance(real, (int, float)) or not isinstance(imag, (int, float)):
-        raise BadInputError("corrupt pickle: complex built from non-numbers")
-    return complex(real, imag)
-
-
-#: real Python callables a plain checkpoint needs; safe whatever their arguments
-PYTHON_GLOBALS: dict[str, Callable[..., Any]] = {
-    "collections.OrderedDict": OrderedDict,
-    "collections.Counter": Counter,
-    "builtins.set": set,
-    "builtins.frozenset": frozenset,
-    "builtins.bytearray": _safe_bytearray,
-    "builtins.complex": _safe_complex,
-    "_codecs.encode": _safe_encode,
-}
-
-
-#: resolves a persistent id ``(storage_type, key, location, numel, view)`` to a storage;
-#: ``view`` is the legacy format's ``(view_key, offset, size)`` or None
-StorageLoader = Callable[[Global, str, str, int, Any], StorageRef]
+def is_dotted_identifier(name: str) -> bool:
+    """``pkg.mod.Name``: ASCII identifiers joined by dots, nothing else (no newline, space, NUL)."""
+    return bool(_DOTTED.match(name))
 
 
 def allowed_by_name(full: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(full, p) for p in patterns)
 
 
-class _BoundedReader:
-    """A file view whose reads never ask for more than the file holds, so a pickle declaring a
-    2 GB string in a 1 KB file cannot make the reader allocate 2 GB."""
-
-    def __init__(self, file: BinaryIO) -> None:
-        self._file = file
-        position = file.tell()
-        self._end = file.seek(0, io.SEEK_END)
-        file.seek(position)
-
-    def read(self, n: int = -1) -> bytes:
-        remaining = self._end - self._file.tell()
-        return self._file.read(remaining if n < 0 else min(n, remaining))
-
-    def readinto(self, buffer: Any) -> int:
-        data = self.read(len(buffer))
-        buffer[: len(data)] = data
-        return len(data)
-
-    def readline(self) -> bytes:
-        return self._file.readline(1 << 16)
+def display_name(module: str, name: str) -> str:
+    shown = _DISPLAY_MODULES.get(module)
+    return f"{shown}.{name} (pickled as {module}.{name})" if shown else f"{module}.{name}"
 
 
-class _RestrictedUnpickler(pickle._Unpickler):  # type: ignore[name-defined]
-    """The pure-Python unpickler: its memo is a dict, so ``LONG_BINPUT 700000000`` costs one
-    entry, where the C unpickler would grow an array of that many slots (gigabytes)."""
+# --------------------------------------------------------------------------- builders
 
-    def __init__(
-        self, file: BinaryIO, load_storage: StorageLoader | None, globals_seen: set[str],
-        allow: Sequence[str] = (),
-    ) -> None:
-        super().__init__(_BoundedReader(file))
-        self._load_storage = load_storage
-        self._globals_seen = globals_seen
-        self._allow = allow
+def _as_int_tuple(value: Any, what: str) -> tuple[int, ...]:
+    if isinstance(value, Reduce) and value.func.full == "torch.Size" and len(value.args) == 1:
+        value = value.args[0]
+    if type(value) not in (tuple, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise BadInputError(f"corrupt tensor record: its {what} is not a tuple of non-negative integers")
+    return tuple(value)
 
-    def find_class(self, module: str, name: str) -> Any:
-        module = _RENAMED_MODULES.get(module, module)
+
+def _tensor(func: Global, args: tuple) -> TensorRef:
+    """``_rebuild_tensor(storage, offset, size, stride)`` (pre-2018), ``_v2`` (+ requires_grad,
+    hooks[, metadata]) and ``_v3`` (+ dtype). Only types are checked here: the extent is
+    checked once the whole tree is known (:func:`~ckptfix.tree.check_extents`)."""
+    version = func.name.rsplit("_", 1)[-1]
+    fixed = {"v2": 6, "v3": 7}.get(version, 4)
+    if len(args) not in (fixed, fixed + 1) or (fixed == 4 and len(args) != 4):
+        raise BadInputError(f"corrupt tensor record: {func.name} got {len(args)} arguments")
+    storage, offset, size, stride = args[:4]
+    if not isinstance(storage, StorageRef) or type(offset) is not int or offset < 0:
+        raise BadInputError("corrupt tensor record: bad storage or offset")
+    shape, strides = _as_int_tuple(size, "size"), _as_int_tuple(stride, "stride")
+    if len(shape) != len(strides):
+        raise BadInputError("corrupt tensor record: size and stride differ in length")
+    requires_grad, hooks = (args[4], args[5]) if fixed >= 6 else (False, OrderedDict())
+    if type(requires_grad) is not bool:
+        raise BadInputError("corrupt tensor record: requires_grad is not a bool")
+    dtype_global = None
+    dtype = storage.dtype
+    if fixed == 7:
+        dtype_global = args[6]
+        if not isinstance(dtype_global, Global) or dtype_global.full not in DTYPE_GLOBALS:
+            raise BadInputError("corrupt tensor record: its dtype is not a torch dtype")
+        dtype = dtype_global.name
+    return TensorRef(
+        storage, offset, shape, strides, dtype, requires_grad, hooks, "v3" if fixed == 7 else "v2",
+        dtype_global, args[fixed] if len(args) > fixed else ABSENT,
+    )
+
+
+def _parameter(func: Global, args: tuple) -> Any:
+    with_state = func.name == "_rebuild_parameter_with_state"
+    if len(args) != (4 if with_state else 3) or not isinstance(args[0], TensorRef) or args[0].param is not None:
+        raise BadInputError(f"corrupt tensor record: {func.name} of something that is not a tensor")
+    return replace(args[0], param=ParamInfo(args[1], args[2], args[3] if with_state else ABSENT))
+
+
+def _ordered_dict(func: Global, args: tuple) -> Any:
+    if args:
+        raise BadInputError("corrupt pickle: OrderedDict built with arguments")
+    return OrderedDict()
+
+
+def _counter(func: Global, args: tuple) -> Any:
+    if args == ():
+        return Counter()
+    if len(args) == 1 and type(args[0]) is dict:
+        return Counter(args[0])
+    raise BadInputError("corrupt pickle: Counter built from something other than a dict")
+
+
+def _set(func: Global, args: tuple) -> Any:
+    if args and not (len(args) == 1 and type(args[0]) in (list, tuple, set, frozenset)):
+        raise BadInputError(f"corrupt pickle: {func.name} built from something other than a list")
+    return (set if func.name == "set" else frozenset)(args[0] if args else ())
+
+
+def _encode(func: Global, args: tuple) -> bytes:
+    """``_codecs.encode`` as protocol-2 pickles use it for ``bytes``: text codecs only."""
+    if not (1 <= len(args) <= 3 and all(type(a) is str for a in args)):
+        raise BadInputError("corrupt pickle: _codecs.encode used for something other than bytes")
+    try:
+        if codecs.lookup(args[1] if len(args) > 1 else "utf-8").name not in ("latin-1", "iso8859-1", "ascii", "utf-8"):
+            raise LookupError
+        return codecs.encode(*args)
+    except (LookupError, UnicodeError):
+        raise BadInputError("corrupt pickle: _codecs.encode used for something other than bytes") from None
+
+
+def _bytearray(func: Global, args: tuple) -> bytearray:
+    """``bytearray`` from text or bytes only: ``bytearray(10**12)`` must not allocate."""
+    if not args:
+        return bytearray()
+    if type(args[0]) is bytes and len(args) == 1:
+        return bytearray(args[0])
+    if type(args[0]) is str and len(args) == 2 and type(args[1]) is str:
+        return bytearray(_encode(func, args))
+    raise BadInputError("corrupt pickle: bytearray built from something other than bytes")
+
+
+def _complex(func: Global, args: tuple) -> complex:
+    if len(args) > 2 or not all(type(a) in (int, float) for a in args):
+        raise BadInputError("corrupt pickle: complex built from non-numbers")
+    try:
+        return complex(*args)
+    except OverflowError:
+        raise BadInputError("corrupt pickle: complex built from an integer too large") from None
+
+
+#: global name -> what "calling" it builds. Torch names not listed become Reduce records.
+BUILDERS: dict[str, Callable[[Global, tuple], Any]] = {
+    "torch._utils._rebuild_tensor": _tensor,
+    "torch._utils._rebuild_tensor_v2": _tensor,
+    "torch._utils._rebuild_tensor_v3": _tensor,
+    "torch._utils._rebuild_parameter": _parameter,
+    "torch._utils._rebuild_parameter_with_state": _parameter,
+    "collections.OrderedDict": _ordered_dict,
+    "collections.Counter": _counter,
+    "builtins.set": _set,
+    "builtins.frozenset": _set,
+    "builtins.bytearray": _bytearray,
+    "builtins.complex": _complex,
+    "_codecs.encode": _encode,
+}
+
+#: Python globals a plain checkpoint needs; each has a checked builder above
+PYTHON_GLOBALS: frozenset[str] = frozenset(name for name in BUILDERS if not name.startswith("torch."))
+
+
+# --------------------------------------------------------------------------- hooks
+
+#: resolves a persistent id ``(storage_type, key, location, numel, view)`` to a storage;
+#: ``view`` is the legacy format's ``(view_key, offset, size)`` or None
+StorageLoader = Callable[[Global, str, str, int, Any], StorageRef]
+
+
+class ReaderHooks(Hooks):
+    """The allow-list reader: see the module docstring."""
+
+    def __init__(self, load_storage: StorageLoader | None, globals_seen: set[str], allow: Sequence[str] = ()) -> None:
+        self.load_storage = load_storage
+        self.globals_seen = globals_seen
+        self.allow = tuple(allow)
+        self._globals: dict[tuple[str, str], Global] = {}
+        self._opaque: set[Global] = set()
+
+    def find_global(self, module: str, name: str) -> Global:
+        cached = self._globals.get((module, name))
+        if cached is not None:
+            return cached
         full = f"{module}.{name}"
-        self._globals_seen.add(full)
-        if full in PYTHON_GLOBALS:
-            return PYTHON_GLOBALS[full]
-        if full in TORCH_GLOBALS:
-            return Global(module, name)
-        if self._allow and allowed_by_name(full, self._allow):
-            return opaque_class(module, name)
-        shown = _DISPLAY_MODULES.get(module)
-        raise UnsafeInputError(f"{shown}.{name} (pickled as {full})" if shown else full)
+        self.globals_seen.add(full)
+        if not is_dotted_identifier(full):
+            raise BadInputError(f"corrupt or hostile pickle: a global named {full!r:.120}, not a Python name")
+        result = Global(module, name)
+        if full not in TORCH_GLOBALS and full not in PYTHON_GLOBALS:
+            if full in NEVER_ALLOWED or not (self.allow and allowed_by_name(full, self.allow)):
+                raise UnsafeInputError(display_name(module, name))
+            self._opaque.add(result)
+        self._globals[(module, name)] = result
+        return result
+
+    def call(self, func: Any, args: tuple) -> Any:
+        if type(func) is not Global:
+            raise BadInputError(f"corrupt or hostile pickle: it calls a {type(func).__name__}, not a global")
+        if func in self._opaque:
+            return OpaqueObject(func, args, "reduce")
+        builder = BUILDERS.get(func.full)
+        if builder is not None:
+            return builder(func, args)
+        return Reduce(func, args)
+
+    def new_object(self, cls: Any, args: tuple, kwargs: dict | None) -> Any:
+        if type(cls) is Global and cls in self._opaque:
+            return OpaqueObject(cls, args, "newobj_ex" if kwargs is not None else "newobj", kwargs)
+        raise BadInputError(f"corrupt or hostile pickle: NEWOBJ of {cls!r:.80}, which is not an allowed class")
+
+    def build(self, inst: Any, state: Any) -> None:
+        if type(inst) is OpaqueObject and inst.state is ABSENT:
+            inst.state = state
+            return
+        raise BadInputError(
+            f"corrupt or hostile pickle: BUILD on a {type(inst).__name__} (torch allows it on state-dict "
+            "OrderedDicts and allowed classes only)"
+        )
+
+    def extend(self, target: Any, items: list) -> None:
+        if type(target) is OpaqueObject:
+            target.items.extend(items)
+            return
+        super().extend(target, items)
+
+    def set_items(self, target: Any, pairs: list) -> None:
+        if type(target) is OpaqueObject:
+            target.dictitems.extend(pairs)
+            return
+        super().set_items(target, pairs)
+
+    def check_key(self, key: Any) -> None:
+        if type(key) is Global:
+            return
+        super().check_key(key)
 
     def persistent_load(self, pid: Any) -> StorageRef:
-        if self._load_storage is None or not (isinstance(pid, tuple) and len(pid) in (5, 6)):
-            raise BadInputError(f"corrupt pickle: unexpected persistent id {pid!r:.80}")
-        tag, storage_type, key, location, numel = pid[:5]
+        if self.load_storage is None or type(pid) is not tuple or len(pid) not in (5, 6):
+            raise BadInputError("corrupt pickle: an unexpected persistent id (not a storage)")
+        tag, storage_type, key, location, numel = (_text(v) for v in pid[:5])
         view = pid[5] if len(pid) == 6 else None
-        tag, key, location = _text(tag), _text(key), _text(location)
         if (
             tag != "storage"
-            or not isinstance(storage_type, Global)
-            or not isinstance(key, str)
-            or not isinstance(location, str)
+            or type(storage_type) is not Global
+            or storage_type.full not in STORAGE_GLOBALS
+            or type(key) is not str
+            or type(location) is not str
             or type(numel) is not int
             or numel < 0
         ):
-            raise BadInputError(f"corrupt pickle: unexpected persistent id {pid!r:.80}")
-        return self._load_storage(storage_type, key, location, numel, view)
+            raise BadInputError("corrupt pickle: a malformed storage persistent id")
+        return self.load_storage(storage_type, key, location, numel, view)
 
 
 def _text(value: Any) -> Any:
-    return value.decode("ascii", "replace") if isinstance(value, bytes) else value
+    return value.decode("ascii", "replace") if type(value) is bytes else value
 
 
 def restricted_load(
-    data: bytes | BinaryIO,
+    data: bytes | Any,
     load_storage: StorageLoader | None,
     globals_seen: set[str] | None = None,
     allow: Sequence[str] = (),
-) -> Any:
-    """Unpickle one pickle from ``data`` (bytes, or a file positioned at it) into a tree.
+    *,
+    start: int = 0,
+    budgets: Budgets | None = None,
+) -> tuple[Any, int]:
+    """Unpickle the pickle at ``data[start:]`` (bytes or a read-only mmap) into a tree.
 
-    ``load_storage`` resolves storage persistent ids (None: a pickle that must hold none).
-    Raises :class:`UnsafeInputError` at the first global outside the allow-list and
-    :class:`BadInputError` for anything malformed. ``globals_seen`` collects every global
-    the pickle names (for ``inspect``). Reading from a file leaves it just after the pickle.
-    Globals matching an ``allow`` pattern become :class:`OpaqueObject` records (never imported).
+    Returns the tree and the offset just after the pickle's STOP. ``load_storage`` resolves
+    storage persistent ids (None: a pickle that must hold none). Raises
+    :class:`UnsafeInputError` at the first global outside the allow-list and
+    :class:`BadInputError` for anything malformed or over a budget. ``globals_seen`` collects
+    every global the pickle names. Globals matching an ``allow`` pattern become
+    :class:`OpaqueObject` records (never imported); bytes they carry that are pickles are
+    read by the same VM and must themselves be allowed.
     """
     seen = globals_seen if globals_seen is not None else set()
-    file = io.BytesIO(data) if isinstance(data, bytes) else data
-    try:
-        tree = _RestrictedUnpickler(file, load_storage, seen, allow).load()
-        check_nesting(tree)
-        return tree
-    except BadInputError:
-        raise
-    except RecursionError as exc:
-        raise BadInputError("corrupt or hostile pickle: nested too deeply") from exc
-    except MemoryError as exc:
-        raise BadInputError("corrupt or hostile pickle: it asks for more memory than is available") from exc
-    except Exception as exc:  # pickle raises many kinds on garbage: one message for all
-        raise BadInputError(f"corrupt pickle: {type(exc).__name__}: {exc}"[:300]) from exc
+    hooks = ReaderHooks(load_storage, seen, allow)
+    vm = PickleVM(data, hooks, budgets, start)
+    tree = vm.run()
+    check_nesting(tree)
+    if hooks._opaque:
+        _check_nested_pickles(tree, hooks)
+    return tree, vm.pos
+
+
+def _check_nested_pickles(tree: Any, hooks: ReaderHooks) -> None:
+    """Bytes inside allowed-by-name objects that are pickles: read them with the same VM
+    (no storages, same allow-list), so no unread pickle is ever carried into an output."""
+    from .tree import children_of, walk
+
+    for _, value in walk(tree):
+        if type(value) is not OpaqueObject:
+            continue
+        for _, inner in walk(value):
+            for _, item in children_of(inner) or ():
+                if type(item) in (bytes, bytearray) and looks_like_pickle(item):
+                    PickleVM(bytes(item), ReaderHooks(None, hooks.globals_seen, hooks.allow)).run()
+
+
+def looks_like_pickle(data: bytes | bytearray) -> bool:
+    """A protocol 2-5 header: how a pickle carried inside another one starts."""
+    return len(data) > 2 and data[0] == 0x80 and 2 <= data[1] <= 5

@@ -18,13 +18,14 @@ safe as that one, needs no torch, and copies tensor bytes straight from the file
 
 from __future__ import annotations
 
+import mmap
 import struct
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
 from ..errors import BadInputError, UnsafeInputError
 from ..sources import FileRange
-from ..tree import Global, StorageRef, make_storage
+from ..tree import Global, StorageRef, check_extents, make_storage
 from ..unpickle import restricted_load
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
@@ -32,13 +33,26 @@ PROTOCOL_VERSION = 1001
 
 
 def read_legacy(path: str, f: BinaryIO, file_size: int, globals_seen: set[str], allow: Sequence[str] = ()) -> Any:
-    """Parse a legacy torch file into a tree of lazy references (no tensor data is read)."""
-    f.seek(0)
-    if restricted_load(f, None) != MAGIC_NUMBER:
+    """Parse a legacy torch file into a tree of lazy references (no tensor data is read).
+
+    The pickles are run by the VM straight over a read-only memory map of the file (no copy);
+    the storages' byte ranges are known only after the last pickle, so every tensor and view
+    extent is checked then, against the real bytes (:func:`check_extents`).
+    """
+    if file_size == 0:
+        raise BadInputError(f"{path}: an empty file")
+    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        return _read(path, data, file_size, globals_seen, allow)
+
+
+def _read(path: str, data: mmap.mmap, file_size: int, globals_seen: set[str], allow: Sequence[str]) -> Any:
+    magic, pos = restricted_load(data, None)
+    if type(magic) is not int or magic != MAGIC_NUMBER:
         raise BadInputError(f"{path}: not a legacy torch checkpoint (bad magic number)")
-    if restricted_load(f, None) != PROTOCOL_VERSION:
+    version, pos = restricted_load(data, None, start=pos)
+    if type(version) is not int or version != PROTOCOL_VERSION:
         raise BadInputError(f"{path}: unsupported legacy torch protocol version")
-    sys_info = restricted_load(f, None)
+    sys_info, pos = restricted_load(data, None, start=pos)
     if not isinstance(sys_info, dict):
         raise BadInputError(f"{path}: corrupt legacy checkpoint header")
     roots: dict[str, StorageRef] = {}
@@ -50,44 +64,51 @@ def read_legacy(path: str, f: BinaryIO, file_size: int, globals_seen: set[str], 
             root = roots[key] = make_storage(storage_type, key, location, numel, None)
         if view is None:
             return root
-        if not (isinstance(view, tuple) and len(view) == 3 and all(isinstance(v, (int, str)) for v in view)):
-            raise BadInputError(f"{path}: corrupt storage view {view!r:.80}")
-        view_key, offset, size = str(view[0]), view[1], view[2]
+        if not (type(view) is tuple and len(view) == 3 and type(view[1]) is int and type(view[2]) is int
+                and type(view[0]) in (str, bytes) and view[1] >= 0 and view[2] >= 0):
+            raise BadInputError(f"{path}: corrupt storage view in a persistent id")
+        view_key = view[0] if type(view[0]) is str else view[0].decode("ascii", "replace")
         if view_key not in views:
-            if not (isinstance(offset, int) and isinstance(size, int) and offset >= 0 and offset + size <= numel):
-                raise BadInputError(f"{path}: storage view {view_key!r} lies outside its storage")
-            storage = make_storage(storage_type, view_key, location, size, None)
-            views[view_key] = (storage, root, offset)
+            # as torch: offset and size count elements of the view's own dtype
+            storage = make_storage(storage_type, view_key, location, view[2], None)
+            views[view_key] = (storage, root, view[1] * storage.itemsize)
         return views[view_key][0]
 
     try:
-        tree = restricted_load(f, load_storage, globals_seen, allow)
+        tree, pos = restricted_load(data, load_storage, globals_seen, allow, start=pos)
     except UnsafeInputError as exc:
         raise UnsafeInputError(exc.global_name, path) from None
-    keys = restricted_load(f, None)
-    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+    keys, offset = restricted_load(data, None, start=pos)
+    if type(keys) is not list or not all(type(k) is str for k in keys):
         raise BadInputError(f"{path}: corrupt legacy checkpoint (bad storage key list)")
-    offset = f.tell()
+    sources: dict[str, FileRange] = {}
     for key in keys:
         storage = roots.get(key)
         if storage is None:
-            raise BadInputError(f"{path}: storage {key!r} is listed but no tensor uses it")
-        f.seek(offset)
-        head = f.read(8)
-        if len(head) < 8:
-            raise BadInputError(f"{path}: the file ends before storage {key!r}: truncated")
-        (count,) = struct.unpack("<q", head)
+            raise BadInputError(f"{path}: storage {key!r:.40} is listed but no tensor uses it")
+        if key in sources:
+            raise BadInputError(f"{path}: storage {key!r:.40} is listed twice")
+        if offset + 8 > file_size:
+            raise BadInputError(f"{path}: the file ends before storage {key!r:.40}: truncated")
+        (count,) = struct.unpack_from("<q", data, offset)
         size = count * storage.itemsize
         if count != storage.numel or offset + 8 + size > file_size:
             raise BadInputError(
-                f"{path}: storage {key!r} holds {count} elements where {storage.numel} are declared, "
+                f"{path}: storage {key!r:.40} holds {count} elements where {storage.numel} are declared, "
                 "or runs past the end of the file: truncated or corrupt"
             )
-        storage.source = FileRange(path, offset + 8, size)
+        sources[key] = FileRange(path, offset + 8, size)
+        storage.source = sources[key]
         offset += 8 + size
-    missing = [k for k, s in roots.items() if s.source is None]
+    missing = [k for k in roots if k not in sources]
     if missing:
-        raise BadInputError(f"{path}: storage {missing[0]!r} is used but its data is missing: truncated or corrupt")
-    for storage, root, start in views.values():
-        storage.source = root.source.sub(start * root.itemsize, storage.nbytes)
+        raise BadInputError(f"{path}: storage {missing[0]!r:.40} is used but its data is missing: truncated or corrupt")
+    for view_key, (storage, root, start) in views.items():
+        if start + storage.nbytes > root.nbytes:
+            raise BadInputError(
+                f"{path}: storage view {view_key!r:.40} ({storage.nbytes} bytes at byte {start}) lies outside "
+                f"its storage {root.key!r:.40} ({root.nbytes} bytes); torch refuses it too"
+            )
+        storage.source = root.source.sub(start, storage.nbytes)
+    check_extents(tree, path)
     return tree

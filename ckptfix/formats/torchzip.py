@@ -25,7 +25,7 @@ from ..compaction import compact_storages
 from ..errors import BadInputError, UnsafeInputError
 from ..pickle_writer import dumps
 from ..sources import OpenFiles
-from ..tree import Global, StorageRef, make_storage
+from ..tree import Global, StorageRef, check_extents, make_storage
 from ..unpickle import restricted_load
 from ..ziparchive import ZipRecord, ZipWriter, read_directory, read_record_bytes
 
@@ -113,9 +113,10 @@ def read_torch_zip(
         return storage
 
     try:
-        root = restricted_load(pickle_bytes, load_storage, globals_seen, allow)
+        root, _ = restricted_load(pickle_bytes, load_storage, globals_seen, allow)
     except UnsafeInputError as exc:
         raise UnsafeInputError(exc.global_name, path) from None
+    check_extents(root, path)
     return root, TorchZipArchive(path, archive_name, records, byteorder)
 
 

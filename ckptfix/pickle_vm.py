@@ -1,0 +1,764 @@
+"""The pickle VM: one opcode table, run over a ``memoryview`` of the pickle, with budgets.
+
+Everything ckptfix learns from a pickle -- the tree it reads, the globals ``scan`` reports,
+the header pickles of the legacy format -- comes from this one machine. It never imports or
+calls anything: the four places where a pickle could reach code (``GLOBAL``/``STACK_GLOBAL``,
+``REDUCE``/``NEWOBJ``, ``BUILD``, persistent ids) go through a :class:`Hooks` object, and
+the two hook sets are the reader's (:mod:`ckptfix.unpickle`: an allow-list, inert records)
+and the scanner's (:mod:`ckptfix.scan`: record every global, build nothing). So what ``scan``
+reports is exactly what the reader meets, by construction.
+
+Why not :class:`pickle.Unpickler`: its C version grows its memo as an array (one
+``LONG_BINPUT 700000000`` allocates gigabytes), hashes dict keys recursively in C (a tuple
+nested 500 000 deep as a key kills the process with SIGSEGV), lets ``BUILD`` mutate any
+object, and reads via one ``read()`` call per opcode in its pure-Python form. Here:
+
+* every length is checked against the bytes that are really left before anything is
+  allocated, and reads are slices of a ``memoryview`` (no per-opcode ``read()``);
+* :class:`Budgets` bound objects created, memo entries, estimated bytes allocated, integer
+  digits and the nesting of hashed keys; exceeding one raises :class:`BadInputError`;
+* mutation opcodes (``APPEND(S)``, ``SETITEM(S)``, ``ADDITEMS``) act on the plain containers
+  the VM made itself; on anything else they go to the hooks, which refuse all but a few
+  record types. A record handed out can therefore not be changed by a later opcode.
+* malformed input is recognised explicitly (truncation, stack underflow, bad memo index,
+  unhashable keys...) and raised as :class:`BadInputError`; any other exception is a bug in
+  ckptfix and surfaces as one (exit 5), so the fuzzer can find it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import struct
+import sys
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import BadInputError
+
+#: containers nested deeper than this are refused: real checkpoints nest a few levels; a hostile
+#: pickle nests 10**5 deep to crash recursive code. The reader, the walk and the writer share it.
+MAX_NESTING = 1000
+
+
+@dataclass(frozen=True)
+class Budgets:
+    """Limits on what one pickle may make the VM do; each defaults to far above real checkpoints.
+
+    ``max_objects`` counts containers, strings, numbers and records created; ``max_alloc`` is
+    a running estimate of the bytes they occupy (a 1-byte ``EMPTY_DICT`` costs 64); ``None``
+    means "derive from the pickle's length" (see :meth:`for_length`).
+    """
+
+    max_objects: int = 1 << 27
+    max_alloc: int = 8 << 30
+    max_memo: int = 1 << 27
+    max_int_digits: int = 4300
+    max_long_bytes: int = 1 << 20
+    max_depth: int = MAX_NESTING
+
+    @classmethod
+    def for_length(cls, length: int) -> Budgets:
+        """Budgets proportional to a pickle of ``length`` bytes: a real ``data.pkl`` spends
+        about 8 bytes of pickle per object and makes about 6 bytes of Python objects per byte."""
+        return cls(
+            max_objects=min(cls.max_objects, (1 << 16) + length),
+            max_alloc=min(cls.max_alloc, (64 << 20) + 32 * length),
+            max_memo=min(cls.max_memo, (1 << 16) + length),
+        )
+
+
+class Hooks:
+    """What the VM asks when a pickle wants code: subclasses decide (allow-list or record)."""
+
+    def find_global(self, module: str, name: str) -> Any:
+        raise NotImplementedError
+
+    def call(self, func: Any, args: tuple) -> Any:
+        """REDUCE: ``func(*args)``."""
+        raise NotImplementedError
+
+    def new_object(self, cls: Any, args: tuple, kwargs: dict | None) -> Any:
+        """NEWOBJ / NEWOBJ_EX: ``cls.__new__(cls, *args, **kwargs)``."""
+        raise NotImplementedError
+
+    def build(self, inst: Any, state: Any) -> None:
+        """BUILD on something that is not a plain OrderedDict."""
+        raise NotImplementedError
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise NotImplementedError
+
+    def extend(self, target: Any, items: list) -> None:
+        """APPEND(S) on something that is not a list."""
+        raise BadInputError(f"corrupt or hostile pickle: APPENDS on a {type(target).__name__}")
+
+    def set_items(self, target: Any, pairs: list) -> None:
+        """SETITEM(S) on something that is not a dict."""
+        raise BadInputError(f"corrupt or hostile pickle: SETITEMS on a {type(target).__name__}")
+
+    def check_key(self, key: Any) -> None:
+        """A dict key or set element the VM does not know (a record): hashable records only."""
+        raise BadInputError(f"corrupt or hostile pickle: a {type(key).__name__} used as a dict key")
+
+
+#: modules pickles name by their Python 2 spelling; torch and pickle map them the same way
+RENAMED_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg", "torch.tensor": "torch._tensor"}
+
+_ATOMS = frozenset({str, int, float, bool, type(None), bytes, complex})
+_INT_HASH_LIMIT = (1 << 61) - 1  # ints beyond this share hashes: a dict of them is quadratic
+_MAX_SIZE = sys.maxsize
+
+
+def _bad(what: str) -> BadInputError:
+    return BadInputError(f"corrupt or hostile pickle: {what}")
+
+
+class PickleVM:
+    """Runs one pickle from ``data[start:]`` to its STOP. See the module docstring."""
+
+    def __init__(self, data: bytes | mmap.mmap, hooks: Hooks, budgets: Budgets | None = None,
+                 start: int = 0, end: int | None = None) -> None:
+        # bytes or a read-only mmap: both index to ints, slice to bytes and have find()
+        self.data = data
+        self.hooks = hooks
+        self.pos = start
+        self.end = len(data) if end is None else end
+        self.budgets = budgets or Budgets.for_length(self.end - start)
+        self.objects = 0
+        self.alloc = 0
+        self.proto = 0
+        self._key_depths: dict[int, int] = {}
+
+    # ------------------------------------------------------------------ budget helpers
+    def _charge(self, objects: int, nbytes: int) -> None:
+        self.objects += objects
+        self.alloc += nbytes
+        if self.objects > self.budgets.max_objects:
+            raise _bad(f"it creates more than {self.budgets.max_objects} objects")
+        if self.alloc > self.budgets.max_alloc:
+            raise _bad(f"it would allocate more than {self.budgets.max_alloc >> 20} MiB")
+
+    def check_key(self, key: Any) -> None:
+        """A dict key / set element must hash without recursing deeper than the nesting limit
+        (CPython hashes nested tuples recursively in C) and without quadratic collisions."""
+        kind = type(key)
+        if kind in _ATOMS:
+            if kind is int and not -_INT_HASH_LIMIT < key < _INT_HASH_LIMIT:
+                raise _bad("an integer dict key too large to hash uniquely")
+            return
+        if kind is tuple or kind is frozenset:
+            self._check_key_depth(key)
+            return
+        self.hooks.check_key(key)
+
+    def _check_key_depth(self, key: tuple | frozenset) -> None:
+        depths = self._key_depths
+        limit = self.budgets.max_depth
+        # iterative post-order: a key's depth is 1 + its deepest element's
+        stack: list[tuple[Any, bool]] = [(key, False)]
+        while stack:
+            value, done = stack.pop()
+            if id(value) in depths:
+                continue
+            if done:
+                depth = 1 + max((depths.get(id(v), 0) for v in value), default=0)
+                if depth > limit:
+                    raise _bad(f"a dict key nested more than {limit} deep")
+                depths[id(value)] = depth
+                continue
+            stack.append((value, True))
+            if len(stack) > limit + 1:
+                raise _bad(f"a dict key nested more than {limit} deep")
+            for v in value:
+                kind = type(v)
+                if kind is tuple or kind is frozenset:
+                    if id(v) not in depths:
+                        stack.append((v, False))
+                elif kind not in _ATOMS:
+                    if kind is list or kind is dict or kind is set or kind is OrderedDict:
+                        raise _bad("an unhashable dict key")
+                    self.hooks.check_key(v)
+                elif kind is int and not -_INT_HASH_LIMIT < v < _INT_HASH_LIMIT:
+                    raise _bad("an integer dict key too large to hash uniquely")
+
+    # ------------------------------------------------------------------ the machine
+    def run(self) -> Any:
+        """Execute opcodes until STOP; return the object STOP pops. ``self.pos`` ends after it."""
+        data, end, hooks, budgets = self.data, self.end, self.hooks, self.budgets
+        stack: list[Any] = []
+        marks: list[int] = []
+        memo: dict[int, Any] = {}
+        push = stack.append
+        unpack_i = struct.Struct("<i").unpack_from
+        unpack_I = struct.Struct("<I").unpack_from
+        unpack_H = struct.Struct("<H").unpack_from
+        unpack_Q = struct.Struct("<Q").unpack_from
+        unpack_d = struct.Struct(">d").unpack_from
+        charge = self._charge
+        check_key = self.check_key
+        max_memo = budgets.max_memo
+
+        def need(pos: int, count: int) -> None:
+            if pos + count > end:
+                raise _bad("it ends early (truncated)")
+
+        def pop_mark() -> list[Any]:
+            if not marks:
+                raise _bad("no MARK on the stack")
+            k = marks.pop()
+            items = stack[k:]
+            del stack[k:]
+            return items
+
+        def top() -> Any:
+            if len(stack) <= (marks[-1] if marks else 0):
+                raise _bad("stack underflow")
+            return stack[-1]
+
+        def pop() -> Any:
+            if len(stack) <= (marks[-1] if marks else 0):
+                raise _bad("stack underflow")
+            return stack.pop()
+
+        def line(pos: int) -> tuple[bytes, int]:
+            stop = data.find(b"\n", pos, min(end, pos + (1 << 16)))
+            if stop < 0:
+                raise _bad("a text opcode without its newline (truncated, or longer than 64 KiB)")
+            return data[pos:stop], stop + 1
+
+        def text_int(raw: bytes) -> int:
+            digits = raw.strip().rstrip(b"L")
+            if len(digits) > budgets.max_int_digits:
+                raise _bad(f"an integer with more than {budgets.max_int_digits} digits")
+            try:
+                return int(digits)
+            except ValueError:
+                raise _bad("a malformed integer") from None
+
+        def push_str(raw: Any, encoding: str = "utf-8") -> None:
+            try:
+                value = str(raw, encoding, "surrogatepass")
+            except UnicodeDecodeError:
+                raise _bad("a string that is not valid UTF-8") from None
+            charge(1, 49 + len(raw))
+            push(value)
+
+        def push_bytes(pos: int, size: int) -> int:
+            need(pos, size)
+            charge(1, 33 + size)
+            push(bytes(data[pos : pos + size]))
+            return pos + size
+
+        # -- protocol / framing
+        def op_proto(pos: int) -> int:
+            need(pos, 1)
+            self.proto = data[pos]
+            if self.proto > 5:
+                raise _bad(f"unsupported pickle protocol {self.proto}")
+            return pos + 1
+
+        def op_frame(pos: int) -> int:
+            need(pos, 8)
+            (size,) = unpack_Q(data, pos)
+            if size > end - pos - 8:
+                raise _bad("a frame longer than the data (truncated)")
+            return pos + 8
+
+        def op_stop(pos: int) -> int:
+            if marks:
+                raise _bad("STOP inside a MARK")
+            if len(stack) != 1:
+                raise _bad("STOP with an empty stack" if not stack else "STOP with extra items on the stack")
+            return -pos - 1
+
+        # -- constants
+        def op_none(pos: int) -> int:
+            push(None)
+            return pos
+
+        def op_true(pos: int) -> int:
+            push(True)
+            return pos
+
+        def op_false(pos: int) -> int:
+            push(False)
+            return pos
+
+        def op_binint(pos: int) -> int:
+            need(pos, 4)
+            push(unpack_i(data, pos)[0])
+            return pos + 4
+
+        def op_binint1(pos: int) -> int:
+            need(pos, 1)
+            push(data[pos])
+            return pos + 1
+
+        def op_binint2(pos: int) -> int:
+            need(pos, 2)
+            push(unpack_H(data, pos)[0])
+            return pos + 2
+
+        def op_int(pos: int) -> int:  # protocol 0: also True/False as "01"/"00"
+            raw, pos = line(pos)
+            if raw in (b"00", b"01"):
+                push(raw == b"01")
+            else:
+                push(text_int(raw))
+            return pos
+
+        def op_long(pos: int) -> int:
+            raw, pos = line(pos)
+            push(text_int(raw))
+            return pos
+
+        def op_long1(pos: int) -> int:
+            need(pos, 1)
+            size = data[pos]
+            need(pos + 1, size)
+            push(int.from_bytes(data[pos + 1 : pos + 1 + size], "little", signed=True))
+            return pos + 1 + size
+
+        def op_long4(pos: int) -> int:
+            need(pos, 4)
+            (size,) = unpack_i(data, pos)
+            if size < 0:
+                raise _bad("negative LONG4 length")
+            if size > budgets.max_long_bytes:
+                raise _bad(f"an integer of more than {budgets.max_long_bytes} bytes")
+            need(pos + 4, size)
+            charge(1, 28 + size)
+            push(int.from_bytes(data[pos + 4 : pos + 4 + size], "little", signed=True))
+            return pos + 4 + size
+
+        def op_float(pos: int) -> int:
+            raw, pos = line(pos)
+            if len(raw) > 64:
+                raise _bad("a malformed float")
+            try:
+                push(float(raw))
+            except ValueError:
+                raise _bad("a malformed float") from None
+            return pos
+
+        def op_binfloat(pos: int) -> int:
+            need(pos, 8)
+            push(unpack_d(data, pos)[0])
+            return pos + 8
+
+        # -- strings and bytes
+        def op_binunicode(pos: int) -> int:
+            need(pos, 4)
+            (size,) = unpack_I(data, pos)
+            pos += 4
+            need(pos, size)
+            push_str(data[pos : pos + size])
+            return pos + size
+
+        def op_short_binunicode(pos: int) -> int:
+            need(pos, 1)
+            size = data[pos]
+            need(pos + 1, size)
+            push_str(data[pos + 1 : pos + 1 + size])
+            return pos + 1 + size
+
+        def op_binunicode8(pos: int) -> int:
+            need(pos, 8)
+            (size,) = unpack_Q(data, pos)
+            need(pos + 8, size)
+            push_str(data[pos + 8 : pos + 8 + size])
+            return pos + 8 + size
+
+        def op_unicode(pos: int) -> int:
+            raw, pos = line(pos)
+            try:
+                value = raw.decode("raw-unicode-escape")
+            except UnicodeDecodeError:
+                raise _bad("a malformed UNICODE string") from None
+            charge(1, 49 + len(raw))
+            push(value)
+            return pos
+
+        def op_string(pos: int) -> int:  # protocol 0 quoted (Python 2 str), decoded as torch does
+            raw, pos = line(pos)
+            if len(raw) < 2 or raw[0] != raw[-1] or raw[:1] not in (b"'", b'"'):
+                raise _bad("a malformed STRING")
+            try:
+                value = bytes(raw[1:-1]).decode("unicode_escape").encode("latin-1")
+            except (UnicodeDecodeError, UnicodeEncodeError):
+                raise _bad("a malformed STRING") from None
+            push_str(value)
+            return pos
+
+        def op_binstring(pos: int) -> int:
+            need(pos, 4)
+            (size,) = unpack_i(data, pos)
+            if size < 0:
+                raise _bad("negative BINSTRING length")
+            need(pos + 4, size)
+            push_str(data[pos + 4 : pos + 4 + size])
+            return pos + 4 + size
+
+        def op_short_binstring(pos: int) -> int:
+            need(pos, 1)
+            size = data[pos]
+            need(pos + 1, size)
+            push_str(data[pos + 1 : pos + 1 + size])
+            return pos + 1 + size
+
+        def op_binbytes(pos: int) -> int:
+            need(pos, 4)
+            return push_bytes(pos + 4, unpack_I(data, pos)[0])
+
+        def op_short_binbytes(pos: int) -> int:
+            need(pos, 1)
+            return push_bytes(pos + 1, data[pos])
+
+        def op_binbytes8(pos: int) -> int:
+            need(pos, 8)
+            return push_bytes(pos + 8, unpack_Q(data, pos)[0])
+
+        def op_bytearray8(pos: int) -> int:
+            pos = op_binbytes8(pos)
+            stack[-1] = bytearray(stack[-1])
+            return pos
+
+        # -- containers
+        def op_mark(pos: int) -> int:
+            marks.append(len(stack))
+            return pos
+
+        def op_empty_tuple(pos: int) -> int:
+            push(())
+            return pos
+
+        def op_tuple(pos: int) -> int:
+            items = pop_mark()
+            charge(1, 40 + 8 * len(items))
+            push(tuple(items))
+            return pos
+
+        def op_tuple1(pos: int) -> int:
+            value = pop()
+            charge(1, 48)
+            push((value,))
+            return pos
+
+        def op_tuple2(pos: int) -> int:
+            b, a = pop(), pop()
+            charge(1, 56)
+            push((a, b))
+            return pos
+
+        def op_tuple3(pos: int) -> int:
+            c, b, a = pop(), pop(), pop()
+            charge(1, 64)
+            push((a, b, c))
+            return pos
+
+        def op_empty_list(pos: int) -> int:
+            charge(1, 56)
+            push([])
+            return pos
+
+        def op_list(pos: int) -> int:
+            items = pop_mark()
+            charge(1, 56 + 8 * len(items))
+            push(items)
+            return pos
+
+        def op_empty_dict(pos: int) -> int:
+            charge(1, 64)
+            push({})
+            return pos
+
+        def op_dict(pos: int) -> int:
+            items = pop_mark()
+            if len(items) % 2:
+                raise _bad("DICT with an odd number of items")
+            charge(1, 64 + 40 * len(items))
+            result: dict[Any, Any] = {}
+            set_pairs(result, items)
+            push(result)
+            return pos
+
+        def op_empty_set(pos: int) -> int:
+            charge(1, 216)
+            push(set())
+            return pos
+
+        def op_frozenset(pos: int) -> int:
+            items = pop_mark()
+            for item in items:
+                check_key(item)
+            charge(1, 216 + 16 * len(items))
+            push(frozenset(items))
+            return pos
+
+        def op_additems(pos: int) -> int:
+            items = pop_mark()
+            target = top()
+            if type(target) is not set:
+                raise _bad(f"ADDITEMS on a {type(target).__name__}")
+            for item in items:
+                check_key(item)
+            charge(0, 16 * len(items))
+            target.update(items)
+            return pos
+
+        def op_append(pos: int) -> int:
+            value = pop()
+            target = top()
+            charge(0, 8)
+            if type(target) is list:
+                target.append(value)
+            else:
+                hooks.extend(target, [value])
+            return pos
+
+        def op_appends(pos: int) -> int:
+            items = pop_mark()
+            target = top()
+            charge(0, 8 * len(items))
+            if type(target) is list:
+                target.extend(items)
+            else:
+                hooks.extend(target, items)
+            return pos
+
+        def set_pairs(target: dict, items: list) -> None:
+            for i in range(0, len(items), 2):
+                key = items[i]
+                if type(key) is not str:
+                    check_key(key)
+                try:
+                    target[key] = items[i + 1]
+                except TypeError:
+                    raise _bad("an unhashable dict key") from None
+
+        def op_setitem(pos: int) -> int:
+            value = pop()
+            key = pop()
+            target = top()
+            charge(0, 40)
+            kind = type(target)
+            if kind is dict or kind is OrderedDict:
+                set_pairs(target, [key, value])
+            else:
+                hooks.set_items(target, [(key, value)])
+            return pos
+
+        def op_setitems(pos: int) -> int:
+            items = pop_mark()
+            if len(items) % 2:
+                raise _bad("SETITEMS with an odd number of items")
+            target = top()
+            charge(0, 40 * len(items))
+            kind = type(target)
+            if kind is dict or kind is OrderedDict:
+                set_pairs(target, items)
+            else:
+                for i in range(0, len(items), 2):
+                    if type(items[i]) is not str:
+                        check_key(items[i])
+                hooks.set_items(target, list(zip(items[::2], items[1::2])))
+            return pos
+
+        # -- stack juggling
+        def op_pop(pos: int) -> int:
+            if marks and len(stack) == marks[-1]:
+                marks.pop()  # POP of a MARK, as pickle does
+            else:
+                pop()
+            return pos
+
+        def op_pop_mark(pos: int) -> int:
+            pop_mark()
+            return pos
+
+        def op_dup(pos: int) -> int:
+            push(top())
+            return pos
+
+        # -- memo
+        def put(index: int) -> None:
+            if index not in memo and len(memo) >= max_memo:
+                raise _bad(f"more than {max_memo} memo entries")
+            memo[index] = top()
+
+        def get(index: int) -> None:
+            try:
+                push(memo[index])
+            except KeyError:
+                raise _bad(f"memo entry {index} is used before it is set") from None
+
+        def op_binput(pos: int) -> int:
+            need(pos, 1)
+            put(data[pos])
+            return pos + 1
+
+        def op_long_binput(pos: int) -> int:
+            need(pos, 4)
+            put(unpack_I(data, pos)[0])
+            return pos + 4
+
+        def op_put(pos: int) -> int:
+            raw, pos = line(pos)
+            put(text_int(raw))
+            return pos
+
+        def op_memoize(pos: int) -> int:
+            put(len(memo))
+            return pos
+
+        def op_binget(pos: int) -> int:
+            need(pos, 1)
+            get(data[pos])
+            return pos + 1
+
+        def op_long_binget(pos: int) -> int:
+            need(pos, 4)
+            get(unpack_I(data, pos)[0])
+            return pos + 4
+
+        def op_get(pos: int) -> int:
+            raw, pos = line(pos)
+            get(text_int(raw))
+            return pos
+
+        # -- the doors to code: all through the hooks
+        def global_name(module: Any, name: Any) -> Any:
+            if type(module) is not str or type(name) is not str:
+                raise _bad("STACK_GLOBAL with a name that is not a string")
+            module = RENAMED_MODULES.get(module, module)
+            charge(1, 64)
+            return hooks.find_global(module, name)
+
+        def op_global(pos: int) -> int:
+            module, pos = line(pos)
+            name, pos = line(pos)
+            try:
+                push(global_name(module.decode("utf-8"), name.decode("utf-8")))
+            except UnicodeDecodeError:
+                raise _bad("a global name that is not UTF-8") from None
+            return pos
+
+        def op_stack_global(pos: int) -> int:
+            name = pop()
+            module = pop()
+            push(global_name(module, name))
+            return pos
+
+        def op_reduce(pos: int) -> int:
+            args = pop()
+            func = top()
+            if type(args) is not tuple:
+                raise _bad("REDUCE arguments are not a tuple")
+            charge(1, 64)
+            stack[-1] = hooks.call(func, args)
+            return pos
+
+        def op_newobj(pos: int) -> int:
+            args = pop()
+            cls = top()
+            if type(args) is not tuple:
+                raise _bad("NEWOBJ arguments are not a tuple")
+            charge(1, 64)
+            stack[-1] = hooks.new_object(cls, args, None)
+            return pos
+
+        def op_newobj_ex(pos: int) -> int:
+            kwargs = pop()
+            args = pop()
+            cls = top()
+            if type(args) is not tuple or type(kwargs) is not dict:
+                raise _bad("NEWOBJ_EX arguments are not a tuple and a dict")
+            charge(1, 64)
+            stack[-1] = hooks.new_object(cls, args, kwargs)
+            return pos
+
+        def op_inst(pos: int) -> int:  # protocol 0: INST module\nname\n after MARK args
+            module, pos = line(pos)
+            name, pos = line(pos)
+            args = tuple(pop_mark())
+            try:
+                cls = global_name(module.decode("utf-8"), name.decode("utf-8"))
+            except UnicodeDecodeError:
+                raise _bad("a global name that is not UTF-8") from None
+            charge(1, 64)
+            push(hooks.call(cls, args))
+            return pos
+
+        def op_obj(pos: int) -> int:
+            items = pop_mark()
+            if not items:
+                raise _bad("OBJ without a class")
+            charge(1, 64)
+            push(hooks.call(items[0], tuple(items[1:])))
+            return pos
+
+        def op_build(pos: int) -> int:
+            state = pop()
+            inst = top()
+            if type(inst) is OrderedDict:
+                # what Module.state_dict() pickles: its _metadata attribute (torch allows the same)
+                if type(state) is not dict or not all(type(k) is str for k in state):
+                    raise _bad("BUILD on an OrderedDict with a state that is not a dict of names")
+                inst.__dict__.update(state)
+            else:
+                hooks.build(inst, state)
+            return pos
+
+        def op_binpersid(pos: int) -> int:
+            pid = pop()
+            push(hooks.persistent_load(pid))
+            return pos
+
+        def op_persid(pos: int) -> int:
+            raw, pos = line(pos)
+            push(hooks.persistent_load(raw.decode("ascii", "replace")))
+            return pos
+
+        def unsupported(op: int) -> Callable[[int], int]:
+            def handler(pos: int) -> int:
+                raise _bad(f"unsupported opcode {op:#04x} at byte {pos - 1}")
+            return handler
+
+        table: list[Callable[[int], int]] = [unsupported(i) for i in range(256)]
+        for code, handler in {
+            b"\x80": op_proto, b"\x95": op_frame, b".": op_stop,
+            b"N": op_none, b"\x88": op_true, b"\x89": op_false,
+            b"J": op_binint, b"K": op_binint1, b"M": op_binint2, b"I": op_int, b"L": op_long,
+            b"\x8a": op_long1, b"\x8b": op_long4, b"F": op_float, b"G": op_binfloat,
+            b"X": op_binunicode, b"\x8c": op_short_binunicode, b"\x8d": op_binunicode8, b"V": op_unicode,
+            b"S": op_string, b"T": op_binstring, b"U": op_short_binstring,
+            b"B": op_binbytes, b"C": op_short_binbytes, b"\x8e": op_binbytes8, b"\x96": op_bytearray8,
+            b"(": op_mark, b")": op_empty_tuple, b"t": op_tuple, b"\x85": op_tuple1, b"\x86": op_tuple2,
+            b"\x87": op_tuple3, b"]": op_empty_list, b"l": op_list, b"}": op_empty_dict, b"d": op_dict,
+            b"\x8f": op_empty_set, b"\x91": op_frozenset, b"\x90": op_additems,
+            b"a": op_append, b"e": op_appends, b"s": op_setitem, b"u": op_setitems,
+            b"0": op_pop, b"1": op_pop_mark, b"2": op_dup,
+            b"q": op_binput, b"r": op_long_binput, b"p": op_put, b"\x94": op_memoize,
+            b"h": op_binget, b"j": op_long_binget, b"g": op_get,
+            b"c": op_global, b"\x93": op_stack_global, b"R": op_reduce, b"\x81": op_newobj,
+            b"\x92": op_newobj_ex, b"i": op_inst, b"o": op_obj, b"b": op_build,
+            b"Q": op_binpersid, b"P": op_persid,
+        }.items():
+            table[code[0]] = handler
+
+        pos = self.pos
+        while pos < end:
+            pos = table[data[pos]](pos + 1)
+            if pos < 0:
+                self.pos = -pos - 1
+                return stack[0]
+        raise _bad("it ends before its STOP opcode (truncated)")
+
+
+def load(data: bytes | mmap.mmap, hooks: Hooks, budgets: Budgets | None = None, start: int = 0) -> tuple[Any, int]:
+    """Run one pickle starting at ``start``; returns the object and the offset after its STOP."""
+    vm = PickleVM(data, hooks, budgets, start)
+    result = vm.run()
+    return result, vm.pos
