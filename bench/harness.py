@@ -59,7 +59,8 @@ def timed(cmd: list[str]) -> tuple[float, int]:
     return elapsed, usage.ru_maxrss * 1024
 
 
-def compare(contenders: dict[str, list[str]], outputs: list[Path], runs: int, src: Path) -> None:
+def compare(contenders: dict[str, list[str]], outputs: list[Path], runs: int, src: Path,
+            label: str = "200 float32 tensors") -> None:
     """Run every contender ``runs`` times (outputs removed before each run); print the table."""
     results: dict[str, list[tuple[float, int]]] = {name: [] for name in contenders}
     for _ in range(runs):
@@ -72,7 +73,7 @@ def compare(contenders: dict[str, list[str]], outputs: list[Path], runs: int, sr
     names = list(contenders)
     base = statistics.median(t for t, _ in results[names[0]])
     torch_time = statistics.median(t for t, _ in results[names[-1]])
-    print(f"input: {src.stat().st_size / 1e9:.2f} GB, 200 float32 tensors; {runs} runs each, interleaved")
+    print(f"input: {src.stat().st_size / 1e9:.2f} GB, {label}; {runs} runs each, interleaved")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
     print()
     print(f"| command | median wall (s) | all runs (s) | vs {names[0]} | vs torch script | peak RSS (MiB) |")

@@ -41,16 +41,19 @@ def compact_storages(root: Any) -> tuple[Any, int]:
     users: dict[int, list[TensorRef]] = {}
     opaque: set[int] = set()
     storages: dict[int, StorageRef] = {}
-    for path, leaf in walk(root):
+    for _, leaf in walk(root):
         if isinstance(leaf, TensorRef):
             users.setdefault(id(leaf.storage), []).append(leaf)
             storages[id(leaf.storage)] = leaf.storage
-        elif isinstance(leaf, StorageRef) and not (path and path[-1] == "__storage__"):
+        elif isinstance(leaf, StorageRef):
             opaque.add(id(leaf))  # a storage pickled on its own: its bytes are kept whole
     replacements: dict[int, Any] = {}
     saved = 0
     for storage_id, tensors in users.items():
         storage = storages[storage_id]
+        first = tensors[0]
+        if first.storage_offset == 0 and _extent(first) * DTYPE_ITEMSIZE[first.dtype] >= storage.nbytes:
+            continue  # the usual case: a tensor that spans its whole storage, nothing to cut
         if storage_id in opaque or storage.source is None or len({t.dtype for t in tensors}) != 1:
             continue
         itemsize = DTYPE_ITEMSIZE[tensors[0].dtype]

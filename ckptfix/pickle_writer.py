@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import BadInputError
-from .tree import ABSENT, Global, OpaqueObject, Reduce, StorageRef, TensorRef
+from .tree import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, Reduce, StorageRef, TensorRef
 from .unpickle import is_dotted_identifier
 
 _MARK, _TUPLE, _EMPTY_TUPLE = b"(", b"t", b")"
@@ -80,7 +80,10 @@ class _Then:
 class _Emitter:
     def __init__(self) -> None:
         self.out = bytearray(b"\x80\x02")
+        #: memo keys: id() of containers and records, the value of strings (ints and strs never
+        #: compare equal); globals have their own table so no string can alias one
         self.memo: dict[Any, int] = {}
+        self.global_memo: dict[str, int] = {}
         self.storage_keys: dict[int, str] = {}
         self.storages: list[StorageRef] = []
         self.alive: list[Any] = []
@@ -95,7 +98,7 @@ class _Emitter:
         return True
 
     def put(self, key: Any) -> None:
-        index = self.memo[key] = len(self.memo)
+        index = self.memo[key] = len(self.memo) + len(self.global_memo)
         self.out += b"q" + bytes((index,)) if index < 256 else b"r" + _pack_I(index)
 
     # -- atoms (written at once) ------------------------------------------------------------
@@ -104,7 +107,10 @@ class _Emitter:
         kind = type(value)
         out = self.out
         if kind is str:
-            if not self.get(value):
+            index = self.memo.get(value)
+            if index is not None:
+                out += b"h" + bytes((index,)) if index < 256 else b"j" + _pack_I(index)
+            else:
                 encoded = value.encode("utf-8", "surrogatepass")
                 out += b"X" + _pack_I(len(encoded)) + encoded
                 self.put(value)
@@ -132,22 +138,30 @@ class _Emitter:
         return True
 
     def global_(self, value: Global) -> None:
-        if self.get(value):
+        index = self.global_memo.get(value.full)
+        if index is not None:
+            self.out += b"h" + bytes((index,)) if index < 256 else b"j" + _pack_I(index)
             return
         if not is_dotted_identifier(value.full):
             raise BadInputError(f"refusing to write a global named {value.full!r:.120}: not a Python name")
         module = _PY2_MODULES.get(value.module, value.module)
         self.out += b"c" + f"{module}\n{value.name}\n".encode()
-        self.put(value)
+        index = self.global_memo[value.full] = len(self.memo) + len(self.global_memo)
+        self.out += b"q" + bytes((index,)) if index < 256 else b"r" + _pack_I(index)
 
     def int_tuple(self, values: tuple[int, ...]) -> None:
-        """A shape or stride: small tuples of ints, written without the memo (as the reader
-        never shares them)."""
-        if len(values) > 3:
-            self.out += _MARK
+        """A shape or stride: a small tuple of ints, written without the memo (nothing refers
+        to it twice)."""
+        out = self.out
+        n = len(values)
+        if n > 3:
+            out += _MARK
         for v in values:
-            self.atom(v)
-        self.out += _TUPLE_N[len(values)] if len(values) <= 3 else _TUPLE
+            if 0 <= v < 256:
+                out += b"K" + bytes((v,))
+            else:
+                self.atom(v)
+        out += _TUPLE_N[n] if n <= 3 else _TUPLE
 
     # -- the loop -----------------------------------------------------------------------
     def run(self, root: Any) -> None:
@@ -295,6 +309,10 @@ class _Emitter:
             pending += [value.state, _Raw(_BUILD)]
         self.later_seq(pending)
 
+    def empty_hooks(self) -> None:
+        self.global_(_ORDERED_DICT)
+        self.out += _EMPTY_TUPLE + _REDUCE
+
     def global_value(self, value: Global) -> None:
         self.global_(value)
 
@@ -308,16 +326,27 @@ class _Emitter:
         out += _MARK
         self.atom(_STORAGE)
         self.global_(storage.storage_type)
-        self.atom(key)
+        encoded = key.encode()  # a fresh name per storage: nothing refers to it again, no memo
+        out += b"X" + _pack_I(len(encoded)) + encoded
         self.atom(storage.location)
-        self.atom(storage.numel)
+        numel = storage.numel
+        if 0 <= numel < 256:
+            out += b"K" + bytes((numel,))
+        else:
+            self.atom(numel)
         out += _TUPLE + _BINPERSID
 
     def tensor(self, t: TensorRef) -> None:
-        if self.get(id(t)):
+        """One tensor record, as torch.save writes it. The common case (a plain tensor or
+        parameter with empty hooks, no metadata) is written here in one go; anything else
+        it holds goes through the work stack like any other node."""
+        memo = self.memo
+        index = memo.get(id(t))
+        if index is not None:
+            self.out += b"h" + bytes((index,)) if index < 256 else b"j" + _pack_I(index)
             return
         self.alive.append(t)
-        out = self.out
+        out, atom = self.out, self.atom
         param = t.param
         if param is not None:
             self.global_(_REBUILD_PARAM_STATE if param.state is not ABSENT else _REBUILD_PARAM)
@@ -325,17 +354,24 @@ class _Emitter:
         self.global_(_REBUILD_V3 if t.rebuild == "v3" else _REBUILD_V2)
         out += _MARK
         self.storage(t.storage)
-        self.atom(t.storage_offset)
+        offset = t.storage_offset
+        out += b"K" + bytes((offset,)) if 0 <= offset < 256 else b""
+        if not 0 <= offset < 256:
+            atom(offset)
         self.int_tuple(t.shape)
         self.int_tuple(t.stride)
         pending: list[Any] = []
-        if not self.atom(t.requires_grad):
+        if not atom(t.requires_grad):
             pending.append(t.requires_grad)
         self._hooks(t.hooks, pending)
         if t.rebuild == "v3":
             pending.append(t.dtype_global)
         if t.metadata is not ABSENT:
             pending.append(t.metadata)
+        if param is None and not pending:  # the common case: finish here
+            out += _TUPLE + _REDUCE
+            self.put(id(t))
+            return
         pending.append(_Raw(_TUPLE + _REDUCE))
         if param is not None:
             pending.append(param.requires_grad)
@@ -345,14 +381,14 @@ class _Emitter:
                 pending.append(param.state)
             pending.append(_Raw(_TUPLE + _REDUCE))
         pending.append(_Then(self.put, id(t)))
-        if len(pending) == 2 and type(pending[0]) is _Raw:  # the common case: finish inline
-            out += pending[0]
-            self.put(id(t))
-            return
         self.later_seq(pending)
 
     def _hooks(self, hooks: Any, pending: list[Any]) -> None:
         """``OrderedDict()`` per tensor, as torch.save writes its empty backward hooks."""
+        if hooks is EMPTY_HOOKS and not pending:
+            self.global_(_ORDERED_DICT)
+            self.out += _EMPTY_TUPLE + _REDUCE
+            return
         if pending or type(hooks) is not OrderedDict or hooks or getattr(hooks, "__dict__", None):
             pending.append(hooks)
             return
@@ -393,6 +429,7 @@ _WRITERS: dict[type, Callable[[_Emitter, Any], None]] = {
     set: _Emitter.set_, frozenset: _Emitter.set_,
     bytes: _Emitter.bytes_, bytearray: _Emitter.bytearray_, complex: _Emitter.complex_,
     TensorRef: _Emitter.tensor, StorageRef: lambda e, s: e.storage(s), Global: _Emitter.global_value,
+    type(EMPTY_HOOKS): lambda e, _: e.empty_hooks(),
     Reduce: _Emitter.record, OpaqueObject: _Emitter.opaque,
 }
 #: subclasses made in code (a transform's own mapping type) fall back to their base's writer

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import codecs
 import fnmatch
+import gc
 import re
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
@@ -36,7 +37,7 @@ from typing import Any
 from .dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS_NAMES
 from .errors import BadInputError, UnsafeInputError
 from .pickle_vm import Budgets, Hooks, PickleVM
-from .tree import ABSENT, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef, check_nesting
+from .tree import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef, check_nesting
 
 _REBUILD_FUNCTIONS = (
     "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
@@ -106,20 +107,29 @@ def display_name(module: str, name: str) -> str:
 # --------------------------------------------------------------------------- builders
 
 def _as_int_tuple(value: Any, what: str) -> tuple[int, ...]:
-    if isinstance(value, Reduce) and value.func.full == "torch.Size" and len(value.args) == 1:
-        value = value.args[0]
-    if type(value) not in (tuple, list) or not all(type(v) is int and v >= 0 for v in value):
-        raise BadInputError(f"corrupt tensor record: its {what} is not a tuple of non-negative integers")
-    return tuple(value)
+    if type(value) is not tuple:
+        if type(value) is Reduce and value.func.full == "torch.Size" and len(value.args) == 1:
+            value = value.args[0]
+        if type(value) is list:
+            value = tuple(value)
+        if type(value) is not tuple:
+            raise BadInputError(f"corrupt tensor record: its {what} is not a tuple of non-negative integers")
+    for v in value:
+        if type(v) is not int or v < 0:
+            raise BadInputError(f"corrupt tensor record: its {what} is not a tuple of non-negative integers")
+    return value
+
+
+#: fixed arguments of each tensor rebuild function (v2 and v3 take an optional metadata dict after them)
+_TENSOR_ARGS = {"_rebuild_tensor": 4, "_rebuild_tensor_v2": 6, "_rebuild_tensor_v3": 7}
 
 
 def _tensor(func: Global, args: tuple) -> TensorRef:
     """``_rebuild_tensor(storage, offset, size, stride)`` (pre-2018), ``_v2`` (+ requires_grad,
     hooks[, metadata]) and ``_v3`` (+ dtype). Only types are checked here: the extent is
     checked once the whole tree is known (:func:`~ckptfix.tree.check_extents`)."""
-    version = func.name.rsplit("_", 1)[-1]
-    fixed = {"v2": 6, "v3": 7}.get(version, 4)
-    if len(args) not in (fixed, fixed + 1) or (fixed == 4 and len(args) != 4):
+    fixed = _TENSOR_ARGS[func.name]
+    if len(args) != fixed and (fixed == 4 or len(args) != fixed + 1):
         raise BadInputError(f"corrupt tensor record: {func.name} got {len(args)} arguments")
     storage, offset, size, stride = args[:4]
     if not isinstance(storage, StorageRef) or type(offset) is not int or offset < 0:
@@ -127,9 +137,11 @@ def _tensor(func: Global, args: tuple) -> TensorRef:
     shape, strides = _as_int_tuple(size, "size"), _as_int_tuple(stride, "stride")
     if len(shape) != len(strides):
         raise BadInputError("corrupt tensor record: size and stride differ in length")
-    requires_grad, hooks = (args[4], args[5]) if fixed >= 6 else (False, OrderedDict())
+    requires_grad, hooks = (args[4], args[5]) if fixed >= 6 else (False, EMPTY_HOOKS)
     if type(requires_grad) is not bool:
         raise BadInputError("corrupt tensor record: requires_grad is not a bool")
+    if type(hooks) is OrderedDict and not hooks and not gc.get_referents(hooks):
+        hooks = EMPTY_HOOKS  # empty, no attributes (looking at __dict__ would allocate one)
     dtype_global = None
     dtype = storage.dtype
     if fixed == 7:
@@ -218,6 +230,10 @@ BUILDERS: dict[str, Callable[[Global, tuple], Any]] = {
     "_codecs.encode": _encode,
 }
 
+def _opaque_reduce(func: Global, args: tuple) -> OpaqueObject:
+    return OpaqueObject(func, args, "reduce")
+
+
 #: Python globals a plain checkpoint needs; each has a checked builder above
 PYTHON_GLOBALS: frozenset[str] = frozenset(name for name in BUILDERS if not name.startswith("torch."))
 
@@ -237,7 +253,10 @@ class ReaderHooks(Hooks):
         self.globals_seen = globals_seen
         self.allow = tuple(allow)
         self._globals: dict[tuple[str, str], Global] = {}
-        self._opaque: set[Global] = set()
+        #: id of each Global handed out (one object per name) -> what calling it makes
+        self._calls: dict[int, Callable[[Global, tuple], Any]] = {}
+        self._storage_ids: set[int] = set()
+        self._opaque: set[int] = set()
 
     def find_global(self, module: str, name: str) -> Global:
         cached = self._globals.get((module, name))
@@ -251,22 +270,25 @@ class ReaderHooks(Hooks):
         if full not in TORCH_GLOBALS and full not in PYTHON_GLOBALS:
             if full in NEVER_ALLOWED or not (self.allow and allowed_by_name(full, self.allow)):
                 raise UnsafeInputError(display_name(module, name))
-            self._opaque.add(result)
+            self._opaque.add(id(result))
+            self._calls[id(result)] = _opaque_reduce
+        else:
+            self._calls[id(result)] = BUILDERS.get(full, Reduce)
+        if full in STORAGE_GLOBALS:
+            self._storage_ids.add(id(result))
         self._globals[(module, name)] = result
         return result
 
     def call(self, func: Any, args: tuple) -> Any:
-        if type(func) is not Global:
-            raise BadInputError(f"corrupt or hostile pickle: it calls a {type(func).__name__}, not a global")
-        if func in self._opaque:
-            return OpaqueObject(func, args, "reduce")
-        builder = BUILDERS.get(func.full)
-        if builder is not None:
-            return builder(func, args)
-        return Reduce(func, args)
+        # one lookup by identity: every Global on the stack came from find_global, so its id
+        # is in the table; anything else (a string, a tuple, a record) cannot be called
+        builder = self._calls.get(id(func)) if type(func) is Global else None
+        if builder is None:
+            raise BadInputError(f"corrupt or hostile pickle: it calls a {type(func).__name__}, not an allowed global")
+        return builder(func, args)
 
     def new_object(self, cls: Any, args: tuple, kwargs: dict | None) -> Any:
-        if type(cls) is Global and cls in self._opaque:
+        if type(cls) is Global and id(cls) in self._opaque:
             return OpaqueObject(cls, args, "newobj_ex" if kwargs is not None else "newobj", kwargs)
         raise BadInputError(f"corrupt or hostile pickle: NEWOBJ of {cls!r:.80}, which is not an allowed class")
 
@@ -299,12 +321,14 @@ class ReaderHooks(Hooks):
     def persistent_load(self, pid: Any) -> StorageRef:
         if self.load_storage is None or type(pid) is not tuple or len(pid) not in (5, 6):
             raise BadInputError("corrupt pickle: an unexpected persistent id (not a storage)")
-        tag, storage_type, key, location, numel = (_text(v) for v in pid[:5])
+        tag, storage_type, key, location, numel = pid[:5]
+        if type(key) is bytes or type(location) is bytes or type(tag) is bytes:  # Python 2 strings
+            tag, key, location = _text(tag), _text(key), _text(location)
         view = pid[5] if len(pid) == 6 else None
         if (
             tag != "storage"
+            or id(storage_type) not in self._storage_ids
             or type(storage_type) is not Global
-            or storage_type.full not in STORAGE_GLOBALS
             or type(key) is not str
             or type(location) is not str
             or type(numel) is not int
@@ -326,6 +350,7 @@ def restricted_load(
     *,
     start: int = 0,
     budgets: Budgets | None = None,
+    check_depth: bool = True,
 ) -> tuple[Any, int]:
     """Unpickle the pickle at ``data[start:]`` (bytes or a read-only mmap) into a tree.
 
@@ -335,13 +360,21 @@ def restricted_load(
     :class:`BadInputError` for anything malformed or over a budget. ``globals_seen`` collects
     every global the pickle names. Globals matching an ``allow`` pattern become
     :class:`OpaqueObject` records (never imported); bytes they carry that are pickles are
-    read by the same VM and must themselves be allowed.
+    read by the same VM and must themselves be allowed. ``check_depth=False`` leaves the
+    nesting check to the caller's :func:`~ckptfix.tree.check_extents` (one walk, not two).
     """
     seen = globals_seen if globals_seen is not None else set()
     hooks = ReaderHooks(load_storage, seen, allow)
     vm = PickleVM(data, hooks, budgets, start)
-    tree = vm.run()
-    check_nesting(tree)
+    collecting = gc.isenabled()
+    gc.disable()  # the VM makes ~10 objects per tensor and no garbage cycles: skip GC passes over them
+    try:
+        tree = vm.run()
+    finally:
+        if collecting:
+            gc.enable()
+    if check_depth:
+        check_nesting(tree)
     if hooks._opaque:
         _check_nested_pickles(tree, hooks)
     return tree, vm.pos

@@ -42,7 +42,7 @@ RECORD_ALIGNMENT = 64
 STORED, DEFLATED = 0, 8
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class ZipRecord:
     """One member of the archive: its name and where its (possibly compressed) bytes are."""
 

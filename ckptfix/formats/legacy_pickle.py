@@ -75,7 +75,7 @@ def _read(path: str, data: mmap.mmap, file_size: int, globals_seen: set[str], al
         return views[view_key][0]
 
     try:
-        tree, pos = restricted_load(data, load_storage, globals_seen, allow, start=pos)
+        tree, pos = restricted_load(data, load_storage, globals_seen, allow, start=pos, check_depth=False)
     except UnsafeInputError as exc:
         raise UnsafeInputError(exc.global_name, path) from None
     keys, offset = restricted_load(data, None, start=pos)
