@@ -9,7 +9,9 @@ written stay); ``--continue-on-error`` processes everything and fails at the end
 
 from __future__ import annotations
 
+import errno
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -125,7 +127,7 @@ def process_one(command: str, in_path: str, out_path: str, options: Any, backup:
             if backup_path.exists() and not options.force:
                 raise CannotWriteError(f"{backup_path}: backup already exists", hint="pass --force to replace it")
             backup_path.unlink(missing_ok=True)
-            os.link(in_path, backup_path)
+            _back_up(Path(in_path), backup_path)
         if out_path != in_path:
             Path(out_path).parent.mkdir(parents=True, exist_ok=True)
         report = convert(in_path, out_path, options, command=command)
@@ -142,9 +144,27 @@ def process_one(command: str, in_path: str, out_path: str, options: Any, backup:
     except Exception as exc:  # a bug: report it for this file, keep the batch's report intact
         result.message, result.exit_code = f"internal error: {type(exc).__name__}: {exc}", 5
     if result.status == "failed" and backup_path is not None and backup_path.exists() and not Path(in_path).exists():
-        os.replace(backup_path, in_path)
+        os.replace(backup_path, os.path.realpath(in_path))  # through a symlink, as --in-place writes
     result.seconds = round(time.perf_counter() - started, 4)
     return result
+
+
+def _back_up(source: Path, backup: Path) -> None:
+    """Keep ``source``'s current contents as ``backup`` (beside ``source``, even if it is a link).
+
+    A hard link costs nothing and stays valid because ``--in-place`` renames a new file over
+    the old one. It is made to the file a symlink points to: Linux's link() would otherwise
+    link the symlink itself, a "backup" that shows the new contents once the target is
+    rewritten. Where a hard link is impossible (the target on another file system, a file
+    system without them) the contents are copied.
+    """
+    target = os.path.realpath(source)
+    try:
+        os.link(target, backup, follow_symlinks=False)
+    except OSError as exc:
+        if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        shutil.copy2(target, backup)
 
 
 def _size(path: Path) -> int:

@@ -42,7 +42,30 @@ def cli(debug: bool) -> None:
 
 
 def _emit_json(data: Any) -> None:
+    """The --json document: names exactly as the file holds them (JSON escapes control characters)."""
     click.echo(json.dumps(data, indent=2, default=str))
+
+
+def _printable(data: Any) -> Any:
+    """A copy of ``data`` for human output, every string in it passed through :func:`one_line`.
+
+    Keys, paths and global names come from the file (or a folder's listing), so they may hold
+    newlines, carriage returns or terminal escape sequences; printed raw, they would fake or
+    hide report lines, or drive the user's terminal. Escaping keeps each name on its line and
+    visible (``\\x1b[31m``, ``a\\nb``); ``--json`` keeps the exact text.
+    """
+    if isinstance(data, str):
+        return one_line(data)
+    if isinstance(data, dict):
+        return {_printable(k): _printable(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data)(_printable(v) for v in data)
+    return data
+
+
+def _say(line: str, err: bool = False) -> None:
+    """Print one line of human output, with anything non-printable in it escaped."""
+    click.echo(one_line(line), err=err)
 
 
 def _progress_for(path: str) -> tuple[Callable[[int], None] | None, Callable[[bool], None]]:
@@ -76,6 +99,17 @@ _IN_OUT = _apply([
     click.argument("in_path", metavar="IN", type=click.Path()),
     click.argument("out_path", metavar="OUT", required=False, type=click.Path()),
 ])
+
+
+def _global_patterns(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
+    """Check --allow-global patterns while parsing: a pattern that is not a dotted name (a newline,
+    a space, NUL, an empty part) could match, and so carry into the output, a global name holding
+    pickle opcodes. Raises ckptfix's UsageError so the message is one line (exit 2)."""
+    from .names import check_global_patterns
+
+    check_global_patterns(value)
+    return value
+
 
 #: IN OUT, or many inputs with -o DIR / --in-place (files, folders of checkpoints, shard folders)
 _INPUTS = _apply([
@@ -127,9 +161,10 @@ _PIPELINE = _apply([
     click.option("--unsafe-load", is_flag=True,
                  help="For TRUSTED files only: allow torch.load(weights_only=False), which runs code "
                  "from the file, when the safe reader refuses it."),
-    click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME",
+    click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME", callback=_global_patterns,
                  help="Keep objects of this pickle global (or glob, e.g. 'numpy.*') as they are, without "
-                 "importing or running anything; the output carries them unchanged."),
+                 "importing or running anything; the output carries them unchanged. NAME is a dotted Python "
+                 "name; parts may hold * ? [...] globs (anything else is a usage error)."),
     click.option("--sanitize", is_flag=True,
                  help="Replace argparse.Namespace, numpy values and pathlib paths by plain data (dict, numbers, "
                  "tensors, str) so the output loads with weights_only=True."),
@@ -192,14 +227,14 @@ def _run_single(command: str, in_path: str, out_path: str, opts: Any, as_json: b
         _emit_json(report.to_dict())
         return 0
     for note in report.notes:
-        click.echo(f"note: {note}", err=True)
+        _say(f"note: {note}", err=True)
     if opts.dry_run:
         for change in report.state_dicts:
             for old, new in change["renames"][:20]:
-                click.echo(f"  {old} -> {new}")
+                _say(f"  {old} -> {new}")
             if len(change["renames"]) > 20:
-                click.echo(f"  ... and {len(change['renames']) - 20} more in {change['path'] or '(top level)'}")
-    click.echo(report.message)
+                _say(f"  ... and {len(change['renames']) - 20} more in {change['path'] or '(top level)'}")
+    _say(report.message)
     return 0
 
 
@@ -225,10 +260,9 @@ def _run_batch(command: str, paths: tuple[str, ...], opts: Any, as_json: bool, *
 
     def on_result(result: Any) -> None:
         if result.status == "failed":
-            click.echo(one_line(f"ckptfix: error: {result.message}"), err=True)
+            _say(f"ckptfix: error: {result.message}", err=True)
         elif bar is None and not (as_json or quiet):
-            click.echo(result.message if result.status == "unchanged" else f"{result.input}: {result.message}",
-                       err=True)
+            _say(result.message if result.status == "unchanged" else f"{result.input}: {result.message}", err=True)
         if bar is not None:
             bar.update(1)
 
@@ -382,7 +416,11 @@ def prune(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
 @_IN_OUT
 @click.option("--reference", metavar="REF", type=click.Path(), help="A checkpoint whose keys to match (any format).")
 @click.option("--model", metavar="MODULE:CALLABLE",
-              help="Match the state dict of MODULE:CALLABLE() (imported and called only because you name it).")
+              help="Match the state dict of MODULE:CALLABLE() (imported and called only because you name it; "
+              "from installed modules and --model-path folders, never from the current folder).")
+@click.option("--model-path", "model_path", multiple=True, metavar="DIR", type=click.Path(file_okay=False),
+              help="With --model: search this folder first for MODULE (repeatable, in order; '.' for the "
+              "current folder).")
 @click.option("--select", metavar="PATH", help="The state dict to fit (default: the one that fits best).")
 @click.option("--allow-partial", is_flag=True,
               help="Write even when keys stay missing/unexpected (those and wrong-shaped keys are left out).")
@@ -403,6 +441,7 @@ def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
     Examples:
       ckptfix fit ddp.pth fixed.pth --reference bare_model.pth
       ckptfix fit train.ckpt weights.safetensors --model mypkg.models:build_model
+      ckptfix fit train.ckpt weights.safetensors --model models:build --model-path ./src
       ckptfix fit pretrained.pth init.pth --reference new_head.pth --allow-partial
     """
     from .ops import fit_checkpoint
@@ -412,23 +451,25 @@ def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
         _emit_json({"plan": plan.to_dict(), "write": report.to_dict() if report else None})
     else:
         click.echo(_describe_fit(plan))
-        click.echo(report.message if report else "nothing written: the result would not load with strict=True "
-                   "(use --allow-partial to write the keys that fit)")
+        _say(report.message if report else "nothing written: the result would not load with strict=True "
+             "(use --allow-partial to write the keys that fit)")
     return 0 if plan.loads_strictly else 1
 
 
 def _describe_fit(plan: Any) -> str:
+    """The human fit report; every key is escaped (they come from the files, or the model)."""
     steps = [f"strip {p!r}" for p in plan.strips] + ([f"add {plan.add!r}"] if plan.add else [])
     lines = [f"fit: {', '.join(steps) or 'no renaming needed'}; {plan.matched} keys match the reference"]
     if plan.missing:
-        lines.append(f"missing ({len(plan.missing)}): {', '.join(plan.missing[:20])}")
+        lines.append(f"missing ({len(plan.missing)}): {', '.join(map(one_line, plan.missing[:20]))}")
     if plan.missing_num_batches_tracked:
         lines.append(f"missing num_batches_tracked ({len(plan.missing_num_batches_tracked)}): BatchNorm fills "
                      "these in when loading; not an error")
     if plan.unexpected:
-        lines.append(f"unexpected ({len(plan.unexpected)}): {', '.join(plan.unexpected[:20])}")
+        lines.append(f"unexpected ({len(plan.unexpected)}): {', '.join(map(one_line, plan.unexpected[:20]))}")
     for m in plan.shape_mismatches[:20]:
-        lines.append(f"shape mismatch: {m['key']}: checkpoint {m['checkpoint']} vs reference {m['reference']}")
+        lines.append(f"shape mismatch: {one_line(m['key'])}: checkpoint {m['checkpoint']} "
+                     f"vs reference {m['reference']}")
     return "\n".join(lines)
 
 
@@ -468,7 +509,7 @@ def diff_command(a_path: str, b_path: str, rtol: float, atol: float, select_b: s
     if as_json:
         _emit_json(report.to_dict())
     else:
-        click.echo(render(report))
+        click.echo(render(type(report)(**_printable(report.to_dict()))))
     return 0 if report.equal else 1
 
 
@@ -504,9 +545,9 @@ def verify(paths: tuple[str, ...], expect_prefix: str | None, expect_device: str
     else:
         for r in results:
             if not r.ok:
-                click.echo(f"FAIL {r.path}: " + "; ".join(r.problems), err=True)
+                _say(f"FAIL {r.path}: " + "; ".join(r.problems), err=True)
             elif not quiet:
-                click.echo(f"ok   {r.path} ({r.format})" + ("".join(f"; {n}" for n in r.notes)))
+                _say(f"ok   {r.path} ({r.format})" + ("".join(f"; {n}" for n in r.notes)))
         if not quiet:
             click.echo(f"{len(results) - len(failed)} ok, {len(failed)} failed")
     return 1 if failed else 0
@@ -519,8 +560,9 @@ def verify(paths: tuple[str, ...], expect_prefix: str | None, expect_device: str
               show_default=True, help="Output format.")
 @click.option("--name", help="File name stem (default: IN's name without extensions).")
 @click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
-@click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME",
-              help="Read objects of this global as opaque records (they are not published).")
+@click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME", callback=_global_patterns,
+              help="Read objects of this global (dotted name, * ? [...] globs) as opaque records (they are not "
+              "published).")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
 def publish_command(in_path: str, out_dir: str, as_json: bool, **kw: Any) -> int:
     """Release preset: weights only, wrapper prefixes stripped, on cpu, named by content hash.
@@ -539,7 +581,7 @@ def publish_command(in_path: str, out_dir: str, as_json: bool, **kw: Any) -> int
     if as_json:
         _emit_json({"path": result.path, "sha256": result.sha256, "report": result.report.to_dict()})
     else:
-        click.echo(result.report.message)
+        _say(result.report.message)
     return 0
 
 
@@ -572,10 +614,10 @@ def scan(paths: tuple[str, ...], recursive: bool, as_json: bool) -> int:
             for g in r.globals:
                 verdicts.setdefault(g.verdict, set()).add(g.name)
             status = "DANGEROUS" if r.dangerous else ("ERROR" if r.error else "ok")
-            click.echo(f"{status} {r.path} ({r.format})" + (f": {one_line(r.error)}" if r.error else ""))
+            _say(f"{status} {r.path} ({r.format})" + (f": {r.error}" if r.error else ""))
             for verdict in ("dangerous", "benign", "safe"):
                 if verdict in verdicts:
-                    click.echo(f"  {verdict}: {', '.join(sorted(verdicts[verdict]))}")
+                    _say(f"  {verdict}: {', '.join(sorted(verdicts[verdict]))}")
     if any(r.dangerous for r in results):
         return 1
     return 3 if any(r.error for r in results) else 0
@@ -586,8 +628,9 @@ def scan(paths: tuple[str, ...], recursive: bool, as_json: bool) -> int:
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("--unsafe-load", is_flag=True,
               help="For TRUSTED files only: fall back to torch.load(weights_only=False).")
-@click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME",
-              help="Read objects of this global (or glob) as opaque records, never imported or run.")
+@click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME", callback=_global_patterns,
+              help="Read objects of this global (dotted name, * ? [...] globs) as opaque records, never imported "
+              "or run.")
 def inspect_command(path: str, as_json: bool, unsafe_load: bool, allow_globals: tuple[str, ...]) -> int:
     """Describe a checkpoint without reading its tensor data.
 
@@ -607,7 +650,7 @@ def inspect_command(path: str, as_json: bool, unsafe_load: bool, allow_globals: 
     if as_json:
         _emit_json(summary)
     else:
-        click.echo(render(summary))
+        click.echo(render(_printable(summary)))
     return 0
 
 

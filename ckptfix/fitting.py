@@ -17,7 +17,8 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,22 +66,61 @@ def shapes_of(state_dict: Mapping) -> Shapes:
     return {k: s for k, v in state_dict.items() if isinstance(k, str) and (s := _shape(v)) is not None}
 
 
-def reference_from_model(spec: str) -> Shapes:
+def reference_from_model(spec: str, model_path: Sequence[str | os.PathLike] = ()) -> Shapes:
     """Shapes of ``module:callable()``'s state dict. Imports and runs that callable: only on
-    this explicit request."""
+    this explicit request.
+
+    The module is imported the way ``python -P`` (safe path) would, not the way ``python -m``
+    does: the current folder is not searched, so a ``json.py`` or ``mypkg/`` left in whatever
+    folder the command runs from cannot stand in for an installed module (or for anything the
+    model's module imports). Folders the user names in ``model_path`` are searched first.
+    """
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise UsageError(f"--model {spec!r}: write package.module:callable, e.g. torchvision.models:resnet18")
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        factory = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise UsageError(f"--model {spec!r}: cannot import it: {exc}") from exc
-    model = factory()
+    folders = []
+    for folder in model_path:
+        resolved = os.path.abspath(os.fspath(folder))
+        if not os.path.isdir(resolved):
+            raise UsageError(f"--model-path {os.fspath(folder)}: no such folder")
+        folders.append(resolved)
+    with _import_path(folders):
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            hint = "" if folders else "; the current folder is not searched: add --model-path DIR for a local module"
+            raise UsageError(f"--model {spec!r}: cannot import it: {exc}{hint}") from exc
+        model = factory()  # its own lazy imports get the same path
     if not hasattr(model, "state_dict"):
         raise UsageError(f"--model {spec!r} returned a {type(model).__name__}, not an nn.Module")
     return shapes_of(model.state_dict())
+
+
+def _is_current_folder(entry: str, cwd: str) -> bool:
+    if entry in ("", "."):
+        return True  # "" is how sys.path spells "the current folder, wherever that is now"
+    try:
+        return os.path.samefile(entry, cwd)
+    except OSError:
+        return False
+
+
+@contextmanager
+def _import_path(folders: Sequence[str]) -> Iterator[None]:
+    """``sys.path`` without the current folder and with ``folders`` first, for the duration.
+
+    ``python -m ckptfix`` (and ``python -c``) put the current folder at the front of
+    ``sys.path``, which is why it is removed rather than merely not added. Folders named
+    explicitly (``--model-path .``) stay: that is the user asking for it.
+    """
+    saved = list(sys.path)
+    cwd = os.getcwd()
+    sys.path[:] = [*folders, *(p for p in saved if p not in folders and not _is_current_folder(p, cwd))]
+    importlib.invalidate_caches()
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
 
 
 def wrapper_chain(keys: Sequence[str]) -> list[str]:

@@ -25,6 +25,7 @@ from .devices import parse_map_location, remap_devices
 from .errors import CannotWriteError, CheckFailedError, UsageError
 from .formats.safetensors import plan_safetensors, write_safetensors, write_safetensors_from_torch
 from .formats.sharded import parse_size, write_sharded
+from .names import check_global_patterns
 from .output import atomic_output, check_destination
 from .selection import filter_tree, prune_patterns
 from .summary import describe_tree, summarize
@@ -286,6 +287,7 @@ def convert(
         parse_map_location(opts.map_location)  # a bad SPEC is a usage error before any reading
     for rule in opts.rename:
         parse_rule(rule)
+    check_global_patterns(opts.allow_globals)  # the API gets the CLI's check too
     if not opts.dry_run and kind == "file":
         check_destination(in_path, out_path, overwrite=opts.force, in_place=opts.in_place)
     started = time.perf_counter()
@@ -374,7 +376,7 @@ def _write(
         if opts.verify or opts.in_place:
             planned = root if file_format == "pth" else flat
             check = lambda temp: verify_output(temp, planned, file_format, report)  # noqa: E731
-        with atomic_output(out, check) as f:
+        with atomic_output(out, check, in_place=opts.in_place) as f:
             if file_format == "pth":
                 ckpt.write(root, f, progress=progress)
             elif ckpt.lazy:
@@ -458,6 +460,7 @@ def inspect_checkpoint(
     path: str | os.PathLike, *, unsafe_load: bool = False, allow_globals: Sequence[str] = ()
 ) -> dict[str, Any]:
     """The ``inspect`` report as plain data; reads structure only, never tensor data."""
+    check_global_patterns(allow_globals)
     return summarize(read_checkpoint(path, unsafe_load=unsafe_load, allow_globals=allow_globals))
 
 
@@ -475,6 +478,7 @@ def diff_checkpoints(
     from .diffing import diff_trees
 
     opts = options or ConvertOptions()
+    check_global_patterns(opts.allow_globals)
     a = read_checkpoint(a_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals)
     b = read_checkpoint(b_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals)
     scratch = Report("diff", str(a_path), None, a.format, b.format, dry_run=True)
@@ -489,6 +493,7 @@ def fit_checkpoint(
     *,
     reference: str | os.PathLike | None = None,
     model: str | None = None,
+    model_path: Sequence[str | os.PathLike] = (),
     select: str | None = None,
     allow_partial: bool = False,
     dry_run: bool = False,
@@ -499,17 +504,21 @@ def fit_checkpoint(
     """Make ``in_path``'s state dict match a reference's keys, and write it to ``out_path``.
 
     The reference is a checkpoint file (``reference``) or ``model="pkg.module:callable"``,
-    imported and called only because it is named. Writes only when the result would load
-    with ``strict=True``, or with ``allow_partial`` (then unexpected and wrong-shaped keys
-    are left out, so ``load_state_dict(strict=False)`` accepts the file).
+    imported and called only because it is named -- from installed modules and the folders in
+    ``model_path``, never from the current folder (see :func:`ckptfix.fitting.reference_from_model`).
+    Writes only when the result would load with ``strict=True``, or with ``allow_partial`` (then
+    unexpected and wrong-shaped keys are left out, so ``load_state_dict(strict=False)`` accepts
+    the file).
     Returns the plan and the write report (None when nothing was written).
     """
     from .fitting import best_fit, reference_from_model, shapes_of
 
     if (reference is None) == (model is None):
         raise UsageError("give exactly one of --reference FILE or --model package.module:callable")
+    if model_path and model is None:
+        raise UsageError("--model-path goes with --model (it says where to find the model's module)")
     if model is not None:
-        ref_shapes = reference_from_model(model)
+        ref_shapes = reference_from_model(model, model_path)
     else:
         ref = read_checkpoint(reference, unsafe_load=unsafe_load)
         found = find_state_dicts(ref.root)
@@ -562,6 +571,7 @@ def publish(
 
     if out_format not in ("pth", "safetensors"):
         raise UsageError(f"publish writes pth or safetensors, not {out_format!r}")
+    check_global_patterns(allow_globals)
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise CannotWriteError(f"{out_dir}: no such folder")

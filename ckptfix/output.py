@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -71,15 +72,26 @@ def describe_os_error(exc: OSError, dest: Path) -> str:
 
 
 @contextmanager
-def atomic_output(dest: str | Path, check: Callable[[Path], None] | None = None) -> Iterator[BinaryIO]:
+def atomic_output(
+    dest: str | Path, check: Callable[[Path], None] | None = None, *, in_place: bool = False
+) -> Iterator[BinaryIO]:
     """Yield a binary file to write; on success it becomes ``dest`` with a umask-honouring mode.
 
     ``check`` runs on the complete temporary file before the rename; if it raises, the
     temporary file is removed and ``dest`` is left as it was.
+
+    ``in_place=True`` means ``dest`` is an existing file being rewritten, and the result should
+    be that same file with new contents, as an editor saving it would leave it: when ``dest``
+    is a symlink the file it points to is replaced (the temporary file goes beside it, so the
+    rename stays on one file system) and the link stays a link; and the replacement keeps the
+    original's permission bits (a private 0600 file must not become world-readable) and, where
+    allowed (root, or a group the user is in), its owner and group.
     """
     dest = Path(dest)
+    target = Path(os.path.realpath(dest)) if in_place else dest
+    original = _stat_or_none(target) if in_place else None
     try:
-        fd, temp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=TEMP_SUFFIX)
+        fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=TEMP_SUFFIX)
     except OSError as exc:
         raise CannotWriteError(describe_os_error(exc, dest)) from exc
     try:
@@ -90,14 +102,44 @@ def atomic_output(dest: str | Path, check: Callable[[Path], None] | None = None)
                 hook(Path(temp))
             if check is not None:
                 check(Path(temp))
-            os.fchmod(out.fileno(), 0o666 & ~_current_umask())
-        os.replace(temp, dest)
+            if original is not None:
+                _copy_owner(out.fileno(), original)  # before chmod: chown may clear set-id bits
+                os.fchmod(out.fileno(), stat.S_IMODE(original.st_mode))
+            else:
+                os.fchmod(out.fileno(), 0o666 & ~_current_umask())
+        os.replace(temp, target)
     except OSError as exc:
         _remove(temp)
         raise CannotWriteError(describe_os_error(exc, dest)) from exc
     except BaseException:
         _remove(temp)
         raise
+
+
+def _stat_or_none(path: Path) -> os.stat_result | None:
+    try:
+        return os.stat(path)
+    except FileNotFoundError:
+        return None
+
+
+def _copy_owner(fd: int, original: os.stat_result) -> None:
+    """Give the new file the original's owner and group where the OS lets us.
+
+    Only root may give a file away; anyone may set the group to one they belong to. Where
+    neither is allowed the new file keeps the writer's ids, as any rewrite by that user would
+    (EPERM, or EINVAL for ids unmapped in a user namespace, is not an error).
+    """
+    current = os.fstat(fd)
+    if (current.st_uid, current.st_gid) == (original.st_uid, original.st_gid):
+        return
+    for uid in (original.st_uid, -1):
+        try:
+            os.fchown(fd, uid, original.st_gid)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EINVAL):
+                raise
 
 
 def _remove(path: str) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, run_cli, tensor_bytes
+from conftest import FIXTURES, ROOT, run_cli, tensor_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from models import TinyNet, tiny_net
@@ -167,7 +167,9 @@ def test_fit_wrapped_checkpoints_against_the_bare_model(tmp_path: Path, fixture:
 def test_fit_with_model_callable_and_common_prefix(tmp_path: Path) -> None:
     sd = {f"encoder.{k}": v for k, v in tiny_net().state_dict().items()}
     torch.save(sd, tmp_path / "enc.pth")
-    result = run_cli("fit", tmp_path / "enc.pth", tmp_path / "out.safetensors", "--model", "fixtures.models:TinyNet")
+    # the current folder is never searched for --model: name the checkout explicitly
+    result = run_cli("fit", tmp_path / "enc.pth", tmp_path / "out.safetensors", "--model", "fixtures.models:TinyNet",
+                     "--model-path", ROOT)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "strip 'encoder.'" in result.stdout
     from safetensors.torch import load_file
