@@ -22,8 +22,9 @@ from typing import Any, BinaryIO
 
 from .detect import sniff
 from .errors import CkptfixError
+from .formats.torchzip import MAX_PICKLE_BYTES, read_checked_directory
 from .unpickle import PYTHON_GLOBALS, TORCH_GLOBALS
-from .ziparchive import read_directory, read_record_bytes
+from .ziparchive import read_record_bytes
 
 BENIGN = {
     "argparse.Namespace", "pathlib.Path", "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePath",
@@ -142,10 +143,10 @@ def scan_path(path: str | Path) -> ScanResult:
             what = sniff(f.read(512), size)
             result.format = what.kind
             if what.kind == "zip":
-                records = read_directory(f, size, str(path))
+                records = read_checked_directory(f, size, str(path))
                 for name, record in records.items():
-                    if name.endswith(".pkl"):
-                        data = read_record_bytes(f, record, 1 << 30)
+                    if name.lower().endswith(".pkl"):
+                        data = read_record_bytes(f, record, MAX_PICKLE_BYTES)
                         result.globals.extend(scan_pickle(data, name))
             elif what.kind == "legacy" or (what.kind == "not-checkpoint" and "pickle" in what.description):
                 f.seek(0)
