@@ -41,8 +41,6 @@ _EOCD64_LOCATOR = struct.Struct("<4sIQI")
 RECORD_ALIGNMENT = 64
 #: Compression methods we can read: stored (what torch writes) and deflate (re-zipped files).
 STORED, DEFLATED = 0, 8
-
-
 #: Deflate emits at least 2 bits per 258-byte match, so no deflate stream inflates to more than
 #: ~1032x its own size: a record declaring more is lying about its size (a bomb or corruption).
 MAX_DEFLATE_RATIO = 1032
@@ -242,20 +240,16 @@ def _apply_zip64_extra(
 ) -> tuple[int, int, int]:
     """Replace the 0xFFFFFFFF placeholders with the zip64 extra field's values (in the order
     the format gives them); a placeholder without its value, or a malformed field, is refused."""
-    for tag, body in _extra_fields(extra, path, raw_name):
-        if tag != _ZIP64_EXTRA:
-            continue
-        values = [v[0] for v in struct.iter_unpack("<Q", body[: len(body) // 8 * 8])]
-        if usize == _U32_MAX and values:
-            usize = values.pop(0)
-        if csize == _U32_MAX and values:
-            csize = values.pop(0)
-        if offset == _U32_MAX and values:
-            offset = values.pop(0)
-        break
-    if _U32_MAX in (usize, csize, offset):
+    placeholders = [usize == _U32_MAX, csize == _U32_MAX, offset == _U32_MAX]
+    values = [usize, csize, offset]
+    wide = next((body for tag, body in _extra_fields(extra, path, raw_name) if tag == _ZIP64_EXTRA), b"")
+    given = [v for (v,) in struct.iter_unpack("<Q", wide[: len(wide) // 8 * 8])]
+    if len(given) < sum(placeholders):
         raise BadInputError(f"{path}: record {_shown(raw_name)} lacks the zip64 sizes its directory entry announces")
-    return usize, csize, offset
+    for i, placeholder in enumerate(placeholders):
+        if placeholder:
+            values[i] = given.pop(0)
+    return values[0], values[1], values[2]
 
 
 def _extra_fields(extra: bytes, path: str, raw_name: bytes) -> list[tuple[int, bytes]]:

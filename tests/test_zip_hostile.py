@@ -226,6 +226,12 @@ def _gap_before_end_record(base: bytes) -> bytes:
     return _patch(data, (eocd + 16 - 20 + 8, "<Q", eocd64 + 16))
 
 
+def _zip64_placeholder_without_value(base: bytes) -> bytes:
+    """Sizes set to the zip64 placeholder, with no zip64 field to give them."""
+    central = _entries(base)["data.pkl"].central
+    return _patch(base, (central + 20, "<I", 0xFFFFFFFF), (central + 24, "<I", 0xFFFFFFFF))
+
+
 def _encrypted(base: bytes) -> bytes:
     central = _entries(base)["data.pkl"].central
     (flags,) = struct.unpack_from("<H", base, central + 8)
@@ -254,6 +260,7 @@ HOSTILE: dict[str, tuple[Callable[[bytes], bytes], str]] = {
     "count-huge": (_count_huge, "1099511627776 entries cannot fit"),
     "end-records-disagree": (_end_records_disagree, "describe different directories"),
     "gap-before-end-record": (_gap_before_end_record, "16 bytes the zip directory does not account for"),
+    "zip64-placeholder-without-value": (_zip64_placeholder_without_value, "lacks the zip64 sizes"),
     "encrypted": (_encrypted, "is encrypted"),
 }
 
@@ -362,10 +369,15 @@ def _genuine(tmp_path: Path, kind: str) -> Path:
         src.write_bytes(_rezip(src.read_bytes(), compression=zipfile.ZIP_DEFLATED))
         with zipfile.ZipFile(src) as z:
             assert {i.compress_type for i in z.infolist()} == {zipfile.ZIP_DEFLATED}
+    if kind == "zip64-local-headers":  # sizes in the local headers' zip64 fields, no data descriptors
+        with zipfile.ZipFile(io.BytesIO(src.read_bytes())) as z, zipfile.ZipFile(src, "w") as out:
+            for info in z.infolist():
+                with out.open(zipfile.ZipInfo(info.filename), "w", force_zip64=True) as record:
+                    record.write(z.read(info))
     return src
 
 
-@pytest.mark.parametrize("kind", ["torch-save", "protocol-4", "deflated"])
+@pytest.mark.parametrize("kind", ["torch-save", "protocol-4", "deflated", "zip64-local-headers"])
 def test_genuine_archives_still_work(tmp_path: Path, kind: str) -> None:
     src = _genuine(tmp_path, kind)
     out_pth, out_st = tmp_path / "out.pth", tmp_path / "out.safetensors"
