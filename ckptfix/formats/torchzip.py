@@ -69,7 +69,8 @@ class TorchZipArchive:
         if not dropped:
             return []
         shown = ", ".join(f"{self.archive_name}/{n}" for n in dropped[:3]) + (", ..." if len(dropped) > 3 else "")
-        return [f"{len(dropped)} zip records torch does not read are not written to outputs: {shown}"]
+        count = f"{len(dropped)} zip record" + ("s" if len(dropped) > 1 else "")
+        return [f"not written to outputs ({count} torch never reads): {shown}"]
 
 
 def _refuse_wrapped(records: dict[str, ZipRecord], path: str) -> None:
