@@ -65,7 +65,7 @@ class ZipRecord:
     size: int
     method: int
     crc: int
-    header_offset: int = 0
+    header_offset: int
 
     def source(self, path: str) -> FileRange:
         """The record's bytes as a :class:`FileRange` of the archive file ``path``."""
