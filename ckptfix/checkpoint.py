@@ -86,7 +86,7 @@ def read_checkpoint(
                     if not unsafe_load:
                         raise
                     return _read_with_torch(path, FORMAT_TORCH_ZIP, file_size, unsafe=True)
-                return Checkpoint(path, FORMAT_TORCH_ZIP, root, file_size, globals_seen, archive)
+                return Checkpoint(path, FORMAT_TORCH_ZIP, root, file_size, globals_seen, archive, archive.notes())
             if what.kind == "safetensors":
                 tensors, metadata = read_safetensors(path, f, file_size)
                 return Checkpoint(path, FORMAT_SAFETENSORS, tensors, file_size, metadata=metadata)

@@ -25,11 +25,11 @@ from typing import Any
 
 from .detect import sniff
 from .errors import BadInputError, CkptfixError
-from .formats.torchzip import MAX_PICKLE_BYTES
+from .formats.torchzip import MAX_PICKLE_BYTES, read_checked_directory
 from .pickle_vm import Hooks, PickleVM
 from .tree import Global
 from .unpickle import PYTHON_GLOBALS, TORCH_GLOBALS, _encode, looks_like_pickle
-from .ziparchive import read_directory, read_record_bytes
+from .ziparchive import read_record_bytes
 
 BENIGN = {
     "argparse.Namespace", "pathlib.Path", "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePath",
@@ -178,7 +178,7 @@ def scan_path(path: str | Path) -> ScanResult:
             what = sniff(f.read(512), size)
             result.format = what.kind
             if what.kind == "zip":
-                records = read_directory(f, size, str(path))
+                records = read_checked_directory(f, size, str(path))
                 for name, record in records.items():
                     if name.lower().endswith(".pkl"):
                         data = read_record_bytes(f, record, MAX_PICKLE_BYTES)

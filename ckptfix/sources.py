@@ -157,26 +157,39 @@ def iter_chunks(source: FileRange | ComputedSource, files: OpenFiles) -> Iterato
             done += len(chunk)
             yield chunk
         return
+    yield from inflate_chunks(f, source.offset, source.deflated_size, source.size, source.path)
+
+
+def inflate_chunks(f: BinaryIO, offset: int, compressed_size: int, size: int, where: str) -> Iterator[bytes]:
+    """Inflate the raw deflate stream of ``compressed_size`` bytes at ``offset`` of ``f``,
+    which must yield exactly ``size`` bytes.
+
+    Memory stays at one chunk in and one chunk out whatever the stream claims: output is
+    requested a chunk at a time, inflating stops as soon as it passes ``size``, and reading
+    stops at the end of the deflate stream (bytes after it are ignored, as miniz does, instead
+    of piling up in the inflater). A corrupt stream is bad input, not an internal error.
+    """
     inflater = zlib.decompressobj(-15)
-    remaining, produced = source.deflated_size, 0
-    f.seek(source.offset)
-    while True:
+    read, produced = 0, 0
+    while not inflater.eof and produced <= size:
         data = inflater.unconsumed_tail
         if not data:
-            if not remaining:
+            if read == compressed_size:
                 break
-            data = f.read(min(remaining, _CHUNK))
+            f.seek(offset + read)
+            data = f.read(min(compressed_size - read, _CHUNK))
             if not data:
                 break
-            remaining -= len(data)
-        out = inflater.decompress(data, _CHUNK)
+            read += len(data)
+        try:
+            out = inflater.decompress(data, _CHUNK)
+        except zlib.error as exc:
+            raise BadInputError(f"{where}: corrupt compressed data ({exc})") from None
         produced += len(out)
-        if produced > source.size:
-            break
-        if out:
+        if out and produced <= size:
             yield out
-    if produced != source.size:
-        raise BadInputError(f"{source.path}: a compressed record does not inflate to its declared size")
+    if produced != size or not inflater.eof:
+        raise BadInputError(f"{where}: a compressed record does not inflate to its declared size")
 
 
 def read_all(source: FileRange | ComputedSource, files: OpenFiles) -> bytes:

@@ -16,11 +16,12 @@ from __future__ import annotations
 import os
 import struct
 import zlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import BinaryIO
 
 from .errors import BadInputError
-from .sources import FileRange, OpenFiles, OutputStream
+from .sources import FileRange, OpenFiles, OutputStream, inflate_chunks
 
 _LOCAL_SIG = b"PK\x03\x04"
 _CENTRAL_SIG = b"PK\x01\x02"
@@ -40,11 +41,23 @@ _EOCD64_LOCATOR = struct.Struct("<4sIQI")
 RECORD_ALIGNMENT = 64
 #: Compression methods we can read: stored (what torch writes) and deflate (re-zipped files).
 STORED, DEFLATED = 0, 8
+#: Deflate emits at least 2 bits per 258-byte match, so no deflate stream inflates to more than
+#: ~1032x its own size: a record declaring more is lying about its size (a bomb or corruption).
+MAX_DEFLATE_RATIO = 1032
+#: General-purpose flag bits: encrypted (0, 6, 13: we cannot read it; miniz refuses it too), and
+#: "sizes and CRC follow the data" (3: the local header's own are then zero, not comparable).
+_ENCRYPTED_FLAGS = 0x0001 | 0x0040 | 0x2000
+_DATA_DESCRIPTOR_FLAG = 0x0008
+_ZIP64_EXTRA = 0x0001
 
 
 @dataclass(slots=True)
 class ZipRecord:
-    """One member of the archive: its name and where its (possibly compressed) bytes are."""
+    """One member of the archive: its name and where its (possibly compressed) bytes are.
+
+    ``header_offset`` is where its local header starts; the record owns the bytes from there
+    to ``data_offset + compressed_size``, and no other record may own any of them.
+    """
 
     name: str
     data_offset: int
@@ -52,6 +65,7 @@ class ZipRecord:
     size: int
     method: int
     crc: int
+    header_offset: int
 
     def source(self, path: str) -> FileRange:
         """The record's bytes as a :class:`FileRange` of the archive file ``path``."""
@@ -59,11 +73,72 @@ class ZipRecord:
         return FileRange(path, self.data_offset, self.size, self.crc, deflated)
 
 
+@dataclass(frozen=True)
+class _End:
+    """Where the central directory is, as the end records say (zip64 values already applied)."""
+
+    count: int
+    cd_offset: int
+    cd_size: int
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One central directory entry, fields as stored (zip64 values already applied)."""
+
+    raw_name: bytes
+    flags: int
+    method: int
+    crc: int
+    compressed_size: int
+    size: int
+    header_offset: int
+
+
 def read_directory(f: BinaryIO, file_size: int, path: str) -> dict[str, ZipRecord]:
     """Return the archive's records by name, reading only the central directory and headers.
 
     Every offset and size is checked against the file size, so a truncated or hostile file
-    fails here with :class:`BadInputError` instead of later with a short read.
+    fails here with :class:`BadInputError` instead of later with a short read. Beyond that the
+    directory must be one that every zip reader sees the same way -- torch's miniz, Python's
+    :mod:`zipfile` and ours -- since a checkpoint we vetted must be the one torch then loads:
+
+    * names are valid UTF-8 paths, unique even ignoring case (miniz looks names up ignoring
+      case, so of ``data.pkl`` and ``data.PKL`` it might load the one we did not check);
+    * the end records agree with each other and the directory fills exactly the space they
+      give it (miniz trusts the entry count, :mod:`zipfile` the directory size);
+    * each local header agrees with its directory entry on name, method and (when stated)
+      sizes and CRC, and no two records share a byte (overlapping records are how zip bombs
+      and "different file in every tool" archives are built);
+    * a compressed record declares no more than deflate could produce from its bytes.
+    """
+    end = _read_end(f, file_size, path)
+    f.seek(end.cd_offset)
+    entries = _parse_central_directory(f.read(end.cd_size), end.count, path)
+    names = [_checked_name(entry.raw_name, path) for entry in entries]
+    _refuse_name_clashes(names, path)
+    records: dict[str, ZipRecord] = {}
+    for name, entry in zip(names, entries):
+        _check_entry(entry, name, path)
+        data_offset = _check_local_header(f, entry, name, file_size, path)
+        if data_offset + entry.compressed_size > end.cd_offset:
+            raise BadInputError(
+                f"{path}: record {name!r} extends past the end of its data: the file is truncated "
+                "or corrupt"
+            )
+        records[name] = ZipRecord(
+            name, data_offset, entry.compressed_size, entry.size, entry.method, entry.crc, entry.header_offset
+        )
+    _refuse_overlaps(records.values(), path)
+    return records
+
+
+def _read_end(f: BinaryIO, file_size: int, path: str) -> _End:
+    """The end of central directory record (and its zip64 twin), checked for consistency.
+
+    The directory must end exactly where the end records begin: data before the archive or
+    between its parts is where readers disagree (:mod:`zipfile` shifts every offset by such a
+    prefix, newer miniz versions too, we do not).
     """
     tail_len = min(file_size, 22 + _U16_MAX)
     f.seek(file_size - tail_len)
@@ -74,101 +149,246 @@ def read_directory(f: BinaryIO, file_size: int, path: str) -> dict[str, ZipRecor
             f"{path}: the zip directory at the end of the file is missing: the file is "
             "truncated (an interrupted download or copy?)"
         )
-    (_, _, _, _, count, cd_size, cd_offset, _) = _EOCD.unpack_from(tail, pos)
+    (_, disk, cd_disk, disk_count, count, cd_size, cd_offset, _) = _EOCD.unpack_from(tail, pos)
     eocd_at = file_size - tail_len + pos
-    if count == _U16_MAX or cd_size == _U32_MAX or cd_offset == _U32_MAX:
-        count, cd_size, cd_offset = _read_zip64_end(f, eocd_at, file_size, path)
-    if cd_offset + cd_size > eocd_at or count * _CENTRAL_HEADER.size > cd_size:
+    if disk or cd_disk or disk_count != count:
+        raise BadInputError(f"{path}: a multi-disk (split) zip archive; join its parts first")
+    zip64 = _read_zip64_end(f, eocd_at, path)
+    directory_end = eocd_at
+    if zip64 is None:
+        if count == _U16_MAX or cd_size == _U32_MAX or cd_offset == _U32_MAX:
+            raise BadInputError(f"{path}: corrupt zip64 directory (its locator is missing)")
+    else:
+        wide, directory_end = zip64
+        for classic, value, sentinel in ((count, wide.count, _U16_MAX), (cd_size, wide.cd_size, _U32_MAX),
+                                         (cd_offset, wide.cd_offset, _U32_MAX)):
+            if classic not in (sentinel, value):
+                raise BadInputError(
+                    f"{path}: the zip64 end record and the classic one describe different directories "
+                    "(zip readers would disagree on the records); refusing"
+                )
+        count, cd_size, cd_offset = wide.count, wide.cd_size, wide.cd_offset
+    if cd_offset + cd_size > directory_end:
         raise BadInputError(f"{path}: corrupt zip directory (offsets point outside the file)")
-    f.seek(cd_offset)
-    directory = f.read(cd_size)
-    records: dict[str, ZipRecord] = {}
-    at = 0
-    for _ in range(count):
-        if directory[at : at + 4] != _CENTRAL_SIG or at + _CENTRAL_HEADER.size > len(directory):
-            raise BadInputError(f"{path}: corrupt zip directory entry")
-        fields = _CENTRAL_HEADER.unpack_from(directory, at)
-        method, crc, csize, usize = fields[4], fields[7], fields[8], fields[9]
-        name_len, extra_len, comment_len, header_offset = fields[10], fields[11], fields[12], fields[16]
-        name_at = at + _CENTRAL_HEADER.size
-        name = directory[name_at : name_at + name_len].decode("utf-8", "replace")
-        extra = directory[name_at + name_len : name_at + name_len + extra_len]
-        usize, csize, header_offset = _apply_zip64_extra(extra, usize, csize, header_offset)
-        at = name_at + name_len + extra_len + comment_len
-        if name in records:
-            raise BadInputError(f"{path}: the zip holds two records named {name!r}")
-        data_offset = _local_data_offset(f, header_offset, file_size, path, name)
-        if data_offset + csize > cd_offset or data_offset + csize > file_size:
-            raise BadInputError(
-                f"{path}: record {name!r} extends past the end of its data: the file is truncated "
-                "or corrupt"
-            )
-        if method not in (STORED, DEFLATED):
-            raise BadInputError(f"{path}: record {name!r} uses zip compression method {method}")
-        if method == STORED and csize != usize:
-            raise BadInputError(f"{path}: record {name!r} has inconsistent sizes")
-        records[name] = ZipRecord(name, data_offset, csize, usize, method, crc)
-    return records
+    if count * _CENTRAL_HEADER.size > cd_size:
+        raise BadInputError(f"{path}: corrupt zip directory ({count} entries cannot fit in its {cd_size} bytes)")
+    if cd_offset + cd_size != directory_end:
+        raise BadInputError(
+            f"{path}: {directory_end - cd_offset - cd_size} bytes the zip directory does not account for "
+            "(data before the archive or between its directory and end record: zip readers disagree on "
+            "where its records are); refusing"
+        )
+    return _End(count, cd_offset, cd_size)
 
 
-def _read_zip64_end(f: BinaryIO, eocd_at: int, file_size: int, path: str) -> tuple[int, int, int]:
+def _read_zip64_end(f: BinaryIO, eocd_at: int, path: str) -> tuple[_End, int] | None:
+    """The zip64 end record's values and offset, or None when there is no zip64 locator.
+
+    miniz uses the zip64 record whenever the locator is there, :mod:`zipfile` reads it right
+    before the locator whatever the locator says: so it must be exactly there.
+    """
     loc_at = eocd_at - _EOCD64_LOCATOR.size
     if loc_at < 0:
-        raise BadInputError(f"{path}: corrupt zip64 directory")
+        return None
     f.seek(loc_at)
-    sig, _, eocd64_at, _ = _EOCD64_LOCATOR.unpack(f.read(_EOCD64_LOCATOR.size))
-    if sig != _EOCD64_LOCATOR_SIG or eocd64_at + _EOCD64.size > loc_at:
+    sig, locator_disk, eocd64_at, _ = _EOCD64_LOCATOR.unpack(f.read(_EOCD64_LOCATOR.size))
+    if sig != _EOCD64_LOCATOR_SIG:
+        return None
+    if locator_disk or eocd64_at != loc_at - _EOCD64.size:
         raise BadInputError(f"{path}: corrupt zip64 directory locator")
     f.seek(eocd64_at)
     fields = _EOCD64.unpack(f.read(_EOCD64.size))
     if fields[0] != _EOCD64_SIG:
         raise BadInputError(f"{path}: corrupt zip64 end record")
-    return fields[7], fields[8], fields[9]
+    if fields[4] or fields[5] or fields[6] != fields[7]:
+        raise BadInputError(f"{path}: a multi-disk (split) zip archive; join its parts first")
+    return _End(fields[7], fields[9], fields[8]), eocd64_at
 
 
-def _apply_zip64_extra(extra: bytes, usize: int, csize: int, offset: int) -> tuple[int, int, int]:
+def _parse_central_directory(directory: bytes, count: int, path: str) -> list[_Entry]:
+    """The ``count`` entries of the directory, which must fill it exactly.
+
+    miniz reads ``count`` entries, :mod:`zipfile` reads entries until the bytes run out:
+    a directory with more or fewer entries than declared shows each of them different files.
+    """
+    entries: list[_Entry] = []
     at = 0
-    while at + 4 <= len(extra):
+    for _ in range(count):
+        if directory[at : at + 4] != _CENTRAL_SIG or at + _CENTRAL_HEADER.size > len(directory):
+            raise BadInputError(f"{path}: corrupt zip directory entry")
+        fields = _CENTRAL_HEADER.unpack_from(directory, at)
+        flags, method, crc, csize, usize = fields[3], fields[4], fields[7], fields[8], fields[9]
+        name_len, extra_len, comment_len, header_offset = fields[10], fields[11], fields[12], fields[16]
+        name_at = at + _CENTRAL_HEADER.size
+        at = name_at + name_len + extra_len + comment_len
+        if at > len(directory):
+            raise BadInputError(f"{path}: corrupt zip directory entry (it runs past the directory)")
+        raw_name = directory[name_at : name_at + name_len]
+        extra = directory[name_at + name_len : name_at + name_len + extra_len]
+        usize, csize, header_offset = _apply_zip64_extra(extra, usize, csize, header_offset, path, raw_name)
+        entries.append(_Entry(raw_name, flags, method, crc, csize, usize, header_offset))
+    if at != len(directory):
+        raise BadInputError(
+            f"{path}: the zip directory holds more than the {count} entries its end record declares "
+            "(zip readers would disagree on the records); refusing"
+        )
+    return entries
+
+
+def _apply_zip64_extra(
+    extra: bytes, usize: int, csize: int, offset: int, path: str, raw_name: bytes
+) -> tuple[int, int, int]:
+    """Replace the 0xFFFFFFFF placeholders with the zip64 extra field's values (in the order
+    the format gives them); a placeholder without its value, or a malformed field, is refused."""
+    placeholders = [usize == _U32_MAX, csize == _U32_MAX, offset == _U32_MAX]
+    values = [usize, csize, offset]
+    wide = next((body for tag, body in _extra_fields(extra, path, raw_name) if tag == _ZIP64_EXTRA), b"")
+    given = [v for (v,) in struct.iter_unpack("<Q", wide[: len(wide) // 8 * 8])]
+    if len(given) < sum(placeholders):
+        raise BadInputError(f"{path}: record {_shown(raw_name)} lacks the zip64 sizes its directory entry announces")
+    for i, placeholder in enumerate(placeholders):
+        if placeholder:
+            values[i] = given.pop(0)
+    return values[0], values[1], values[2]
+
+
+def _extra_fields(extra: bytes, path: str, raw_name: bytes) -> list[tuple[int, bytes]]:
+    """The (tag, body) fields of an extra block; each must fit in the block (as zipfile requires)."""
+    fields = []
+    at = 0
+    while at < len(extra):
+        if at + 4 > len(extra):
+            raise BadInputError(f"{path}: record {_shown(raw_name)} has a corrupt extra field")
         tag, size = struct.unpack_from("<HH", extra, at)
-        body = extra[at + 4 : at + 4 + size]
-        if tag == 0x0001:
-            values = [v[0] for v in struct.iter_unpack("<Q", body[: len(body) // 8 * 8])]
-            if usize == _U32_MAX and values:
-                usize = values.pop(0)
-            if csize == _U32_MAX and values:
-                csize = values.pop(0)
-            if offset == _U32_MAX and values:
-                offset = values.pop(0)
+        if at + 4 + size > len(extra):
+            raise BadInputError(f"{path}: record {_shown(raw_name)} has a corrupt extra field")
+        fields.append((tag, extra[at + 4 : at + 4 + size]))
         at += 4 + size
-    return usize, csize, offset
+    return fields
 
 
-def _local_data_offset(f: BinaryIO, header_offset: int, file_size: int, path: str, name: str) -> int:
-    if header_offset + _LOCAL_HEADER.size > file_size:
+def _shown(raw_name: bytes) -> str:
+    """A record name for a message, before it is known to be valid UTF-8."""
+    return repr(raw_name.decode("utf-8", "backslashreplace"))
+
+
+def _checked_name(raw_name: bytes, path: str) -> str:
+    """The record's name, refused unless it is a plain relative path in valid UTF-8.
+
+    Tools that extract the archive would write ``..`` or absolute names outside the target
+    folder, and a NUL ends the name early in C readers (miniz) but not in Python.
+    """
+    try:
+        name = raw_name.decode("utf-8")
+    except UnicodeDecodeError:
+        raise BadInputError(f"{path}: record name {_shown(raw_name)} is not valid UTF-8; refusing") from None
+    parts = name.replace("\\", "/").split("/")
+    if not name:
+        raise BadInputError(f"{path}: a record with an empty name; refusing")
+    if "\x00" in name:
+        raise BadInputError(f"{path}: record name {name!r} holds a NUL byte; refusing")
+    if parts[0] == "" or ":" in parts[0]:
+        raise BadInputError(f"{path}: record name {name!r} is an absolute path; refusing")
+    if ".." in parts:
+        raise BadInputError(f"{path}: record name {name!r} climbs out of the archive with '..'; refusing")
+    return name
+
+
+def _refuse_name_clashes(names: list[str], path: str) -> None:
+    """Names must be unique, and unique ignoring case: miniz (torch's reader) ignores case."""
+    seen: dict[str, str] = {}
+    for name in names:
+        other = seen.get(name.casefold())
+        if other == name:
+            raise BadInputError(f"{path}: the zip holds two records named {name!r}; refusing")
+        if other is not None:
+            raise BadInputError(
+                f"{path}: records {other!r} and {name!r} differ only in case; torch's zip reader ignores "
+                "case and could load the one ckptfix did not check; refusing"
+            )
+        seen[name.casefold()] = name
+
+
+def _check_entry(entry: _Entry, name: str, path: str) -> None:
+    """Method, encryption and sizes of one directory entry, before any of its bytes are read."""
+    if entry.flags & _ENCRYPTED_FLAGS:
+        raise BadInputError(f"{path}: record {name!r} is encrypted")
+    if entry.method not in (STORED, DEFLATED):
+        raise BadInputError(f"{path}: record {name!r} uses zip compression method {entry.method}")
+    if entry.method == STORED and entry.compressed_size != entry.size:
+        raise BadInputError(f"{path}: record {name!r} has inconsistent sizes")
+    if entry.method == DEFLATED and entry.size > entry.compressed_size * MAX_DEFLATE_RATIO:
+        raise BadInputError(
+            f"{path}: record {name!r} claims to inflate {entry.compressed_size} bytes to {entry.size}, more "
+            f"than deflate can ({MAX_DEFLATE_RATIO}x): a zip bomb or a corrupt size; refusing"
+        )
+
+
+def _check_local_header(f: BinaryIO, entry: _Entry, name: str, file_size: int, path: str) -> int:
+    """Return where the record's data starts, after checking its local header agrees with
+    the directory on what any reader uses: the name, the method and (unless a data
+    descriptor follows the data) the sizes and CRC."""
+    if entry.header_offset + _LOCAL_HEADER.size > file_size:
         raise BadInputError(f"{path}: record {name!r} lies outside the file: truncated or corrupt")
-    f.seek(header_offset)
-    header = f.read(_LOCAL_HEADER.size)
-    fields = _LOCAL_HEADER.unpack(header)
-    if fields[0] != _LOCAL_SIG:
+    f.seek(entry.header_offset)
+    fields = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
+    (sig, _, flags, method, _, _, crc, csize, usize, name_len, extra_len) = fields
+    if sig != _LOCAL_SIG:
         raise BadInputError(f"{path}: record {name!r} has no valid local header: corrupt zip")
-    return header_offset + _LOCAL_HEADER.size + fields[9] + fields[10]
+    data_offset = entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    if data_offset > file_size:
+        raise BadInputError(f"{path}: record {name!r} lies outside the file: truncated or corrupt")
+    local = f.read(name_len + extra_len)
+    if local[:name_len] != entry.raw_name:
+        raise BadInputError(
+            f"{path}: record {name!r} is named {_shown(local[:name_len])} in its local header; zip readers "
+            "would disagree on what it is; refusing"
+        )
+    if method != entry.method:
+        raise BadInputError(
+            f"{path}: record {name!r} has compression method {method} in its local header but "
+            f"{entry.method} in the zip directory; refusing"
+        )
+    if not flags & _DATA_DESCRIPTOR_FLAG:
+        if _U32_MAX in (csize, usize):
+            usize, csize, _ = _apply_zip64_extra(local[name_len:], usize, csize, 0, path, entry.raw_name)
+        if (crc, csize, usize) != (entry.crc, entry.compressed_size, entry.size):
+            raise BadInputError(
+                f"{path}: record {name!r} has other sizes or CRC in its local header than in the zip "
+                "directory; refusing"
+            )
+    return data_offset
 
 
-def read_record_bytes(f: BinaryIO, record: ZipRecord, limit: int) -> bytes:
-    """Read a (small) record into memory, inflating it if needed, refusing more than ``limit``."""
+def _refuse_overlaps(records: Iterable[ZipRecord], path: str) -> None:
+    """No byte may belong to two records (local header to end of data)."""
+    previous: ZipRecord | None = None
+    for record in sorted(records, key=lambda r: r.header_offset):
+        if previous is not None and record.header_offset < previous.data_offset + previous.compressed_size:
+            raise BadInputError(
+                f"{path}: records {previous.name!r} and {record.name!r} overlap in the file (a zip bomb "
+                "or an archive that reads differently in different tools); refusing"
+            )
+        previous = record
+
+
+def read_record_bytes(f: BinaryIO, record: ZipRecord, limit: int, path: str = "") -> bytes:
+    """Read a (small) record into memory, inflating it if needed, refusing more than ``limit``.
+
+    Compressed bytes are read and inflated in bounded chunks, so memory stays at the
+    record's declared size however many compressed bytes the file holds. ``path`` (the
+    archive's) only makes error messages say which file.
+    """
+    where = f"{path}: record {record.name!r}" if path else f"record {record.name!r}"
     if record.size > limit:
-        raise BadInputError(f"record {record.name!r} declares {record.size} bytes, over the {limit}-byte limit")
-    f.seek(record.data_offset)
-    raw = f.read(record.compressed_size)
-    if len(raw) != record.compressed_size:
-        raise BadInputError(f"record {record.name!r} is truncated")
+        raise BadInputError(f"{where} declares {record.size} bytes, over the {limit}-byte limit")
     if record.method == STORED:
+        f.seek(record.data_offset)
+        raw = f.read(record.compressed_size)
+        if len(raw) != record.compressed_size:
+            raise BadInputError(f"{where} is truncated")
         return raw
-    inflater = zlib.decompressobj(-15)
-    data = inflater.decompress(raw, limit + 1)
-    if len(data) != record.size:
-        raise BadInputError(f"record {record.name!r} does not inflate to its declared size")
-    return data
+    return b"".join(inflate_chunks(f, record.data_offset, record.compressed_size, record.size, where))
 
 
 @dataclass

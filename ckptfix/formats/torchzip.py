@@ -16,6 +16,7 @@ range; writing re-pickles the (transformed) tree and copies storage records byte
 
 from __future__ import annotations
 
+import re
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,23 +34,43 @@ from ..ziparchive import ZipRecord, ZipWriter, read_directory, read_record_bytes
 MAX_PICKLE_BYTES = 1 << 30
 #: records written from our own knowledge rather than copied
 _REGENERATED = {"data.pkl", ".format_version", ".storage_alignment", "byteorder", ".data/serialization_id"}
+#: the serialization version, as torch.save (``version``) or newer writers (``.data/version``)
+#: record it: read, checked and written back with the same value
+_VERSION_RECORDS = ("version", ".data/version")
+_VERSION = re.compile(rb"[0-9]{1,8}\r?\n?")
+#: every name torch's loader looks up, besides ``data/<key>`` storages
+_TORCH_NAMES = _REGENERATED | set(_VERSION_RECORDS)
 
 
 @dataclass
 class TorchZipArchive:
-    """What the writer needs from the input beyond the tree: its other records."""
+    """What the writer needs from the input beyond the tree.
+
+    Only records ckptfix read and checked reach an output: the pickle and the metadata are
+    written anew, storages are copied by the byte range the pickle gives them, and the
+    version records by their checked value. Anything else torch would never read is left
+    out (``dropped``), so a file can't smuggle bytes through ckptfix that no check has seen.
+    """
 
     path: str
     archive_name: str
     records: dict[str, ZipRecord] = field(repr=False)
     byteorder: bytes | None
+    versions: dict[str, bytes] = field(default_factory=dict)
 
-    def extra_records(self) -> list[str]:
-        """Records other than the pickle, storages and regenerated ones, in file order."""
-        return [
-            name for name in self.records
-            if name not in _REGENERATED and not name.startswith("data/")
-        ]
+    @property
+    def dropped(self) -> list[str]:
+        """Records that are neither torch metadata nor storages: not carried into outputs."""
+        return [name for name in self.records if name not in _TORCH_NAMES and not name.startswith("data/")]
+
+    def notes(self) -> list[str]:
+        """What a user should know about the input's records: the ones outputs leave out."""
+        dropped = self.dropped
+        if not dropped:
+            return []
+        shown = ", ".join(f"{self.archive_name}/{n}" for n in dropped[:3]) + (", ..." if len(dropped) > 3 else "")
+        count = f"{len(dropped)} zip record" + ("s" if len(dropped) > 1 else "")
+        return [f"not written to outputs ({count} torch never reads): {shown}"]
 
 
 def _refuse_wrapped(records: dict[str, ZipRecord], path: str) -> None:
@@ -68,11 +89,58 @@ def split_archive_names(records: dict[str, ZipRecord], path: str) -> dict[str, Z
     return {name.split("/", 1)[1]: record for name, record in records.items()}
 
 
+def check_record_names(records: dict[str, ZipRecord], path: str) -> None:
+    """Refuse names by which torch and ckptfix would read different records.
+
+    torch's zip reader (miniz) finds names ignoring case: an ``archive/BYTEORDER`` is the byte
+    order to torch but an unknown record to a case-sensitive reader. And a second pickle
+    (``extra.pkl``, ``data.PKL``) is never loaded by torch but may be by other tools, so it
+    must not ride along unchecked. TorchScript archives and zips that hold no data.pkl are left
+    to their own readers (ours refuses them with a clearer message).
+    """
+    relative = {name: name.split("/", 1)[-1] for name in records}
+    torchscript = "constants.pkl" in relative.values() or any(n.startswith("code/") for n in relative.values())
+    if torchscript or "data.pkl" not in {name.lower() for name in relative.values()}:
+        return
+    for full, name in relative.items():
+        lower = name.lower()
+        if lower.endswith(".pkl") and lower != "data.pkl":
+            raise BadInputError(
+                f"{path}: record {full!r} is a second pickle besides data.pkl: torch never loads it, other "
+                "tools might, and ckptfix will not carry it unchecked; refusing"
+            )
+        if name != lower and (lower in _TORCH_NAMES or lower.startswith(("data/", ".data/"))):
+            raise BadInputError(
+                f"{path}: record {full!r} is torch's {lower!r} in other case: torch's zip reader ignores case "
+                "and would read it, a case-sensitive reader would not; refusing"
+            )
+
+
+def read_checked_directory(f: BinaryIO, file_size: int, path: str) -> dict[str, ZipRecord]:
+    """The archive's records by full name, once the container (``read_directory``) and the
+    names (``check_record_names``) pass: what both the reader and ``scan`` look at."""
+    records = read_directory(f, file_size, path)
+    check_record_names(records, path)
+    return records
+
+
+def _read_versions(f: BinaryIO, records: dict[str, ZipRecord], path: str) -> dict[str, bytes]:
+    """The version records' values, checked to be the small number torch writes there."""
+    versions = {}
+    for name in _VERSION_RECORDS:
+        if name in records:
+            value = read_record_bytes(f, records[name], 16, path)
+            if not _VERSION.fullmatch(value):
+                raise BadInputError(f"{path}: record {name} holds {value[:16]!r}, not a version number")
+            versions[name] = value
+    return versions
+
+
 def read_torch_zip(
     path: str, f: BinaryIO, file_size: int, globals_seen: set[str], allow: Sequence[str] = ()
 ) -> tuple[Any, TorchZipArchive]:
     """Parse a torch zip checkpoint into a tree of lazy references (no tensor data is read)."""
-    raw = read_directory(f, file_size, path)
+    raw = read_checked_directory(f, file_size, path)
     if not raw:
         raise BadInputError(f"{path}: an empty zip archive, not a checkpoint")
     archive_name = next(iter(raw)).split("/", 1)[0]
@@ -85,13 +153,14 @@ def read_torch_zip(
     if "data.pkl" not in records:
         _refuse_wrapped(raw, path)
         raise BadInputError(f"{path}: a zip archive without data.pkl: not a torch checkpoint")
-    pickle_bytes = read_record_bytes(f, records["data.pkl"], MAX_PICKLE_BYTES)
+    pickle_bytes = read_record_bytes(f, records["data.pkl"], MAX_PICKLE_BYTES, path)
     byteorder = None
     if "byteorder" in records:
-        byteorder = read_record_bytes(f, records["byteorder"], 16)
+        byteorder = read_record_bytes(f, records["byteorder"], 16, path)
         if byteorder not in (b"little", b"big"):
             raise BadInputError(f"{path}: unknown byte order {byteorder[:16]!r}")
     order = (byteorder or b"little").decode()
+    versions = _read_versions(f, records, path)
 
     storages: dict[str, StorageRef] = {}
 
@@ -117,7 +186,7 @@ def read_torch_zip(
     except UnsafeInputError as exc:
         raise UnsafeInputError(exc.global_name, path) from None
     check_extents(root, path)
-    return root, TorchZipArchive(path, archive_name, records, byteorder)
+    return root, TorchZipArchive(path, archive_name, records, byteorder, versions)
 
 
 def _serialization_id(crcs: list[int], total: int) -> bytes:
@@ -141,7 +210,8 @@ def write_torch_zip(
 
     Storage bytes are copied from wherever the tree's :class:`StorageRef` s point (a zip
     record, a safetensors range, a legacy storage), cut down to the span tensors still use.
-    ``source`` supplies extra records of the input to carry over. All storages must share one
+    ``source`` supplies the input's checked version records (nothing else is carried over: see
+    :class:`TorchZipArchive`). All storages must share one
     byte order, which is recorded.
     Returns the storages written, in key order; ``progress`` gets each storage's byte count.
     """
@@ -166,11 +236,11 @@ def write_torch_zip(
             total += storage.source.size
             if progress:
                 progress(storage.source.size)
-        extras = source.extra_records() if source else []
-        if "version" not in extras:
+        versions = source.versions if source else {}
+        if "version" not in versions:
             crcs.append(writer.add_bytes("version", b"3\n"))
-        for name in extras:
-            crcs.append(writer.add_copy(name, source.records[name].source(source.path), files))
+        for name, value in versions.items():
+            crcs.append(writer.add_bytes(name, value))
         writer.add_bytes(".data/serialization_id", _serialization_id(crcs, total))
         writer.close()
     return pickled.storages
