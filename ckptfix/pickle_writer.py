@@ -28,8 +28,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import BadInputError
+from .names import is_dotted_identifier
 from .tree import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, Reduce, StorageRef, TensorRef
-from .unpickle import is_dotted_identifier
 
 _MARK, _TUPLE, _EMPTY_TUPLE = b"(", b"t", b")"
 _TUPLE_N = (b")", b"\x85", b"\x86", b"\x87")

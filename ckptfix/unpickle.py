@@ -28,7 +28,6 @@ from __future__ import annotations
 import codecs
 import fnmatch
 import gc
-import re
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -36,6 +35,7 @@ from typing import Any
 
 from .dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS_NAMES
 from .errors import BadInputError, UnsafeInputError
+from .names import is_dotted_identifier
 from .pickle_vm import Budgets, Hooks, PickleVM
 from .tree import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef, check_nesting
 
@@ -87,12 +87,6 @@ NEVER_ALLOWED = frozenset({"torch.storage._load_from_bytes", "torch.load", "buil
 
 #: platform modules that pickles name instead of the module users know (os.system is posix.system)
 _DISPLAY_MODULES = {"posix": "os", "nt": "os", "_operator": "operator", "_io": "io"}
-_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*\Z")
-
-
-def is_dotted_identifier(name: str) -> bool:
-    """``pkg.mod.Name``: ASCII identifiers joined by dots, nothing else (no newline, space, NUL)."""
-    return bool(_DOTTED.match(name))
 
 
 def allowed_by_name(full: str, patterns: Sequence[str]) -> bool:
