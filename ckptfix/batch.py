@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import EXIT_CANNOT_WRITE, CannotWriteError, CkptfixError, UsageError
+from .errors import EXIT_CANNOT_WRITE, BadInputError, CannotWriteError, CkptfixError, UsageError
 from .formats.sharded import INDEX_NAMES, find_index
 
 #: file names a folder scan treats as checkpoints
@@ -88,18 +88,45 @@ def expand_inputs(paths: Sequence[str], recursive: bool) -> list[tuple[Path, Pat
 
 
 def _scan(folder: Path, recursive: bool) -> Iterator[Path]:
-    for entry in sorted(folder.iterdir()):
-        if entry.is_dir():
-            if _is_checkpoint_folder(entry):
+    """Checkpoints in ``folder`` (and sub-folders with ``recursive``), in sorted order, depth first.
+
+    Iterative (a stack of folder listings), and each real folder is entered once: a symlink
+    loop ends instead of recursing forever.
+    """
+    seen: set[tuple[int, int]] = set()
+
+    def listing(current: Path) -> Iterator[Path] | None:
+        try:
+            info = current.stat()
+            entries = sorted(current.iterdir())
+        except OSError as exc:
+            raise BadInputError(f"{current}: cannot list this folder ({exc.strerror or exc})") from None
+        if (info.st_dev, info.st_ino) in seen:
+            return None
+        seen.add((info.st_dev, info.st_ino))
+        return iter(entries)
+
+    first = listing(folder)
+    stack: list[tuple[Path, Iterator[Path]]] = [(folder, first)] if first else []
+    while stack:
+        current, entries = stack[-1]
+        for entry in entries:
+            if entry.is_dir():
+                if _is_checkpoint_folder(entry):
+                    yield entry
+                elif recursive:
+                    inner = listing(entry)
+                    if inner is not None:
+                        stack.append((entry, inner))
+                        break
+            elif entry.suffix.lower() in CHECKPOINT_SUFFIXES and not entry.name.endswith(".index.json"):
+                if entry.name.startswith(".") and entry.name.endswith(".ckptfix-tmp"):
+                    continue
+                if find_index(current) is not None and "-of-" in entry.name:
+                    continue  # a shard of a folder checkpoint
                 yield entry
-            elif recursive:
-                yield from _scan(entry, recursive)
-        elif entry.suffix.lower() in CHECKPOINT_SUFFIXES and not entry.name.endswith(".index.json"):
-            if entry.name.startswith(".") and entry.name.endswith(".ckptfix-tmp"):
-                continue
-            if find_index(folder) is not None and "-of-" in entry.name:
-                continue  # a shard of a folder checkpoint
-            yield entry
+        else:
+            stack.pop()
 
 
 def output_path(relative: Path, out_dir: Path, out_format: str | None) -> Path:

@@ -17,7 +17,7 @@ from typing import Any
 
 from .dtypes import DTYPE_ITEMSIZE
 from .sources import OpenFiles, tensor_c_bytes
-from .tree import Reduce, TensorRef, is_tensor_like, is_torch_tensor
+from .tree import ATTRS, Reduce, TensorRef, format_path, is_tensor_like, is_torch_tensor, walk
 
 _MAX_LISTED = 50
 
@@ -44,17 +44,17 @@ class DiffReport:
 
 
 def flatten(root: Any) -> dict[str, Any]:
-    """``{dotted path: leaf}`` over mappings, lists and tuples; tensors and plain values are leaves."""
+    """``{dotted path: leaf}`` over mappings, lists and tuples; tensors, records, plain values and
+    empty containers are leaves. One walk: a sub-tree shared by two paths is listed under the
+    first, and a cycle ends where it closes."""
     leaves: dict[str, Any] = {}
-    stack: list[tuple[str, Any]] = [("", root)]
-    while stack:
-        path, value = stack.pop()
-        if isinstance(value, (Mapping, list, tuple)) and not isinstance(value, (str, bytes)) and value:
-            items = value.items() if isinstance(value, Mapping) else enumerate(value)
-            for key, item in reversed(list(items)):
-                stack.append((f"{path}.{key}" if path else str(key), item))
-        else:
-            leaves[path] = value
+
+    def into(path: tuple, value: Any) -> bool:
+        return isinstance(value, (Mapping, list, tuple)) and bool(value) and not is_tensor_like(value)
+
+    for path, value in walk(root, lambda p, v: into(p, v) and ATTRS not in p, leaves=True):
+        if not into(path, value) and ATTRS not in path:  # _metadata is module versions, not values
+            leaves[format_path(path)] = value
     return leaves
 
 

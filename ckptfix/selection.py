@@ -19,7 +19,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .tree import copy_mapping, find_state_dicts, format_path, is_optimizer_state, iter_storages
+from .tree import (
+    copy_mapping,
+    find_state_dicts,
+    format_path,
+    is_optimizer_state,
+    is_tensor_like,
+    iter_storages,
+    substitute,
+    walk,
+)
 
 #: entries a training loop saves besides the weights (Lightning, plain PyTorch, timm, mmengine...)
 TRAINING_STATE = (
@@ -42,40 +51,41 @@ def _matches(patterns: Sequence[str], *names: str) -> bool:
 
 
 def filter_tree(root: Any, drop: Sequence[str] = (), keep: Sequence[str] = ()) -> tuple[Any, SelectionReport]:
-    """A copy of ``root`` without the entries ``drop`` matches and the state-dict keys ``keep`` does not."""
+    """A copy of ``root`` without the entries ``drop`` matches and the state-dict keys ``keep`` does not.
+
+    One walk decides, per container, which entries go (a shared container is decided once, at
+    its first path); :func:`substitute` then writes the smaller containers in, keeping sharing
+    and cycles. Dropped sub-trees are not entered.
+    """
     report = SelectionReport(bytes_before=sum(s.nbytes for s in iter_storages(root)))
     state_dict_ids = {id(sd) for _, sd in find_state_dicts(root)}
-    done: dict[int, Any] = {}
+    replacements: dict[int, Any] = {}
+    dropped: set[tuple] = set()
 
-    def rebuild(value: Any, path: tuple) -> Any:
-        if id(value) in done:
-            return done[id(value)]
-        if not isinstance(value, (Mapping, list, tuple)):
-            return value
+    def descend(path: tuple, value: Any) -> bool:
+        if path in dropped or not isinstance(value, (Mapping, list, tuple)) or is_tensor_like(value):
+            return False
         in_state_dict = id(value) in state_dict_ids
         items = list(value.items()) if isinstance(value, Mapping) else list(enumerate(value))
-        kept_items, changed = [], False
+        kept_items = []
         for key, item in items:
             full = format_path(path + (key,))
-            relative = str(key)
-            names = (full, relative) if in_state_dict else (full,)
+            names = (full, str(key)) if in_state_dict else (full,)
             if _matches(drop, *names) or (in_state_dict and keep and not _matches(keep, *names)):
                 report.dropped.append(full)
-                changed = True
-                continue
-            new = rebuild(item, path + (key,))
-            changed |= new is not item
-            kept_items.append((key, new))
-        if not changed:
-            result = value
-        elif isinstance(value, Mapping):
-            result = copy_mapping(value, kept_items)
-        else:
-            result = type(value)(v for _, v in kept_items)
-        done[id(value)] = result
-        return result
+                dropped.add(path + (key,))
+            else:
+                kept_items.append((key, item))
+        if len(kept_items) != len(items):
+            if isinstance(value, Mapping):
+                replacements[id(value)] = copy_mapping(value, kept_items)
+            else:
+                replacements[id(value)] = type(value)(v for _, v in kept_items)
+        return True
 
-    new_root = rebuild(root, ())
+    for _ in walk(root, descend):
+        pass
+    new_root = substitute(root, replacements)
     report.bytes_after = sum(s.nbytes for s in iter_storages(new_root))
     return new_root, report
 
@@ -90,16 +100,15 @@ def prune_patterns(root: Any) -> list[str]:
     like an optimizer state. State dicts (the weights, EMA included) are never entered."""
     state_dict_ids = {id(sd) for _, sd in find_state_dicts(root)}
     patterns: list[str] = []
-    stack: list[tuple[tuple, Any]] = [((), root)]
-    while stack:
-        path, value = stack.pop()
-        if id(value) in state_dict_ids:
-            continue
+
+    def descend(path: tuple, value: Any) -> bool:
+        if id(value) in state_dict_ids or is_tensor_like(value):
+            return False
         if path and ((isinstance(path[-1], str) and path[-1] in TRAINING_STATE) or is_optimizer_state(value)):
             patterns.append(_escape(format_path(path)))
-            continue
-        if isinstance(value, Mapping):
-            stack.extend((path + (k,), v) for k, v in value.items())
-        elif isinstance(value, (list, tuple)):
-            stack.extend((path + (i,), v) for i, v in enumerate(value))
+            return False
+        return isinstance(value, (Mapping, list, tuple))
+
+    for _ in walk(root, descend):
+        pass
     return patterns

@@ -19,6 +19,7 @@ from .tree import (
     is_torch_tensor,
     iter_tensors,
     looks_like_state_dict,
+    walk,
 )
 
 #: prefixes that wrappers add, in the order people meet them
@@ -80,48 +81,59 @@ def _kind_of(value: Any) -> str:
     return type(value).__name__
 
 
-def _devices(value: Any) -> dict[str, int]:
-    """Tensor count per device tag under ``value`` (real tensors included)."""
-    counts: Counter[str] = Counter(t.device for _, t in iter_tensors(value))
-    counts.update(str(t.device) for t in _real_tensors(value))
-    return dict(counts.most_common())
-
-
-def _count_tensors(value: Any) -> int:
-    return sum(1 for _ in iter_tensors(value))
+def _tensor_stats(value: Any) -> tuple[int, dict[str, int]]:
+    """Tensor count and count per device tag under ``value`` (real tensors included): one walk."""
+    counts: Counter[str] = Counter()
+    n = 0
+    for _, leaf in walk(value, leaves=True):
+        if isinstance(leaf, TensorRef):
+            counts[leaf.device] += 1
+            n += 1
+        elif is_torch_tensor(leaf):
+            counts[str(leaf.device)] += 1
+            n += 1
+    return n, dict(counts.most_common())
 
 
 def describe_tree(root: Any) -> list[dict[str, Any]]:
-    """One entry per interesting node: state dicts, optimizer states, tensors, plain values."""
+    """One entry per interesting node: state dicts, optimizer states, tensors, plain values.
+
+    The walk goes at most ``_MAX_DEPTH`` levels down; deeper containers are summarised.
+    """
     entries: list[dict[str, Any]] = []
 
-    def visit(path: Path, value: Any, depth: int) -> None:
+    def describe(path: Path, value: Any) -> bool:
+        """Add the entry for ``value``; True when the walk should go into its children."""
         if len(entries) >= _MAX_TREE_LINES:
-            return
+            return False
         where = format_path(path) or "(top level)"
         if looks_like_state_dict(value):
-            entries.append({"path": where, "kind": "state dict", "tensors": len(value), "devices": _devices(value)})
+            n, devices = _tensor_stats(value)
+            entries.append({"path": where, "kind": "state dict", "tensors": len(value), "devices": devices})
         elif is_optimizer_state(value):
-            entries.append({"path": where, "kind": "optimizer state", "tensors": _count_tensors(value),
-                            "devices": _devices(value)})
+            n, devices = _tensor_stats(value)
+            entries.append({"path": where, "kind": "optimizer state", "tensors": n, "devices": devices})
         elif is_tensor_like(value):
             entries.append({"path": where, "kind": "tensor", "value": _tensor_line(value)})
-        elif isinstance(value, (Mapping, list, tuple)) and value and depth < _MAX_DEPTH:
-            items = value.items() if isinstance(value, Mapping) else enumerate(value)
-            if path and not isinstance(value, Mapping) and all(not isinstance(v, (Mapping, list, tuple)) and not
-                                                               is_tensor_like(v) for v in value):
+        elif isinstance(value, (Mapping, list, tuple)) and value and len(path) < _MAX_DEPTH:
+            if path and not isinstance(value, Mapping) and all(
+                not isinstance(v, (Mapping, list, tuple)) and not is_tensor_like(v) for v in value
+            ):
                 entries.append({"path": where, "kind": type(value).__name__, "value": _scalar_text(value)})
-                return
-            for key, item in items:
-                visit(path + (key,), item, depth + 1)
+                return False
+            return True
         elif isinstance(value, (Mapping, list, tuple)):
-            n = _count_tensors(value)
+            n, devices = _tensor_stats(value)
             entries.append({"path": where, "kind": type(value).__name__, "items": len(value), "tensors": n,
-                            "devices": _devices(value)})
+                            "devices": devices})
         else:
             entries.append({"path": where, "kind": _kind_of(value), "value": _scalar_text(value)})
+        return False
 
-    visit((), root, 0)
+    going_in: set[int] = set()  # the walk asks ``descend`` right after yielding a node
+    for path, value in walk(root, lambda _, v: id(v) in going_in, leaves=True):
+        if describe(path, value):
+            going_in.add(id(value))
     return entries
 
 
@@ -139,10 +151,11 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         storages[id(tensor.storage)] = tensor.storage
         users.setdefault(id(tensor.storage), []).append(format_path(path))
     if not ckpt.lazy:
-        for value in _real_tensors(ckpt.root):
-            tensors += 1
-            dtypes[str(value.dtype).replace("torch.", "")] += 1
-            devices[str(value.device)] += 1
+        for _, value in walk(ckpt.root, leaves=True):
+            if is_torch_tensor(value):
+                tensors += 1
+                dtypes[str(value.dtype).replace("torch.", "")] += 1
+                devices[str(value.device)] += 1
     state_dicts = []
     for path, sd in find_state_dicts(ckpt.root):
         keys = [k for k in sd if isinstance(k, str)]
@@ -193,24 +206,6 @@ def _warnings(devices: Counter[str]) -> list[str]:
         f"tensors on several devices ({listed}): loading needs every one of them, or a map_location; "
         "to move them all: ckptfix remap IN OUT --map-location cpu"
     ]
-
-
-def _real_tensors(root: Any) -> list[Any]:
-    found: list[Any] = []
-    stack = [root]
-    seen: set[int] = set()
-    while stack:
-        value = stack.pop()
-        if id(value) in seen:
-            continue
-        seen.add(id(value))
-        if is_torch_tensor(value):
-            found.append(value)
-        elif isinstance(value, Mapping):
-            stack.extend(value.values())
-        elif isinstance(value, (list, tuple)):
-            stack.extend(value)
-    return found
 
 
 def format_size(n: int) -> str:

@@ -296,6 +296,7 @@ def children_of(value: Any) -> list[tuple[Any, Any]] | None:
 
 def walk(
     root: Any, descend: Callable[[Path, Any], bool] | None = None, *, limit: int = MAX_NESTING,
+    leaves: bool = False,
 ) -> Iterator[tuple[Path, Any]]:
     """THE traversal: every container and record under ``root`` with its path, in order.
 
@@ -306,10 +307,12 @@ def walk(
     ``tensor.storage``), a storage pickled on its own is. Atoms (str, int, ...) are not
     yielded. ``descend(path, value)`` returning False keeps the walk out of that node.
     Deeper than ``limit`` is :class:`BadInputError` -- the same limit the reader enforces.
+    ``leaves=True`` also yields everything else a container holds -- atoms, real torch
+    tensors, anything a transform put there -- on every path that reaches it.
     """
     getter = _getter(root)
     if getter is None:
-        if isinstance(root, StorageRef):
+        if leaves or isinstance(root, StorageRef):
             yield (), root
         return
     seen: set[int] = {id(root)}
@@ -323,6 +326,8 @@ def walk(
         for key, child in items:
             kind = type(child)
             if kind in atoms:
+                if leaves:
+                    yield path + (key,), child
                 continue
             if kind is TensorRef:
                 child_path = path + (key,)
@@ -337,7 +342,11 @@ def walk(
                 yield path + (key,), child
                 continue
             child_getter = children.get(kind) or _getter(child)
-            if child_getter is None or id(child) in seen:
+            if child_getter is None:
+                if leaves:
+                    yield path + (key,), child
+                continue
+            if id(child) in seen:
                 continue
             seen.add(id(child))
             child_path = path + (key,)
