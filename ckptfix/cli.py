@@ -50,9 +50,13 @@ def _progress_for(path: str) -> tuple[Callable[[int], None] | None, Callable[[bo
 
     Returns the update callback and a closer taking whether the work succeeded.
     """
-    if not sys.stderr.isatty() or os.path.getsize(path) < 64 << 20:
+    try:
+        size = os.path.getsize(path) if sys.stderr.isatty() else 0
+    except OSError:  # a broken input is reported by the reader, with the right exit code
+        size = 0
+    if size < 64 << 20:
         return None, lambda ok: None
-    bar = click.progressbar(length=os.path.getsize(path), file=sys.stderr, label="copying tensors", show_pos=False)
+    bar = click.progressbar(length=size, file=sys.stderr, label="copying tensors", show_pos=False)
     bar.__enter__()
 
     def close(ok: bool) -> None:
