@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 import json
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -38,6 +38,9 @@ MAX_HEADER_BYTES = 100_000_000
 MAX_HEADER_DEPTH = 127
 _U64 = 1 << 64
 _ALIGN = 8
+#: --max-expand's default budget: EXPAND_FACTOR x the input's size, at least EXPAND_FLOOR bytes
+EXPAND_FACTOR = 16
+EXPAND_FLOOR = 1 << 30
 
 
 def read_safetensors(path: str, f: BinaryIO, file_size: int) -> tuple[dict[str, Any], dict[str, str]]:
@@ -183,8 +186,84 @@ def _view_key(t: TensorRef) -> tuple:
     return (id(t.storage), t.storage_offset, t.shape, t.stride, t.dtype)
 
 
-def plan_safetensors(state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> SafetensorsPlan:
-    """Check that ``state_dict`` can be stored and lay the file out (no bytes are read)."""
+def default_expand_budget(input_bytes: int) -> int:
+    """``--max-expand``'s default: 16x the input's size, and at least 1 GiB.
+
+    A real conversion writes about what it read (4x at most, casting float16 to float64), so
+    only views that expand a small storage (a stride-0 ``expand``, many overlapping slices)
+    come near it.
+    """
+    return max(EXPAND_FACTOR * input_bytes, EXPAND_FLOOR)
+
+
+def _data_bytes(t: Any, cap: int) -> int:
+    """The bytes ``t``'s elements fill when written contiguously, or ``cap`` if that is more.
+
+    The product stops growing at ``cap``, so a pickled shape of a million huge dimensions
+    costs a million small multiplications, not arithmetic on million-digit integers.
+    """
+    if not isinstance(t, TensorRef):  # a real torch tensor (files read through torch.load)
+        return min(t.numel() * t.element_size(), cap)
+    if 0 in t.shape:
+        return 0
+    size = DTYPE_ITEMSIZE.get(t.dtype, 1)
+    for dim in t.shape:
+        size *= dim
+        if size >= cap:
+            return cap
+    return size
+
+
+def _describe_view(t: Any) -> str:
+    """dtype, shape, stride and stored bytes: what shows that a view expands its storage."""
+    if isinstance(t, TensorRef):
+        dtype, stride, stored = t.dtype, list(t.stride), t.storage.nbytes
+    else:  # a real torch tensor
+        dtype, stride, stored = str(t.dtype).removeprefix("torch."), list(t.stride()), t.untyped_storage().nbytes()
+    return f"{dtype} {list(t.shape)!s:.80}, stride {stride!s:.80}, over {stored} stored bytes"
+
+
+def check_expand_budget(tensors: Iterable[tuple[str, Any]], budget: int) -> None:
+    """Refuse, before anything is written, a write whose tensor data would exceed ``budget`` bytes.
+
+    safetensors stores each tensor as its own contiguous bytes, so views are materialised: a
+    stride-0 view (``torch.zeros(1).expand(10**6, 10**6)``: 4 bytes in a .pth) becomes 4 TB,
+    and overlapping views of one storage are written once each. ``tensors`` are the (name,
+    tensor) pairs to be written, ties already counted once. The error names the largest
+    tensor and ``--max-expand``, the option that raises the budget.
+    """
+    from ..summary import format_size
+
+    total, largest, largest_name, largest_tensor = 0, -1, "", None
+    for name, t in tensors:
+        size = _data_bytes(t, budget + 1)
+        total += size
+        if size > largest:
+            largest, largest_name, largest_tensor = size, name, t
+    if total <= budget:
+        return
+    if largest > budget and len(largest_tensor.shape) <= 64:  # small enough to say exactly how big
+        largest = _data_bytes(largest_tensor, 1 << 256)
+    where = f"{largest_name!r} ({_describe_view(largest_tensor)})"
+    limit = f"the --max-expand budget of {format_size(budget)} (default: 16x the input size, at least 1 GiB)"
+    if largest > budget:
+        message = f"tensor {where} would be written out as {format_size(largest)}, more than {limit}"
+    else:
+        message = f"the tensors would be written out as more than {limit}; the largest is {where}"
+    raise BadInputError(
+        message,
+        hint="safetensors stores every view in full; if this is intended, raise the budget with --max-expand SIZE",
+    )
+
+
+def plan_safetensors(
+    state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None = None, *, max_data_bytes: int | None = None
+) -> SafetensorsPlan:
+    """Check that ``state_dict`` can be stored and lay the file out (no bytes are read).
+
+    With ``max_data_bytes``, the data the file would hold is checked against that budget
+    (:func:`check_expand_budget`) before the layout is computed.
+    """
     groups: dict[tuple, list[str]] = {}
     for name, value in state_dict.items():
         if not isinstance(name, str):
@@ -207,6 +286,8 @@ def plan_safetensors(state_dict: Mapping[str, Any], metadata: Mapping[str, str] 
         keep = sorted(names)[0]
         kept.append((keep, state_dict[keep]))
         aliases.update({n: keep for n in names if n != keep})
+    if max_data_bytes is not None:
+        check_expand_budget(kept, max_data_bytes)
     kept.sort(key=lambda item: (-DTYPE_ITEMSIZE[item[1].dtype], item[0]))
     meta = dict(metadata or {})
     for alias, keep in aliases.items():
@@ -229,13 +310,16 @@ def write_safetensors(
     out: BinaryIO,
     metadata: Mapping[str, str] | None = None,
     progress: Callable[[int], None] | None = None,
+    *,
+    max_data_bytes: int | None = None,
 ) -> SafetensorsPlan:
     """Stream ``state_dict`` into ``out`` as safetensors; returns the plan that was written.
 
     Contiguous little-endian tensors are copied file to file by the kernel; strided views
-    and big-endian sources are gathered one tensor at a time.
+    and big-endian sources are gathered one tensor at a time. ``max_data_bytes`` refuses,
+    before the first byte, a file whose data would be larger (see :func:`check_expand_budget`).
     """
-    plan = plan_safetensors(state_dict, metadata)
+    plan = plan_safetensors(state_dict, metadata, max_data_bytes=max_data_bytes)
     stream = OutputStream(out)
     stream.write(plan.header)
     with OpenFiles() as files:
@@ -256,22 +340,44 @@ def _write_tensor(stream: OutputStream, t: TensorRef, files: OpenFiles) -> None:
     stream.write(tensor_c_bytes(t, files))
 
 
-def write_safetensors_from_torch(
-    state_dict: Mapping[str, Any], out: BinaryIO, metadata: Mapping[str, str] | None
-) -> None:
-    """For trees holding real tensors (``--unsafe-load`` input): the safetensors library itself."""
-    from safetensors.torch import save
-
+def _torch_kept(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Real tensors to write, each view once: (name -> tensor, alias -> kept name)."""
     if not all(is_torch_tensor(v) for v in state_dict.values()):
         raise UsageError("safetensors holds only tensors; select a state dict with --select")
     seen: dict[tuple, str] = {}
-    tensors, meta = {}, dict(metadata or {})
+    kept: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
     for name in sorted(state_dict):
         t = state_dict[name]
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         if key in seen and t.numel():
-            meta.setdefault(name, seen[key])
+            aliases[name] = seen[key]
             continue
         seen[key] = name
-        tensors[name] = t.detach().cpu().contiguous()
+        kept[name] = t
+    return kept, aliases
+
+
+def check_torch_expand_budget(state_dict: Mapping[str, Any], budget: int) -> None:
+    """:func:`check_expand_budget` for a state dict of real tensors (read through torch)."""
+    check_expand_budget(_torch_kept(state_dict)[0].items(), budget)
+
+
+def write_safetensors_from_torch(
+    state_dict: Mapping[str, Any], out: BinaryIO, metadata: Mapping[str, str] | None, *,
+    max_data_bytes: int | None = None,
+) -> None:
+    """For trees holding real tensors (``--unsafe-load`` input): the safetensors library itself.
+
+    ``contiguous()`` materialises each view in memory, so ``max_data_bytes`` is checked first.
+    """
+    from safetensors.torch import save
+
+    kept, aliases = _torch_kept(state_dict)
+    if max_data_bytes is not None:
+        check_expand_budget(kept.items(), max_data_bytes)
+    meta = dict(metadata or {})
+    for name, target in aliases.items():
+        meta.setdefault(name, target)
+    tensors = {name: t.detach().cpu().contiguous() for name, t in kept.items()}
     out.write(save(tensors, metadata=meta or None))

@@ -87,10 +87,17 @@ def write_sharded(
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
+    max_data_bytes: int | None = None,
 ) -> ShardedWrite:
     """Write ``state_dict`` as shards in ``out_dir``; all files or none (on failure, the ones
-    already written by this call are removed)."""
-    plan = plan_safetensors(state_dict, metadata)  # checks every value and finds ties once
+    already written by this call are removed).
+
+    ``max_data_bytes`` bounds what safetensors shards would hold, checked before any file is
+    written (see :func:`~ckptfix.formats.safetensors.check_expand_budget`); .bin shards keep
+    views as views, so they are not bounded.
+    """
+    budget = max_data_bytes if shard_format == "safetensors" else None
+    plan = plan_safetensors(state_dict, metadata, max_data_bytes=budget)  # checks every value, finds ties once
     kept = dict(plan.tensors)
     ordered = {name: kept[name].nbytes for name in state_dict if name in kept}
     shards = plan_shards(ordered, max_bytes)
