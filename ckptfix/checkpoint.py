@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .detect import sniff
+from .detect import check_input, open_input, sniff
 from .errors import BadInputError, UnsafeInputError
 from .formats.dcp import is_dcp_folder, read_dcp
 from .formats.legacy import load_with_torch, save_with_torch
@@ -70,39 +71,35 @@ def read_checkpoint(
     written back unchanged and never imported or called.
     """
     path = str(path)
-    if Path(path).is_dir():
+    st = check_input(path)  # never opens: a FIFO, a device or a socket is refused from its mode
+    if stat.S_ISDIR(st.st_mode):
         return _read_folder(Path(path), unsafe_load, allow_globals)
     if path.endswith(".index.json"):
         return _read_sharded(Path(path), allow_globals)
-    try:
-        file_size = os.stat(path).st_size
-        with open(path, "rb") as f:
-            what = sniff(f.read(512), file_size)
-            if what.kind == "zip":
-                globals_seen: set[str] = set()
-                try:
-                    root, archive = read_torch_zip(path, f, file_size, globals_seen, allow_globals)
-                except UnsafeInputError:
-                    if not unsafe_load:
-                        raise
-                    return _read_with_torch(path, FORMAT_TORCH_ZIP, file_size, unsafe=True)
-                return Checkpoint(path, FORMAT_TORCH_ZIP, root, file_size, globals_seen, archive, archive.notes())
-            if what.kind == "safetensors":
-                tensors, metadata = read_safetensors(path, f, file_size)
-                return Checkpoint(path, FORMAT_SAFETENSORS, tensors, file_size, metadata=metadata)
-            if what.kind == "legacy":
-                globals_seen = set()
-                try:
-                    root = read_legacy(path, f, file_size, globals_seen, allow_globals)
-                except UnsafeInputError:
-                    if not unsafe_load:
-                        raise
-                    return _read_with_torch(path, FORMAT_TORCH_LEGACY, file_size, unsafe=True)
-                return Checkpoint(path, FORMAT_TORCH_LEGACY, root, file_size, globals_seen)
-    except FileNotFoundError as exc:
-        raise BadInputError(f"{path}: no such file") from exc
-    except PermissionError as exc:
-        raise BadInputError(f"{path}: permission denied") from exc
+    f, file_size = open_input(path)
+    with f:
+        what = sniff(f.read(512), file_size)
+        if what.kind == "zip":
+            globals_seen: set[str] = set()
+            try:
+                root, archive = read_torch_zip(path, f, file_size, globals_seen, allow_globals)
+            except UnsafeInputError:
+                if not unsafe_load:
+                    raise
+                return _read_with_torch(path, FORMAT_TORCH_ZIP, file_size, unsafe=True)
+            return Checkpoint(path, FORMAT_TORCH_ZIP, root, file_size, globals_seen, archive, archive.notes())
+        if what.kind == "safetensors":
+            tensors, metadata = read_safetensors(path, f, file_size)
+            return Checkpoint(path, FORMAT_SAFETENSORS, tensors, file_size, metadata=metadata)
+        if what.kind == "legacy":
+            globals_seen = set()
+            try:
+                root = read_legacy(path, f, file_size, globals_seen, allow_globals)
+            except UnsafeInputError:
+                if not unsafe_load:
+                    raise
+                return _read_with_torch(path, FORMAT_TORCH_LEGACY, file_size, unsafe=True)
+            return Checkpoint(path, FORMAT_TORCH_LEGACY, root, file_size, globals_seen)
     if what.kind == "tar":
         try:
             return _read_with_torch(path, FORMAT_TORCH_TAR, file_size, unsafe=False)

@@ -73,9 +73,13 @@ def _progress_for(path: str) -> tuple[Callable[[int], None] | None, Callable[[bo
 
     Returns the update callback and a closer taking whether the work succeeded.
     """
-    if not sys.stderr.isatty() or os.path.getsize(path) < 64 << 20:
+    try:
+        size = os.path.getsize(path) if sys.stderr.isatty() else 0
+    except OSError:  # a broken input is reported by the reader, with the right exit code
+        size = 0
+    if size < 64 << 20:
         return None, lambda ok: None
-    bar = click.progressbar(length=os.path.getsize(path), file=sys.stderr, label="copying tensors", show_pos=False)
+    bar = click.progressbar(length=size, file=sys.stderr, label="copying tensors", show_pos=False)
     bar.__enter__()
 
     def close(ok: bool) -> None:
@@ -125,6 +129,13 @@ _INPUTS = _apply([
     click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors."),
 ])
 
+#: every writing command takes it (fit and publish too, outside the shared pipeline options)
+_MAX_EXPAND = click.option(
+    "--max-expand", metavar="SIZE",
+    help="safetensors: refuse (exit 3) a write that would produce more than SIZE of tensor data by writing views "
+    "out in full, e.g. a stride-0 expand (default: 16x the input size, at least 1GiB).",
+)
+
 #: the options every writing command shares (one pipeline: ckptfix.ops.convert)
 _PIPELINE = _apply([
     click.option("--select", metavar="PATH", help="Use this sub-tree as the checkpoint, e.g. state_dict or ema."),
@@ -150,6 +161,7 @@ _PIPELINE = _apply([
                  help="Output format (default: from OUT's extension; a folder means safetensors shards; "
                  "dcp: a torch.distributed.checkpoint folder)."),
     click.option("--max-shard-size", metavar="SIZE", help="Write HF-style shards of at most SIZE (e.g. 2GB, 5GiB)."),
+    _MAX_EXPAND,
     click.option("--keep-metadata", is_flag=True,
                  help="safetensors: keep small plain values (epoch, config) as __metadata__ strings."),
     click.option("--dry-run", is_flag=True, help="Say what would change; write nothing."),
@@ -428,6 +440,7 @@ def prune(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
 @click.option("--dry-run", is_flag=True, help="Report the plan; write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 @click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
+@_MAX_EXPAND
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
 def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
     """Make a checkpoint's state dict match a model's keys, and write just that state dict.
@@ -563,6 +576,7 @@ def verify(paths: tuple[str, ...], expect_prefix: str | None, expect_device: str
 @click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME", callback=_global_patterns,
               help="Read objects of this global (dotted name, * ? [...] globs) as opaque records (they are not "
               "published).")
+@_MAX_EXPAND
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
 def publish_command(in_path: str, out_dir: str, as_json: bool, **kw: Any) -> int:
     """Release preset: weights only, wrapper prefixes stripped, on cpu, named by content hash.

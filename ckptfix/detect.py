@@ -1,4 +1,6 @@
-"""Say what a file is from its first bytes, before any parser touches it.
+"""Say what a file is from its first bytes, before any parser touches it -- and, before that,
+whether the path is a file at all (:func:`check_input`: FIFOs, devices and sockets are refused
+from their mode, without being opened).
 
 Files named ``model.pth`` are often something else: a git-lfs pointer (the weights were
 never pulled), an HTML error page (a failed download), an empty file, a gzip of the real
@@ -8,8 +10,14 @@ we name them and say what to do.
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
 import struct
 from dataclasses import dataclass
+from typing import BinaryIO
+
+from .errors import BadInputError
 
 #: torch's legacy format begins with a pickled magic number (LONG1 0x1950a86a20f9469cfc6c)
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
@@ -21,6 +29,70 @@ _ARCHIVES = {
     b"\x28\xb5\x2f\xfd": "a zstd-compressed file: decompress it first (unzstd)",
     b"Rar!": "a RAR archive: extract the checkpoint from it first",
 }
+
+
+#: what a path is when it is neither a regular file nor a folder
+_SPECIAL = (
+    (stat.S_ISFIFO, "a named pipe (FIFO)"),
+    (stat.S_ISSOCK, "a socket"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+)
+#: JSON whitespace the safetensors library's parser (serde_json) skips before the header's ``{``
+_JSON_SPACE = b" \t\r\n"
+
+
+def check_input(path: str | os.PathLike) -> os.stat_result:
+    """``os.stat`` of an input, refusing anything but a regular file or a folder.
+
+    This never opens the path: opening a FIFO blocks until a writer appears (a hang), and a
+    device such as ``/dev/zero`` reports size 0 but reads forever, so both must be recognised
+    from their mode alone. Symlinks are followed (a link to a checkpoint is fine); a symlink
+    loop, a path through a non-folder or an unreadable folder is a clear error.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError as exc:
+        raise BadInputError(f"{path}: no such file") from exc
+    except PermissionError as exc:
+        raise BadInputError(f"{path}: permission denied") from exc
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise BadInputError(f"{path}: a symlink loop (too many levels of symbolic links)") from exc
+        raise BadInputError(f"{path}: cannot read: {exc.strerror or exc}") from exc
+    except ValueError as exc:  # an embedded NUL byte, e.g. from a shard index
+        raise BadInputError(f"{path!r}: not a valid path ({exc})") from exc
+    if stat.S_ISREG(st.st_mode) or stat.S_ISDIR(st.st_mode):
+        return st
+    kind = next((what for test, what in _SPECIAL if test(st.st_mode)), "not a regular file")
+    raise BadInputError(f"{path}: {kind}, not a checkpoint file or folder")
+
+
+def open_input(path: str | os.PathLike) -> tuple[BinaryIO, int]:
+    """Open a regular file for reading and return it with its size.
+
+    The path is checked with :func:`check_input` first; it is then opened non-blocking (so a
+    file swapped for a FIFO between the check and the open cannot hang us) and must still be
+    the same regular file.
+    """
+    st = check_input(path)
+    if stat.S_ISDIR(st.st_mode):
+        raise BadInputError(f"{path}: is a folder, expected a file")
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except PermissionError as exc:
+        raise BadInputError(f"{path}: permission denied") from exc
+    except OSError as exc:
+        raise BadInputError(f"{path}: cannot open: {exc.strerror or exc}") from exc
+    try:
+        now = os.fstat(fd)
+        if not stat.S_ISREG(now.st_mode) or (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino):
+            raise BadInputError(f"{path}: changed while being opened (no longer the same regular file)")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb"), now.st_size
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 @dataclass(frozen=True)
@@ -51,8 +123,14 @@ def sniff(head: bytes, file_size: int) -> Sniffed:
     # before pickles: a header length such as 0x0280 begins with the bytes of a pickle header
     if len(head) >= 9:
         (header_len,) = struct.unpack("<Q", head[:8])
-        if head[8:9] == b"{" and 2 <= header_len <= file_size - 8:
-            return Sniffed("safetensors", "a safetensors file")
+        if head[8:].lstrip(_JSON_SPACE).startswith(b"{") and header_len >= 2:
+            if header_len <= file_size - 8:
+                return Sniffed("safetensors", "a safetensors file")
+            return Sniffed(
+                "not-checkpoint",
+                f"a truncated or corrupt safetensors file: its header length ({header_len} bytes) goes beyond "
+                f"the end of the file ({file_size} bytes)",
+            )
     if head.startswith(b"\x80") and len(head) > 1 and 2 <= head[1] <= 5:
         if head.startswith(_LEGACY_MAGIC):
             return Sniffed("legacy", "a legacy torch checkpoint (saved with _use_new_zipfile_serialization=False)")

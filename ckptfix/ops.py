@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any
 from .checkpoint import Checkpoint, read_checkpoint
 from .devices import parse_map_location, remap_devices
 from .errors import CannotWriteError, CheckFailedError, UsageError
-from .formats.safetensors import plan_safetensors, write_safetensors, write_safetensors_from_torch
+from .formats.safetensors import (
+    check_torch_expand_budget,
+    default_expand_budget,
+    plan_safetensors,
+    write_safetensors,
+    write_safetensors_from_torch,
+)
 from .formats.sharded import parse_size, write_sharded
 from .names import check_global_patterns
 from .output import atomic_output, check_destination
@@ -60,6 +66,9 @@ class ConvertOptions:
     dtype_keep: Sequence[str] = ()
     out_format: str | None = None
     max_shard_size: str | int | None = None
+    #: the most tensor bytes a safetensors write may produce by writing views out in full
+    #: (``2GB``, ``5GiB`` or bytes); None: 16x the input's size, at least 1 GiB
+    max_expand: str | int | None = None
     keep_metadata: bool = False
     dry_run: bool = False
     force: bool = False
@@ -283,6 +292,7 @@ def convert(
     else:
         max_bytes = opts.max_shard_size
     kind, file_format = output_target(out_path, opts.out_format, max_bytes)
+    _size_option(opts.max_expand)  # a bad SIZE is a usage error before any reading
     if opts.map_location:
         parse_map_location(opts.map_location)  # a bad SPEC is a usage error before any reading
     for rule in opts.rename:
@@ -313,6 +323,22 @@ def convert(
     return report
 
 
+def _size_option(value: str | int | None) -> int | None:
+    if value is None or isinstance(value, int):
+        return value
+    return parse_size(str(value))
+
+
+def expand_budget(max_expand: str | int | None, input_bytes: int) -> int:
+    """The bytes of tensor data a safetensors write may produce (``--max-expand``).
+
+    Views are written out in full in safetensors, so a small file can describe a huge output
+    (a stride-0 ``expand``): the budget refuses that before anything is written.
+    """
+    budget = _size_option(max_expand)
+    return default_expand_budget(input_bytes) if budget is None else budget
+
+
 def _nothing_to_do(ckpt: Checkpoint, report: Report, opts: ConvertOptions) -> str:
     if not report.state_dicts and (opts.strip_prefixes or opts.add_prefix or opts.rename):
         layout = ", ".join(e["path"] for e in describe_tree(ckpt.root)[:8])
@@ -338,6 +364,8 @@ def _write(
 ) -> None:
     flat: dict[str, Any] | None = None
     metadata: dict[str, str] = {}
+    # safetensors writes views out in full: bounded, checked here before anything is written
+    budget = expand_budget(opts.max_expand, ckpt.file_size) if file_format == "safetensors" else None
     if file_format == "safetensors" or kind == "sharded":
         flat, metadata = flat_state_dict(root, ckpt.root, opts.keep_metadata)
         inherited = {k: v for k, v in ckpt.metadata.items() if isinstance(v, str) and k not in flat}
@@ -345,8 +373,11 @@ def _write(
         if not ckpt.lazy and kind == "sharded":
             raise UsageError(f"a {ckpt.format} file read through torch can only be written as a single file")
         if ckpt.lazy:
-            plan = plan_safetensors(flat, metadata)  # fails early on tensors safetensors cannot hold
+            # fails early on tensors safetensors cannot hold, and on a write beyond the budget
+            plan = plan_safetensors(flat, metadata, max_data_bytes=budget)
             report.aliases = dict(plan.aliases)
+        elif budget is not None:
+            check_torch_expand_budget(flat, budget)
     report.metadata = metadata
     report.tensors = len(flat) if flat is not None else sum(1 for _ in iter_tensors(root))
     changes = _describe_changes(report)
@@ -367,7 +398,7 @@ def _write(
         out.mkdir(exist_ok=True)
         written = write_sharded(
             flat, out, max_bytes or parse_size(DEFAULT_SHARD_SIZE), shard_format=file_format,
-            metadata=metadata, overwrite=opts.force, progress=progress,
+            metadata=metadata, overwrite=opts.force, progress=progress, max_data_bytes=budget,
         )
         report.outputs = [str(p) for p in written.files]
         report.output_bytes = sum(p.stat().st_size for p in written.files)
@@ -380,9 +411,9 @@ def _write(
             if file_format == "pth":
                 ckpt.write(root, f, progress=progress)
             elif ckpt.lazy:
-                write_safetensors(flat, f, metadata, progress=progress)
+                write_safetensors(flat, f, metadata, progress=progress, max_data_bytes=budget)
             else:
-                write_safetensors_from_torch(flat, f, metadata)
+                write_safetensors_from_torch(flat, f, metadata, max_data_bytes=budget)
         report.outputs = [str(out)]
         report.output_bytes = out.stat().st_size
     report.written = True
@@ -441,18 +472,26 @@ def fix_prefix(
 
 
 def write_checkpoint(
-    ckpt: Checkpoint, root: Any, out_path: str | os.PathLike, *, progress: Callable[[int], None] | None = None
+    ckpt: Checkpoint, root: Any, out_path: str | os.PathLike, *, progress: Callable[[int], None] | None = None,
+    max_expand: str | int | None = None,
 ) -> int:
     """Write ``root`` (``ckpt``'s tree, possibly transformed) to ``out_path`` atomically, in the
-    format its name says (.pth family or .safetensors). Returns the bytes written."""
+    format its name says (.pth family or .safetensors). Returns the bytes written.
+
+    ``max_expand`` bounds the tensor bytes a .safetensors output may hold, as ``--max-expand``
+    does (default: 16x the input's size, at least 1 GiB).
+    """
     out_path = Path(out_path)
     _, file_format = output_target(str(out_path), None, None)
+    budget = expand_budget(max_expand, ckpt.file_size)
+    if file_format != "pth":
+        flat, metadata = flat_state_dict(root, root, keep_metadata=False)
+        plan_safetensors(flat, metadata, max_data_bytes=budget)  # refuse before the output exists
     with atomic_output(out_path) as out:
         if file_format == "pth":
             ckpt.write(root, out, progress=progress)
         else:
-            flat, metadata = flat_state_dict(root, root, keep_metadata=False)
-            write_safetensors(flat, out, metadata, progress=progress)
+            write_safetensors(flat, out, metadata, progress=progress, max_data_bytes=budget)
     return out_path.stat().st_size
 
 
@@ -500,6 +539,7 @@ def fit_checkpoint(
     force: bool = False,
     unsafe_load: bool = False,
     out_format: str | None = None,
+    max_expand: str | int | None = None,
 ) -> tuple[FitPlan, Report | None]:
     """Make ``in_path``'s state dict match a reference's keys, and write it to ``out_path``.
 
@@ -542,6 +582,7 @@ def fit_checkpoint(
     opts = ConvertOptions(
         select=format_path(plan.state_dict) or None, drop=drop, strip_prefixes=plan.strips,
         add_prefix=plan.add or None, dry_run=dry_run, force=force, unsafe_load=unsafe_load, out_format=out_format,
+        max_expand=max_expand,
     )
     return plan, convert(in_path, out_path, opts, command="fit")
 
@@ -561,6 +602,7 @@ def publish(
     name: str | None = None,
     unsafe_load: bool = False,
     allow_globals: Sequence[str] = (),
+    max_expand: str | int | None = None,
 ) -> PublishResult:
     """The release preset: the weights only (the largest state dict), wrapper prefixes stripped,
     every tensor on ``cpu``, written as ``NAME-<first 8 hex of sha256>.<ext>`` -- the name
@@ -587,6 +629,7 @@ def publish(
     opts = ConvertOptions(
         select=format_path(path) or None, strip_prefixes=list(dict.fromkeys(chain)), map_location="cpu",
         out_format=out_format, force=True, unsafe_load=unsafe_load, allow_globals=allow_globals,
+        max_expand=max_expand,
     )
     try:
         report = convert(in_path, staging, opts, command="publish")

@@ -10,16 +10,18 @@ read as opaque records (nothing imported or run) and replaced by:
 * ``pathlib`` paths -> ``str``.
 
 numpy is used only to decode the raw bytes the file carries, with a dtype parsed from a
-plain type code (``'<f8'``); anything else is refused with the global's name.
+plain type code (``'<f8'``); anything else is refused with the global's name. An array whose
+pickled shape does not match its bytes (or that numpy could not hold) is corrupt input, exit 3.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import UsageError
+from .errors import BadInputError, UsageError
 from .sources import ComputedSource
 from .tree import OpaqueObject, format_path, substitute, tensor_from_range, walk
 
@@ -29,6 +31,9 @@ SANITIZABLE = (
     *(f"{m}.{n}" for m in _NUMPY for n in ("scalar", "_reconstruct")),
     *(f"pathlib.{n}" for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")),
 )
+#: numpy's limits on a shape: NPY_MAXDIMS (numpy 1.x), and a byte size that fits an npy_intp
+_MAX_NDIM = 32
+_MAX_BYTES = 2**63 - 1
 _TYPE_CODE = re.compile(r"^[<>|=]?([biufc])(\d{1,2})$")
 _TORCH_DTYPE = {
     "b1": "bool", "i1": "int8", "u1": "uint8", "i2": "int16", "i4": "int32", "i8": "int64", "u2": "uint16",
@@ -51,7 +56,7 @@ def _numpy_dtype(obj: Any) -> Any:
     import numpy as np
 
     if not (isinstance(obj, OpaqueObject) and _name(obj) == "numpy.dtype" and obj.args):
-        raise UsageError(f"cannot sanitize: expected a numpy dtype, found {obj!r:.80}")
+        raise BadInputError(f"cannot sanitize: expected a numpy dtype, found {obj!r:.80}")
     code = obj.args[0]
     match = _TYPE_CODE.match(code) if isinstance(code, str) else None
     if not match or f"{match.group(1)}{match.group(2)}" not in _TORCH_DTYPE:
@@ -76,7 +81,7 @@ def _convert(obj: OpaqueObject) -> Any:
         dtype, raw = _numpy_dtype(obj.args[0]), obj.args[1]
         raw = raw.encode("latin-1") if isinstance(raw, str) else raw
         if not isinstance(raw, bytes) or len(raw) != dtype.itemsize:
-            raise UsageError(f"cannot sanitize a corrupt numpy scalar ({name})")
+            raise BadInputError(f"cannot sanitize a corrupt numpy scalar ({name})")
         return np.frombuffer(raw, dtype=dtype)[0].item()
     if name in (f"{m}._reconstruct" for m in _NUMPY):
         return _array_to_tensor(obj)
@@ -87,20 +92,35 @@ def _convert(obj: OpaqueObject) -> Any:
 
 
 def _array_to_tensor(obj: OpaqueObject) -> Any:
+    """A pickled numpy array as a tensor, after checking its shape against its bytes.
+
+    The shape comes from the file, so its product is computed with Python integers (numpy's
+    ``prod`` wraps around in int64: ``(2**62, 2**62)`` would claim 0 elements) and must equal
+    the byte length exactly before numpy sees the shape; a corrupt array is bad input (exit 3).
+    """
     import numpy as np
 
     state = obj.state
     if not (isinstance(state, tuple) and len(state) == 5):
-        raise UsageError("cannot sanitize a numpy array with an unexpected pickled state")
+        raise BadInputError("cannot sanitize a numpy array with an unexpected pickled state")
     _, shape, dtype_obj, fortran, raw = state
     dtype = _numpy_dtype(dtype_obj)
     raw = raw.encode("latin-1") if isinstance(raw, str) else raw
     if not (isinstance(shape, tuple) and all(type(s) is int and s >= 0 for s in shape) and isinstance(raw, bytes)):
-        raise UsageError("cannot sanitize a corrupt numpy array")
-    count = int(np.prod(shape)) if shape else 1
-    if len(raw) != count * dtype.itemsize:
-        raise UsageError("cannot sanitize a numpy array whose data does not match its shape")
-    array = np.frombuffer(raw, dtype=dtype).reshape(shape, order="F" if fortran else "C")
+        raise BadInputError("cannot sanitize a corrupt numpy array")
+    too_big = f"cannot sanitize a corrupt numpy array: shape {shape!r:.80} is beyond what numpy can hold"
+    if len(shape) > _MAX_NDIM or math.prod(s for s in shape if s) * dtype.itemsize > _MAX_BYTES:
+        raise BadInputError(too_big)  # numpy refuses these even with a zero dimension
+    count = math.prod(shape)
+    if count * dtype.itemsize != len(raw):
+        raise BadInputError(
+            f"cannot sanitize a corrupt numpy array: shape {shape!r:.80} needs {count * dtype.itemsize} bytes of "
+            f"{dtype.str}, the file holds {len(raw)}"
+        )
+    try:
+        array = np.frombuffer(raw, dtype=dtype).reshape(shape, order="F" if fortran else "C")
+    except (ValueError, OverflowError) as exc:
+        raise BadInputError(too_big) from exc
     data = np.ascontiguousarray(array.astype(dtype.newbyteorder("<"), copy=False)).tobytes()
     torch_dtype = _TORCH_DTYPE[f"{dtype.kind}{dtype.itemsize}"]
     return tensor_from_range(torch_dtype, tuple(shape), ComputedSource(len(data), lambda files, data=data: data))

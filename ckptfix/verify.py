@@ -1,7 +1,9 @@
 """``verify``: check that checkpoints load safely and completely, as a CI gate.
 
 For each file: it must be read by ckptfix's safe readers (every offset and size in range,
-every tensor inside its storage, shard indexes consistent with their shards); every byte of
+every tensor inside its storage, shard indexes consistent with their shards and naming only
+files in their folder, safetensors headers exactly as strict as the safetensors library's: no
+repeated key, no overlapping, holey or trailing data); every byte of
 every zip record is read back and checked against its CRC32 (files saved with torch's CRC
 check disabled carry CRC 0, which is reported, not failed); safetensors and legacy data are
 read through to the end. Optionally the keys' prefixes and the storages' devices must be

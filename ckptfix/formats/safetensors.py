@@ -22,10 +22,11 @@ from __future__ import annotations
 import itertools
 import json
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
+from .. import strictjson
 from ..dtypes import DTYPE_ITEMSIZE, DTYPE_TO_SAFETENSORS, SAFETENSORS_DTYPES
 from ..errors import BadInputError, UsageError
 from ..sources import FileRange, OpenFiles, OutputStream, is_c_contiguous, is_plain_range, tensor_c_bytes
@@ -33,11 +34,27 @@ from ..tree import Reduce, TensorRef, is_torch_tensor, tensor_from_range
 
 #: the safetensors library refuses headers above 100 MB; so do we
 MAX_HEADER_BYTES = 100_000_000
+#: serde_json, which the library parses headers with, refuses nesting deeper than this
+MAX_HEADER_DEPTH = 127
+_U64 = 1 << 64
 _ALIGN = 8
+#: --max-expand's default budget: EXPAND_FACTOR x the input's size, at least EXPAND_FLOOR bytes
+EXPAND_FACTOR = 16
+EXPAND_FLOOR = 1 << 30
 
 
 def read_safetensors(path: str, f: BinaryIO, file_size: int) -> tuple[dict[str, Any], dict[str, str]]:
     """Parse a safetensors file into ``{name: TensorRef}`` (no data read) and its metadata.
+
+    The header is held to what the safetensors library (``safetensors/src/tensor.rs``,
+    ``read_metadata`` and ``Metadata::validate``) accepts, so ckptfix never reads a file
+    differently from the loader that will use it: a header of at most 100 MB inside the file,
+    UTF-8 JSON nested at most 127 deep, ``__metadata__`` absent, null or a map of strings,
+    every entry a ``dtype``/``shape``/``data_offsets`` record of the right types whose byte
+    length is exactly shape x dtype (no arithmetic overflow), and the entries, in offset order,
+    tiling the data section exactly from its first byte to the last byte of the file: no
+    overlap, no hole, nothing after the last tensor. One deliberate difference: a key repeated
+    in the header is refused (the library keeps the last occurrence; see ``strictjson``).
 
     Names that ``__metadata__`` maps to a stored tensor (``save_model``'s record of a tied
     weight it dropped) are restored as the same tensor.
@@ -47,52 +64,112 @@ def read_safetensors(path: str, f: BinaryIO, file_size: int) -> tuple[dict[str, 
     if len(head) < 8:
         raise BadInputError(f"{path}: truncated safetensors file (no header)")
     (header_len,) = struct.unpack("<Q", head)
-    if header_len > MAX_HEADER_BYTES or 8 + header_len > file_size:
-        raise BadInputError(f"{path}: safetensors header declares {header_len} bytes: truncated or corrupt")
+    if header_len > MAX_HEADER_BYTES:
+        raise BadInputError(
+            f"{path}: safetensors header declares {header_len} bytes, more than the {MAX_HEADER_BYTES} the "
+            "safetensors library accepts: corrupt"
+        )
+    if 8 + header_len > file_size:
+        raise BadInputError(
+            f"{path}: safetensors header declares {header_len} bytes, beyond the end of the file "
+            f"({file_size} bytes): truncated or corrupt"
+        )
+    raw = f.read(header_len)
+    if len(raw) != header_len:
+        raise BadInputError(f"{path}: the file ended inside the safetensors header (truncated?)")
     try:
-        header = json.loads(f.read(header_len))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        header = strictjson.loads(raw)
+    except strictjson.JSONError as exc:
         raise BadInputError(f"{path}: corrupt safetensors header: {exc}") from exc
     if not isinstance(header, dict):
         raise BadInputError(f"{path}: corrupt safetensors header (not a JSON object)")
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise BadInputError(f"{path}: corrupt safetensors __metadata__ (values must be strings)")
+    metadata = _check_metadata(path, header.pop("__metadata__", None))
     data_start, data_size = 8 + header_len, file_size - 8 - header_len
-    tensors: dict[str, Any] = {}
-    spans: list[tuple[int, int, str]] = []
-    for name, info in header.items():
-        begin, end, dtype, shape = _check_entry(path, name, info, data_size)
-        spans.append((begin, end, name))
-        tensors[name] = tensor_from_range(dtype, shape, FileRange(path, data_start + begin, end - begin))
-    spans.sort()
-    for (_, end, first), (begin, _, second) in itertools.pairwise(spans):
-        if begin < end:
-            raise BadInputError(f"{path}: safetensors tensors {first!r} and {second!r} overlap: corrupt file")
+    entries = {name: _check_entry(path, name, info) for name, info in header.items()}
+    _check_layout(path, entries, data_size)
+    tensors: dict[str, Any] = {
+        name: tensor_from_range(dtype, shape, FileRange(path, data_start + begin, end - begin))
+        for name, (begin, end, dtype, shape) in entries.items()
+    }
     for alias, kept in metadata.items():
         if alias not in tensors and kept in tensors:
             tensors[alias] = tensors[kept]
     return tensors, metadata
 
 
-def _check_entry(path: str, name: str, info: Any, data_size: int) -> tuple[int, int, str, tuple[int, ...]]:
-    try:
-        dtype = SAFETENSORS_DTYPES[info["dtype"]]
-        shape = tuple(info["shape"])
-        begin, end = info["data_offsets"]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise BadInputError(f"{path}: corrupt safetensors entry for {name!r}: {info!r:.100}") from exc
-    if not all(type(s) is int and s >= 0 for s in shape) or not (type(begin) is int and type(end) is int):
-        raise BadInputError(f"{path}: corrupt safetensors entry for {name!r}")
+def _check_metadata(path: str, metadata: Any) -> dict[str, str]:
+    """``__metadata__``: absent or null (no metadata), else a map of strings to strings."""
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(
+        strictjson.is_text(k) and strictjson.is_text(v) for k, v in metadata.items()
+    ):
+        raise BadInputError(f"{path}: corrupt safetensors __metadata__ (it must map strings to strings)")
+    return metadata
+
+
+def _is_u64(value: Any) -> bool:
+    return type(value) is int and 0 <= value < _U64
+
+
+def _check_entry(path: str, name: str, info: Any) -> tuple[int, int, str, tuple[int, ...]]:
+    """One header entry, typed as the library's ``TensorInfo`` (usize shape and offsets)."""
+    if not strictjson.is_text(name):
+        raise BadInputError(f"{path}: corrupt safetensors header: a tensor name is not valid Unicode ({name!r:.100})")
+    if not isinstance(info, dict) or not {"dtype", "shape", "data_offsets"} <= info.keys():
+        raise BadInputError(f"{path}: corrupt safetensors entry for {name!r}: {info!r:.100}")
+    code, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    dtype = SAFETENSORS_DTYPES.get(code) if isinstance(code, str) else None
+    if dtype is None:
+        raise BadInputError(f"{path}: corrupt safetensors entry for {name!r}: unsupported dtype {code!r:.40}")
+    if not (isinstance(shape, list) and all(_is_u64(s) for s in shape)):
+        raise BadInputError(f"{path}: corrupt safetensors entry for {name!r}: shape {shape!r:.100}")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_u64(o) for o in offsets)):
+        raise BadInputError(f"{path}: corrupt safetensors entry for {name!r}: data_offsets {offsets!r:.100}")
+    for key, value in info.items():  # the library ignores other fields, but parses them (depth, text)
+        if key not in ("dtype", "shape", "data_offsets") and (
+            2 + strictjson.depth(value) > MAX_HEADER_DEPTH
+            or not all(strictjson.is_text(t) for t in itertools.chain([key], strictjson.strings_in(value)))
+        ):
+            raise BadInputError(f"{path}: corrupt safetensors entry for {name!r}: field {key!r:.40} is invalid")
+    begin, end = offsets
     numel = 1
-    for s in shape:
-        numel *= s
-    if not 0 <= begin <= end <= data_size or end - begin != numel * DTYPE_ITEMSIZE[dtype]:
+    for size in shape:  # in order, with the library's checked u64 arithmetic
+        numel *= size
+        if numel >= _U64:
+            break
+    nbytes = numel * DTYPE_ITEMSIZE[dtype]
+    if numel >= _U64 or nbytes * 8 >= _U64:
+        raise BadInputError(f"{path}: safetensors tensor {name!r} has a shape {shape} too large to exist: corrupt")
+    if end - begin != nbytes:
         raise BadInputError(
-            f"{path}: safetensors tensor {name!r} ({dtype} {list(shape)}) has data range [{begin}, {end}) "
-            f"that does not fit its size or the file: truncated or corrupt"
+            f"{path}: safetensors tensor {name!r} ({dtype} {shape}) has data range [{begin}, {end}), which does not "
+            f"fit its size ({nbytes} bytes): corrupt"
         )
-    return begin, end, dtype, shape
+    return begin, end, dtype, tuple(shape)
+
+
+def _check_layout(path: str, entries: Mapping[str, tuple[int, int, str, tuple[int, ...]]], data_size: int) -> None:
+    """In offset order, the tensors must tile the data section exactly, as the library requires."""
+    expected = 0
+    for begin, end, name in sorted((begin, end, name) for name, (begin, end, _, _) in entries.items()):
+        if begin != expected:
+            how = "overlaps the tensor before it" if begin < expected else f"leaves {begin - expected} unused bytes"
+            raise BadInputError(
+                f"{path}: safetensors tensor {name!r} starts at data offset {begin}, but the data before it ends at "
+                f"{expected}: it {how}; corrupt file"
+            )
+        expected = end
+    if expected < data_size:
+        raise BadInputError(
+            f"{path}: {data_size - expected} bytes after the last safetensors tensor's data (the header covers "
+            f"{expected} of {data_size} data bytes): corrupt or not a safetensors file"
+        )
+    if expected > data_size:
+        raise BadInputError(
+            f"{path}: safetensors tensor data runs to byte {expected} of a {data_size}-byte data section: truncated "
+            "or corrupt"
+        )
 
 
 @dataclass
@@ -109,8 +186,84 @@ def _view_key(t: TensorRef) -> tuple:
     return (id(t.storage), t.storage_offset, t.shape, t.stride, t.dtype)
 
 
-def plan_safetensors(state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None = None) -> SafetensorsPlan:
-    """Check that ``state_dict`` can be stored and lay the file out (no bytes are read)."""
+def default_expand_budget(input_bytes: int) -> int:
+    """``--max-expand``'s default: 16x the input's size, and at least 1 GiB.
+
+    A real conversion writes about what it read (4x at most, casting float16 to float64), so
+    only views that expand a small storage (a stride-0 ``expand``, many overlapping slices)
+    come near it.
+    """
+    return max(EXPAND_FACTOR * input_bytes, EXPAND_FLOOR)
+
+
+def _data_bytes(t: Any, cap: int) -> int:
+    """The bytes ``t``'s elements fill when written contiguously, or ``cap`` if that is more.
+
+    The product stops growing at ``cap``, so a pickled shape of a million huge dimensions
+    costs a million small multiplications, not arithmetic on million-digit integers.
+    """
+    if not isinstance(t, TensorRef):  # a real torch tensor (files read through torch.load)
+        return min(t.numel() * t.element_size(), cap)
+    if 0 in t.shape:
+        return 0
+    size = DTYPE_ITEMSIZE.get(t.dtype, 1)
+    for dim in t.shape:
+        size *= dim
+        if size >= cap:
+            return cap
+    return size
+
+
+def _describe_view(t: Any) -> str:
+    """dtype, shape, stride and stored bytes: what shows that a view expands its storage."""
+    if isinstance(t, TensorRef):
+        dtype, stride, stored = t.dtype, list(t.stride), t.storage.nbytes
+    else:  # a real torch tensor
+        dtype, stride, stored = str(t.dtype).removeprefix("torch."), list(t.stride()), t.untyped_storage().nbytes()
+    return f"{dtype} {list(t.shape)!s:.80}, stride {stride!s:.80}, over {stored} stored bytes"
+
+
+def check_expand_budget(tensors: Iterable[tuple[str, Any]], budget: int) -> None:
+    """Refuse, before anything is written, a write whose tensor data would exceed ``budget`` bytes.
+
+    safetensors stores each tensor as its own contiguous bytes, so views are materialised: a
+    stride-0 view (``torch.zeros(1).expand(10**6, 10**6)``: 4 bytes in a .pth) becomes 4 TB,
+    and overlapping views of one storage are written once each. ``tensors`` are the (name,
+    tensor) pairs to be written, ties already counted once. The error names the largest
+    tensor and ``--max-expand``, the option that raises the budget.
+    """
+    from ..summary import format_size
+
+    total, largest, largest_name, largest_tensor = 0, -1, "", None
+    for name, t in tensors:
+        size = _data_bytes(t, budget + 1)
+        total += size
+        if size > largest:
+            largest, largest_name, largest_tensor = size, name, t
+    if total <= budget:
+        return
+    if largest > budget and len(largest_tensor.shape) <= 64:  # small enough to say exactly how big
+        largest = _data_bytes(largest_tensor, 1 << 256)
+    where = f"{largest_name!r} ({_describe_view(largest_tensor)})"
+    limit = f"the --max-expand budget of {format_size(budget)} (default: 16x the input size, at least 1 GiB)"
+    if largest > budget:
+        message = f"tensor {where} would be written out as {format_size(largest)}, more than {limit}"
+    else:
+        message = f"the tensors would be written out as more than {limit}; the largest is {where}"
+    raise BadInputError(
+        message,
+        hint="safetensors stores every view in full; if this is intended, raise the budget with --max-expand SIZE",
+    )
+
+
+def plan_safetensors(
+    state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None = None, *, max_data_bytes: int | None = None
+) -> SafetensorsPlan:
+    """Check that ``state_dict`` can be stored and lay the file out (no bytes are read).
+
+    With ``max_data_bytes``, the data the file would hold is checked against that budget
+    (:func:`check_expand_budget`) before the layout is computed.
+    """
     groups: dict[tuple, list[str]] = {}
     for name, value in state_dict.items():
         if not isinstance(name, str):
@@ -133,6 +286,8 @@ def plan_safetensors(state_dict: Mapping[str, Any], metadata: Mapping[str, str] 
         keep = sorted(names)[0]
         kept.append((keep, state_dict[keep]))
         aliases.update({n: keep for n in names if n != keep})
+    if max_data_bytes is not None:
+        check_expand_budget(kept, max_data_bytes)
     kept.sort(key=lambda item: (-DTYPE_ITEMSIZE[item[1].dtype], item[0]))
     meta = dict(metadata or {})
     for alias, keep in aliases.items():
@@ -155,13 +310,16 @@ def write_safetensors(
     out: BinaryIO,
     metadata: Mapping[str, str] | None = None,
     progress: Callable[[int], None] | None = None,
+    *,
+    max_data_bytes: int | None = None,
 ) -> SafetensorsPlan:
     """Stream ``state_dict`` into ``out`` as safetensors; returns the plan that was written.
 
     Contiguous little-endian tensors are copied file to file by the kernel; strided views
-    and big-endian sources are gathered one tensor at a time.
+    and big-endian sources are gathered one tensor at a time. ``max_data_bytes`` refuses,
+    before the first byte, a file whose data would be larger (see :func:`check_expand_budget`).
     """
-    plan = plan_safetensors(state_dict, metadata)
+    plan = plan_safetensors(state_dict, metadata, max_data_bytes=max_data_bytes)
     stream = OutputStream(out)
     stream.write(plan.header)
     with OpenFiles() as files:
@@ -182,22 +340,44 @@ def _write_tensor(stream: OutputStream, t: TensorRef, files: OpenFiles) -> None:
     stream.write(tensor_c_bytes(t, files))
 
 
-def write_safetensors_from_torch(
-    state_dict: Mapping[str, Any], out: BinaryIO, metadata: Mapping[str, str] | None
-) -> None:
-    """For trees holding real tensors (``--unsafe-load`` input): the safetensors library itself."""
-    from safetensors.torch import save
-
+def _torch_kept(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
+    """Real tensors to write, each view once: (name -> tensor, alias -> kept name)."""
     if not all(is_torch_tensor(v) for v in state_dict.values()):
         raise UsageError("safetensors holds only tensors; select a state dict with --select")
     seen: dict[tuple, str] = {}
-    tensors, meta = {}, dict(metadata or {})
+    kept: dict[str, Any] = {}
+    aliases: dict[str, str] = {}
     for name in sorted(state_dict):
         t = state_dict[name]
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         if key in seen and t.numel():
-            meta.setdefault(name, seen[key])
+            aliases[name] = seen[key]
             continue
         seen[key] = name
-        tensors[name] = t.detach().cpu().contiguous()
+        kept[name] = t
+    return kept, aliases
+
+
+def check_torch_expand_budget(state_dict: Mapping[str, Any], budget: int) -> None:
+    """:func:`check_expand_budget` for a state dict of real tensors (read through torch)."""
+    check_expand_budget(_torch_kept(state_dict)[0].items(), budget)
+
+
+def write_safetensors_from_torch(
+    state_dict: Mapping[str, Any], out: BinaryIO, metadata: Mapping[str, str] | None, *,
+    max_data_bytes: int | None = None,
+) -> None:
+    """For trees holding real tensors (``--unsafe-load`` input): the safetensors library itself.
+
+    ``contiguous()`` materialises each view in memory, so ``max_data_bytes`` is checked first.
+    """
+    from safetensors.torch import save
+
+    kept, aliases = _torch_kept(state_dict)
+    if max_data_bytes is not None:
+        check_expand_budget(kept.items(), max_data_bytes)
+    meta = dict(metadata or {})
+    for name, target in aliases.items():
+        meta.setdefault(name, target)
+    tensors = {name: t.detach().cpu().contiguous() for name, t in kept.items()}
     out.write(save(tensors, metadata=meta or None))

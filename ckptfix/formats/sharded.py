@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .. import strictjson
+from ..detect import open_input
 from ..errors import BadInputError, CannotWriteError, UsageError
 from ..output import atomic_output
 from ..tree import TensorRef
@@ -31,6 +33,8 @@ from .torchzip import write_torch_zip
 
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin")
+#: an index is a few MB even for the largest models; a bigger one is not an index
+MAX_INDEX_BYTES = 100_000_000
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?B)?\s*$", re.IGNORECASE)
 
 
@@ -83,10 +87,17 @@ def write_sharded(
     metadata: Mapping[str, str] | None = None,
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
+    max_data_bytes: int | None = None,
 ) -> ShardedWrite:
     """Write ``state_dict`` as shards in ``out_dir``; all files or none (on failure, the ones
-    already written by this call are removed)."""
-    plan = plan_safetensors(state_dict, metadata)  # checks every value and finds ties once
+    already written by this call are removed).
+
+    ``max_data_bytes`` bounds what safetensors shards would hold, checked before any file is
+    written (see :func:`~ckptfix.formats.safetensors.check_expand_budget`); .bin shards keep
+    views as views, so they are not bounded.
+    """
+    budget = max_data_bytes if shard_format == "safetensors" else None
+    plan = plan_safetensors(state_dict, metadata, max_data_bytes=budget)  # checks every value, finds ties once
     kept = dict(plan.tensors)
     ordered = {name: kept[name].nbytes for name in state_dict if name in kept}
     shards = plan_shards(ordered, max_bytes)
@@ -143,20 +154,50 @@ def find_index(folder: Path) -> Path | None:
 
 
 def read_index(index_path: Path) -> tuple[dict[str, str], dict[str, Any]]:
-    """The weight map and metadata of an index, with every shard name checked to be a plain
-    file name in the index's folder (no paths out of it)."""
+    """The weight map and metadata of an index, checked so that reading the shards it names
+    stays inside the index's folder and terminates.
+
+    The index must be a regular file of at most 100 MB of strict JSON (no repeated key, which
+    ``json`` would resolve silently by keeping the last; no nesting deep enough to exhaust the
+    recursion limit). Every shard must be a plain file name in the index's folder (no ``..``,
+    no absolute path, no ``/`` or ``\\``, no NUL) and not itself an index: an index naming
+    itself, or another index, as a shard would send the reader round in circles.
+    """
+    f, size = open_input(index_path)
+    with f:
+        if size > MAX_INDEX_BYTES:
+            raise BadInputError(f"{index_path}: {size} bytes, too large for a shard index (at most {MAX_INDEX_BYTES})")
+        raw = f.read(MAX_INDEX_BYTES + 1)
     try:
-        document = json.loads(index_path.read_text())
-        weight_map = document["weight_map"]
-        metadata = document.get("metadata") or {}
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as exc:
+        document = strictjson.loads(raw)
+    except strictjson.JSONError as exc:
         raise BadInputError(f"{index_path}: not a valid shard index ({exc})") from exc
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+    if not isinstance(document, dict) or not isinstance(document.get("weight_map"), dict):
+        raise BadInputError(f"{index_path}: not a valid shard index (no \"weight_map\" object)")
+    weight_map, metadata = document["weight_map"], document.get("metadata")
+    metadata = {} if metadata is None else metadata
+    if not isinstance(metadata, dict):
+        raise BadInputError(f"{index_path}: not a valid shard index (\"metadata\" must be an object)")
+    if not all(isinstance(v, str) for v in weight_map.values()):
         raise BadInputError(f"{index_path}: weight_map must map names to shard file names")
-    for shard in set(weight_map.values()):
-        if os.path.basename(shard) != shard or shard in ("", ".", ".."):
-            raise BadInputError(f"{index_path}: shard name {shard!r} is not a file in the index's folder")
+    for shard in dict.fromkeys(weight_map.values()):
+        if not _is_plain_name(shard):
+            raise BadInputError(f"{index_path}: shard name {shard!r:.200} is not a file in the index's folder")
+        if shard.lower().endswith(".index.json"):
+            what = "itself" if shard == index_path.name else f"the index {shard!r:.200}"
+            raise BadInputError(f"{index_path}: lists {what} as a shard; shards must be checkpoint files")
     return weight_map, metadata
+
+
+def _is_plain_name(name: str) -> bool:
+    """A file name with no folder part on any system: what a shard entry may be."""
+    return (
+        name not in ("", ".", "..")
+        and not any(c in name for c in "/\\\0")
+        and os.path.basename(name) == name
+        and not os.path.isabs(name)
+        and not (len(name) >= 2 and name[0].isalpha() and name[1] == ":")  # a Windows drive (C:model.bin)
+    )
 
 
 def merge_shards(
@@ -168,7 +209,11 @@ def merge_shards(
     owner: dict[str, str] = {}
     for shard in dict.fromkeys(weight_map.values()):
         path = index_path.parent / shard
-        if not path.is_file():
+        if not path.is_file():  # a folder (or a link to one, even to this folder) is not a shard
+            if path.exists() or path.is_symlink():
+                raise BadInputError(
+                    f"{index_path}: shard {shard} is not a regular file (a folder, a broken link or a special file)"
+                )
             raise BadInputError(f"{index_path}: shard {shard} is missing (listed for {_count(weight_map, shard)} keys)")
         content = read_shard(path)
         for name, value in content.items():
