@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .detect import sniff
+from .detect import open_input, sniff
 from .errors import BadInputError, CkptfixError
 from .formats.torchzip import MAX_PICKLE_BYTES, read_checked_directory
 from .pickle_vm import Hooks, PickleVM
@@ -173,8 +173,8 @@ def scan_path(path: str | Path) -> ScanResult:
     """Scan one file; never executes, never raises for bad input (the error is in the result)."""
     result = ScanResult(str(path))
     try:
-        size = Path(path).stat().st_size
-        with open(path, "rb") as f:
+        f, size = open_input(str(path))  # never opens a FIFO or a device (they hang or never end)
+        with f:
             what = sniff(f.read(512), size)
             result.format = what.kind
             if what.kind == "zip":
