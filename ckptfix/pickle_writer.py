@@ -29,7 +29,7 @@ from typing import Any
 
 from .errors import BadInputError
 from .names import is_dotted_identifier
-from .tree import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, Reduce, StorageRef, TensorRef
+from .tree import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, Reduce, StorageRef, TensorRef, walk
 
 _MARK, _TUPLE, _EMPTY_TUPLE = b"(", b"t", b")"
 _TUPLE_N = (b")", b"\x85", b"\x86", b"\x87")
@@ -38,6 +38,7 @@ _NONE, _TRUE, _FALSE = b"N", b"\x88", b"\x89"
 _REDUCE, _BUILD, _BINPERSID, _POP, _POP_MARK = b"R", b"b", b"Q", b"0", b"1"
 _NEWOBJ, _NEWOBJ_EX = b"\x81", b"\x92"
 _BATCH = 1000  # items per SETITEMS/APPENDS, as pickle does
+_MEMO_STR = 40  # strings up to this many bytes are memoized by value (written once, fetched after)
 # Python 3 names pickled under protocol 2 are written with their Python 2 spelling
 _PY2_MODULES = {"builtins": "__builtin__"}
 _ORDERED_DICT = Global("collections", "OrderedDict")
@@ -86,8 +87,9 @@ class _Emitter:
         self.global_memo: dict[str, int] = {}
         self.storage_keys: dict[int, str] = {}
         self.storages: list[StorageRef] = []
-        self.alive: list[Any] = []
+        self.alive: list[Any] = []  # temporaries made while writing, kept so their ids stay unique
         self.todo: list[Any] = []
+        self.shared: set[int] = set()
 
     # -- memo ---------------------------------------------------------------------------
     def get(self, key: Any) -> bool:
@@ -98,6 +100,10 @@ class _Emitter:
         return True
 
     def put(self, key: Any) -> None:
+        """Memoize the object with this id -- only if the tree refers to it more than once (or
+        it is part of a cycle): everything else would be a memo entry nobody reads."""
+        if key not in self.shared:
+            return
         index = self.memo[key] = len(self.memo) + len(self.global_memo)
         self.out += b"q" + bytes((index,)) if index < 256 else b"r" + _pack_I(index)
 
@@ -113,7 +119,9 @@ class _Emitter:
             else:
                 encoded = value.encode("utf-8", "surrogatepass")
                 out += b"X" + _pack_I(len(encoded)) + encoded
-                self.put(value)
+                if len(encoded) <= _MEMO_STR:  # repeated names ('step', 'cpu', 'weight') are short
+                    index = self.memo[value] = len(self.memo) + len(self.global_memo)
+                    out += b"q" + bytes((index,)) if index < 256 else b"r" + _pack_I(index)
         elif kind is int:
             if 0 <= value < 256:
                 out += b"K" + bytes((value,))
@@ -345,7 +353,6 @@ class _Emitter:
         if index is not None:
             self.out += b"h" + bytes((index,)) if index < 256 else b"j" + _pack_I(index)
             return
-        self.alive.append(t)
         out, atom = self.out, self.atom
         param = t.param
         if param is not None:
@@ -439,8 +446,15 @@ _SUBCLASS_WRITERS: tuple[tuple[type, Callable[[_Emitter, Any], None]], ...] = (
 
 
 def dumps(root: Any) -> PickleResult:
-    """Pickle ``root`` the way ``torch.save`` would; returns the bytes and storages in key order."""
+    """Pickle ``root`` the way ``torch.save`` would; returns the bytes and storages in key order.
+
+    One walk first finds the objects referred to more than once (shared, or in a cycle): only
+    those get memo entries, so the memo stays small however many tensors there are.
+    """
     emitter = _Emitter()
+    shared = emitter.shared
+    for _ in walk(root, revisit=lambda value: shared.add(id(value))):
+        pass
     emitter.run(root)
     emitter.out += b"."
     return PickleResult(bytes(emitter.out), emitter.storages)

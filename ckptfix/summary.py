@@ -149,7 +149,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         dtypes[tensor.dtype] += 1
         devices[tensor.device] += 1
         storages[id(tensor.storage)] = tensor.storage
-        users.setdefault(id(tensor.storage), []).append(format_path(path))
+        users.setdefault(id(tensor.storage), []).append(path)  # formatted only if shared
     if not ckpt.lazy:
         for _, value in walk(ckpt.root, leaves=True):
             if is_torch_tensor(value):
@@ -167,7 +167,8 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         })
     shared = [
         {"storage": storages[sid].key, "tensors": names}
-        for sid, names in users.items() if len(names) > 1
+        for sid, paths in users.items() if len(paths) > 1
+        for names in ([format_path(p) for p in paths],)
     ]
     return {
         "path": ckpt.path,

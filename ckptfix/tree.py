@@ -296,7 +296,7 @@ def children_of(value: Any) -> list[tuple[Any, Any]] | None:
 
 def walk(
     root: Any, descend: Callable[[Path, Any], bool] | None = None, *, limit: int = MAX_NESTING,
-    leaves: bool = False,
+    leaves: bool = False, revisit: Callable[[Any], None] | None = None,
 ) -> Iterator[tuple[Path, Any]]:
     """THE traversal: every container and record under ``root`` with its path, in order.
 
@@ -309,6 +309,8 @@ def walk(
     Deeper than ``limit`` is :class:`BadInputError` -- the same limit the reader enforces.
     ``leaves=True`` also yields everything else a container holds -- atoms, real torch
     tensors, anything a transform put there -- on every path that reaches it.
+    ``revisit(value)`` is called each time a container or record is reached again (shared, or
+    a cycle): the writer memoizes exactly those.
     """
     getter = _getter(root)
     if getter is None:
@@ -331,12 +333,18 @@ def walk(
                 continue
             if kind is TensorRef:
                 child_path = path + (key,)
+                inner = child.hooks or child.metadata is not ABSENT or child.param is not None
+                first = False
+                if inner or revisit is not None:
+                    first = id(child) not in seen
+                    if first:
+                        seen.add(id(child))
+                    elif revisit is not None:
+                        revisit(child)
                 yield child_path, child
-                if (child.hooks or child.metadata is not ABSENT or child.param is not None) and id(child) not in seen:
-                    seen.add(id(child))
-                    if descend is None or descend(child_path, child):
-                        stack.append((child_path, iter(_tensor_children(child))))
-                        break
+                if inner and first and (descend is None or descend(child_path, child)):
+                    stack.append((child_path, iter(_tensor_children(child))))
+                    break
                 continue
             if kind is StorageRef:
                 yield path + (key,), child
@@ -347,6 +355,8 @@ def walk(
                     yield path + (key,), child
                 continue
             if id(child) in seen:
+                if revisit is not None:
+                    revisit(child)
                 continue
             seen.add(id(child))
             child_path = path + (key,)

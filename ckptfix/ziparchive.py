@@ -13,6 +13,8 @@ Why our own zip code instead of :mod:`zipfile`:
 
 from __future__ import annotations
 
+import io
+import mmap
 import os
 import struct
 import zlib
@@ -21,7 +23,7 @@ from dataclasses import dataclass
 from typing import BinaryIO
 
 from .errors import BadInputError
-from .sources import FileRange, OpenFiles, OutputStream, inflate_chunks
+from .sources import SMALL_COPY, FileRange, OpenFiles, OutputStream, inflate_chunks, is_plain_range
 
 _LOCAL_SIG = b"PK\x03\x04"
 _CENTRAL_SIG = b"PK\x01\x02"
@@ -118,9 +120,10 @@ def read_directory(f: BinaryIO, file_size: int, path: str) -> dict[str, ZipRecor
     names = [_checked_name(entry.raw_name, path) for entry in entries]
     _refuse_name_clashes(names, path)
     records: dict[str, ZipRecord] = {}
+    view = _FileView(f, file_size)
     for name, entry in zip(names, entries):
         _check_entry(entry, name, path)
-        data_offset = _check_local_header(f, entry, name, file_size, path)
+        data_offset = _check_local_header(view, entry, name, file_size, path)
         if data_offset + entry.compressed_size > end.cd_offset:
             raise BadInputError(
                 f"{path}: record {name!r} extends past the end of its data: the file is truncated "
@@ -129,8 +132,33 @@ def read_directory(f: BinaryIO, file_size: int, path: str) -> dict[str, ZipRecor
         records[name] = ZipRecord(
             name, data_offset, entry.compressed_size, entry.size, entry.method, entry.crc, entry.header_offset
         )
+    view.close()
     _refuse_overlaps(records.values(), path)
     return records
+
+
+class _FileView:
+    """Slices of the archive without a seek and a read per local header (a training checkpoint
+    has 200 000 of them): a read-only memory map, or reads where the file cannot be mapped."""
+
+    def __init__(self, f: BinaryIO, file_size: int) -> None:
+        self._f = f
+        self._map: mmap.mmap | None = None
+        try:
+            if file_size:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError, io.UnsupportedOperation):
+            self._map = None
+
+    def read(self, offset: int, size: int) -> bytes:
+        if self._map is not None:
+            return self._map[offset : offset + size]
+        self._f.seek(offset)
+        return self._f.read(size)
+
+    def close(self) -> None:
+        if self._map is not None:
+            self._map.close()
 
 
 def _read_end(f: BinaryIO, file_size: int, path: str) -> _End:
@@ -240,6 +268,8 @@ def _apply_zip64_extra(
 ) -> tuple[int, int, int]:
     """Replace the 0xFFFFFFFF placeholders with the zip64 extra field's values (in the order
     the format gives them); a placeholder without its value, or a malformed field, is refused."""
+    if not extra and usize != _U32_MAX and csize != _U32_MAX and offset != _U32_MAX:
+        return usize, csize, offset  # the usual directory entry: no extra block, nothing to replace
     placeholders = [usize == _U32_MAX, csize == _U32_MAX, offset == _U32_MAX]
     values = [usize, csize, offset]
     wide = next((body for tag, body in _extra_fields(extra, path, raw_name) if tag == _ZIP64_EXTRA), b"")
@@ -324,21 +354,20 @@ def _check_entry(entry: _Entry, name: str, path: str) -> None:
         )
 
 
-def _check_local_header(f: BinaryIO, entry: _Entry, name: str, file_size: int, path: str) -> int:
+def _check_local_header(view: _FileView, entry: _Entry, name: str, file_size: int, path: str) -> int:
     """Return where the record's data starts, after checking its local header agrees with
     the directory on what any reader uses: the name, the method and (unless a data
     descriptor follows the data) the sizes and CRC."""
     if entry.header_offset + _LOCAL_HEADER.size > file_size:
         raise BadInputError(f"{path}: record {name!r} lies outside the file: truncated or corrupt")
-    f.seek(entry.header_offset)
-    fields = _LOCAL_HEADER.unpack(f.read(_LOCAL_HEADER.size))
+    fields = _LOCAL_HEADER.unpack(view.read(entry.header_offset, _LOCAL_HEADER.size))
     (sig, _, flags, method, _, _, crc, csize, usize, name_len, extra_len) = fields
     if sig != _LOCAL_SIG:
         raise BadInputError(f"{path}: record {name!r} has no valid local header: corrupt zip")
     data_offset = entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
     if data_offset > file_size:
         raise BadInputError(f"{path}: record {name!r} lies outside the file: truncated or corrupt")
-    local = f.read(name_len + extra_len)
+    local = view.read(entry.header_offset + _LOCAL_HEADER.size, name_len + extra_len)
     if local[:name_len] != entry.raw_name:
         raise BadInputError(
             f"{path}: record {name!r} is named {_shown(local[:name_len])} in its local header; zip readers "
@@ -391,7 +420,12 @@ def read_record_bytes(f: BinaryIO, record: ZipRecord, limit: int, path: str = ""
     return b"".join(inflate_chunks(f, record.data_offset, record.compressed_size, record.size, where))
 
 
-@dataclass
+_DESCRIPTOR = struct.Struct("<4sIII")
+#: the "FB" extra field's length and padding, for every padding torch's 64-byte alignment needs
+_PAD_LENGTH = [struct.pack("<H", n) + b"Z" * n for n in range(RECORD_ALIGNMENT)]
+
+
+@dataclass(slots=True)
 class _Written:
     name: bytes
     header_offset: int
@@ -457,6 +491,23 @@ class ZipWriter:
         self._finish_record(full, header_offset, len(data), crc)
         return crc
 
+    def add_small(self, name: str, data: bytes, crc: int) -> None:
+        """A small record whose bytes and CRC are known: header, data and descriptor in one
+        write (a training checkpoint has ~4 records per parameter; this is their path)."""
+        offset = self._offset
+        size = len(data)
+        if self._needs_zip64(size) or self._needs_zip64(offset + size + 4096):
+            full = self._start_record(name, size)
+            self._write(data)
+            self._finish_record(full, offset, size, crc)
+            return
+        full = f"{self._prefix}/{name}".encode()
+        padding = -(offset + _LOCAL_HEADER.size + len(full) + 4) % RECORD_ALIGNMENT
+        header = _LOCAL_HEADER.pack(_LOCAL_SIG, 0, 0x0808, STORED, 0, 0, 0, 0, 0, len(full), 4 + padding)
+        descriptor = _DESCRIPTOR.pack(_DESCRIPTOR_SIG, crc, size, size)
+        self._write(b"".join((header, full, b"FB", _PAD_LENGTH[padding], data, descriptor)))
+        self._written.append(_Written(full, offset, size, crc))
+
     def add_copy(self, name: str, source: FileRange, files: OpenFiles) -> int:
         """Add a record whose bytes come from ``source``; returns its CRC32.
 
@@ -464,6 +515,13 @@ class ZipWriter:
         CRC the source recorded (CRC 0 stays 0, as torch wrote it); anything else is streamed
         in bounded chunks and its CRC computed on the way.
         """
+        if is_plain_range(source) and source.size <= SMALL_COPY:
+            data = os.pread(files.file(source.path).fileno(), source.size, source.offset)
+            if len(data) != source.size:
+                raise BadInputError(f"{source.path}: the file ended inside tensor data (truncated?)")
+            crc = source.crc if source.crc is not None else zlib.crc32(data)
+            self.add_small(name, data, crc)
+            return crc
         header_offset = self._offset
         full = self._start_record(name, source.size)
         crc = self._stream.copy(source, files, want_crc=True)
