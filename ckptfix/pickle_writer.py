@@ -60,7 +60,7 @@ _pack_d = struct.Struct(">d").pack
 
 @dataclass
 class PickleResult:
-    data: bytes
+    data: bytes | bytearray
     #: storages in the order their new keys were given ("0", "1", ...)
     storages: list[StorageRef] = field(default_factory=list)
 
@@ -457,4 +457,4 @@ def dumps(root: Any) -> PickleResult:
         pass
     emitter.run(root)
     emitter.out += b"."
-    return PickleResult(bytes(emitter.out), emitter.storages)
+    return PickleResult(emitter.out, emitter.storages)  # the bytearray itself: no second copy
