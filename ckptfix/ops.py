@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from .checkpoint import Checkpoint, read_checkpoint
 from .devices import parse_map_location, remap_devices
-from .errors import CannotWriteError, CheckFailedError, UsageError
+from .errors import BadInputError, CannotWriteError, CheckFailedError, UsageError
 from .formats.safetensors import (
     check_torch_expand_budget,
     default_expand_budget,
@@ -36,7 +36,7 @@ from .output import atomic_output, check_destination
 from .selection import filter_tree, prune_patterns
 from .summary import describe_tree, summarize
 from .transforms import add_prefix, normalize_prefix, parse_rule, rename_keys, strip_prefix
-from .tree import find_state_dicts, format_path, get_at, is_tensor_like, iter_tensors, resolve_path
+from .tree import find_state_dicts, format_path, get_at, is_tensor_like, iter_tensors, resolve_path, walk
 
 if TYPE_CHECKING:
     from .diffing import DiffReport
@@ -150,9 +150,12 @@ def _metadata_value(value: Any) -> str | None:
     """How --keep-metadata stores a value: str as is, other plain JSON values as JSON text."""
     if isinstance(value, str):
         return value
-    try:
+    try:  # what fits in 1 KiB of JSON is small and shallow: look before encoding (json recurses)
+        for count, _ in enumerate(walk(value, limit=100, leaves=True)):
+            if count > _MAX_METADATA_VALUE:
+                return None
         text = json.dumps(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, BadInputError):
         return None
     return text if len(text) <= _MAX_METADATA_VALUE else None
 
