@@ -27,6 +27,7 @@ object, and reads via one ``read()`` call per opcode in its pure-Python form. He
 
 from __future__ import annotations
 
+import codecs
 import mmap
 import struct
 import sys
@@ -395,8 +396,8 @@ class PickleVM:
             if len(raw) < 2 or raw[0] != raw[-1] or raw[:1] not in (b"'", b'"'):
                 raise _bad("a malformed STRING")
             try:
-                value = bytes(raw[1:-1]).decode("unicode_escape").encode("latin-1")
-            except (UnicodeDecodeError, UnicodeEncodeError):
+                value = codecs.escape_decode(raw[1:-1])[0]  # type: ignore[attr-defined]  # as pickle does
+            except ValueError:
                 raise _bad("a malformed STRING") from None
             push_str(value)
             return pos
