@@ -73,6 +73,9 @@ class Budgets:
 class Hooks:
     """What the VM asks when a pickle wants code: subclasses decide (allow-list or record)."""
 
+    #: the machine running these hooks (set by :class:`PickleVM`), for its key checks
+    vm: PickleVM
+
     def find_global(self, module: str, name: str) -> Any:
         raise NotImplementedError
 
@@ -108,6 +111,10 @@ class Hooks:
 RENAMED_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg", "torch.tensor": "torch._tensor"}
 
 _ATOMS = frozenset({str, int, float, bool, type(None), bytes, complex})
+_UNHASHABLE = frozenset({list, dict, set, bytearray, OrderedDict})
+#: dict keys and set elements nest far less than values: CPython hashes, compares and repr()s
+#: a nested tuple recursively in C, so a 990-deep key inside the 1000 limit still crashes repr
+MAX_KEY_NESTING = 100
 _INT_HASH_LIMIT = (1 << 61) - 1  # ints beyond this share hashes: a dict of them is quadratic
 _MAX_SIZE = sys.maxsize
 
@@ -129,6 +136,7 @@ class PickleVM:
         # bytes or a read-only mmap: both index to ints, slice to bytes and have find()
         self.data = data
         self.hooks = hooks
+        hooks.vm = self
         self.pos = start
         self.end = len(data) if end is None else end
         self.budgets = budgets or Budgets.for_length(self.end - start)
@@ -139,8 +147,9 @@ class PickleVM:
 
     # ------------------------------------------------------------------ budget helpers
     def check_key(self, key: Any) -> None:
-        """A dict key / set element must hash without recursing deeper than the nesting limit
-        (CPython hashes nested tuples recursively in C) and without quadratic collisions."""
+        """A dict key / set element must be hashable, hash without recursing deeper than
+        :data:`MAX_KEY_NESTING` (CPython hashes, compares and prints nested tuples recursively
+        in C) and without quadratic collisions."""
         kind = type(key)
         if kind in _ATOMS:
             if kind is int and not -_INT_HASH_LIMIT < key < _INT_HASH_LIMIT:
@@ -149,37 +158,38 @@ class PickleVM:
         if kind is tuple or kind is frozenset:
             self._check_key_depth(key)
             return
+        if kind in _UNHASHABLE:
+            raise _bad(f"an unhashable dict key or set element (a {kind.__name__})")
         self.hooks.check_key(key)
 
     def _check_key_depth(self, key: tuple | frozenset) -> None:
-        depths = self._key_depths
-        limit = self.budgets.max_depth
+        depths = self._key_depths  # id -> (depth, the key itself: kept alive so ids stay unique)
         # iterative post-order: a key's depth is 1 + its deepest element's
-        stack: list[tuple[Any, bool]] = [(key, False)]
+        stack: list[tuple[Any, int, bool]] = [(key, 1, False)]
         while stack:
-            value, done = stack.pop()
+            value, level, done = stack.pop()
             if id(value) in depths:
                 continue
             if done:
-                depth = 1 + max((depths.get(id(v), 0) for v in value), default=0)
-                if depth > limit:
-                    raise _bad(f"a dict key nested more than {limit} deep")
-                depths[id(value)] = depth
+                depth = 1 + max((depths[id(v)][0] for v in value if id(v) in depths), default=0)
+                depths[id(value)] = (depth, value)
                 continue
-            stack.append((value, True))
-            if len(stack) > limit + 1:
-                raise _bad(f"a dict key nested more than {limit} deep")
+            if level > MAX_KEY_NESTING:
+                raise _bad(f"a dict key or set element nested more than {MAX_KEY_NESTING} deep")
+            stack.append((value, level, True))
             for v in value:
                 kind = type(v)
                 if kind is tuple or kind is frozenset:
                     if id(v) not in depths:
-                        stack.append((v, False))
+                        stack.append((v, level + 1, False))
+                elif kind in _UNHASHABLE:
+                    raise _bad(f"an unhashable dict key or set element (holding a {kind.__name__})")
                 elif kind not in _ATOMS:
-                    if kind is list or kind is dict or kind is set or kind is OrderedDict:
-                        raise _bad("an unhashable dict key")
                     self.hooks.check_key(v)
                 elif kind is int and not -_INT_HASH_LIMIT < v < _INT_HASH_LIMIT:
                     raise _bad("an integer dict key too large to hash uniquely")
+        if depths[id(key)][0] > MAX_KEY_NESTING:
+            raise _bad(f"a dict key or set element nested more than {MAX_KEY_NESTING} deep")
 
     # ------------------------------------------------------------------ the machine
     def run(self) -> Any:
@@ -504,7 +514,10 @@ class PickleVM:
             for item in items:
                 check_key(item)
             charge(1, 216 + 16 * len(items))
-            push(frozenset(items))
+            try:
+                push(frozenset(items))
+            except TypeError:
+                raise _bad("an unhashable set element") from None
             return pos
 
         def op_additems(pos: int) -> int:
@@ -515,7 +528,10 @@ class PickleVM:
             for item in items:
                 check_key(item)
             charge(0, 16 * len(items))
-            target.update(items)
+            try:
+                target.update(items)
+            except TypeError:
+                raise _bad("an unhashable set element") from None
             return pos
 
         def op_append(pos: int) -> int:
@@ -731,6 +747,9 @@ class PickleVM:
                 # what Module.state_dict() pickles: its _metadata attribute (torch allows the same)
                 if type(state) is not dict or not all(type(k) is str for k in state):
                     raise _bad("BUILD on an OrderedDict with a state that is not a dict of names")
+                shadowing = [k for k in state if k.startswith("__") or hasattr(OrderedDict, k)]
+                if shadowing:  # an attribute named "items" or "keys" would break every reader of it
+                    raise _bad(f"BUILD gives an OrderedDict an attribute named {shadowing[0]!r:.40}")
                 inst.__dict__.update(state)
             else:
                 hooks.build(inst, state)

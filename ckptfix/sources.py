@@ -173,18 +173,18 @@ def inflate_chunks(f: BinaryIO, offset: int, compressed_size: int, size: int, wh
     read, produced = 0, 0
     while not inflater.eof and produced <= size:
         data = inflater.unconsumed_tail
-        if not data:
-            if read == compressed_size:
-                break
+        if not data and read < compressed_size:
             f.seek(offset + read)
             data = f.read(min(compressed_size - read, _CHUNK))
-            if not data:
-                break
             read += len(data)
         try:
+            # with no input left, an empty call still drains what zlib holds back (its output
+            # was capped at one chunk): stopping there would lose the stream's last bytes
             out = inflater.decompress(data, _CHUNK)
         except zlib.error as exc:
             raise BadInputError(f"{where}: corrupt compressed data ({exc})") from None
+        if not out and not data:
+            break  # no input and nothing more to give: the stream is cut short
         produced += len(out)
         if out and produced <= size:
             yield out

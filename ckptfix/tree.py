@@ -398,7 +398,15 @@ def check_extents(root: Any, where: str = "") -> None:
             _check_storage(storage, prefix)
             checked.add(id(storage))
         itemsize = DTYPE_ITEMSIZE[value.dtype]
-        if 0 in value.shape:
+        numel = 1
+        for n in value.shape:
+            numel *= n
+        if numel * itemsize >= _INT64_LIMIT:  # torch: "numel: integer multiplication overflow"
+            raise BadInputError(
+                f"{prefix}corrupt tensor record at {format_path(path) or '(top level)'}: a tensor of shape "
+                f"{list(value.shape)[:8]} has more elements than torch can count (it refuses this file too)"
+            )
+        if numel == 0:
             continue
         last = value.storage_offset + sum((n - 1) * s for n, s in zip(value.shape, value.stride))
         needed = (last + 1) * itemsize
@@ -408,6 +416,9 @@ def check_extents(root: Any, where: str = "") -> None:
                 f"of shape {list(value.shape)[:8]} needs {needed} bytes but its storage {storage.key!r:.40} "
                 f"holds {storage.nbytes}"
             )
+
+
+_INT64_LIMIT = 1 << 63
 
 
 def _check_storage(storage: StorageRef, prefix: str) -> None:

@@ -173,7 +173,10 @@ def _counter(func: Global, args: tuple) -> Any:
 def _set(func: Global, args: tuple) -> Any:
     if args and not (len(args) == 1 and type(args[0]) in (list, tuple, set, frozenset)):
         raise BadInputError(f"corrupt pickle: {func.name} built from something other than a list")
-    return (set if func.name == "set" else frozenset)(args[0] if args else ())
+    try:
+        return (set if func.name == "set" else frozenset)(args[0] if args else ())
+    except TypeError:
+        raise BadInputError(f"corrupt pickle: {func.name} of unhashable elements") from None
 
 
 def _encode(func: Global, args: tuple) -> bytes:
@@ -279,6 +282,9 @@ class ReaderHooks(Hooks):
         builder = self._calls.get(id(func)) if type(func) is Global else None
         if builder is None:
             raise BadInputError(f"corrupt or hostile pickle: it calls a {type(func).__name__}, not an allowed global")
+        if builder is _set and args and type(args[0]) in (list, tuple, set, frozenset):
+            for item in args[0]:  # set elements are hashed: the same checks as dict keys
+                self.vm.check_key(item)
         return builder(func, args)
 
     def new_object(self, cls: Any, args: tuple, kwargs: dict | None) -> Any:

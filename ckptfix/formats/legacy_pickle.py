@@ -32,6 +32,15 @@ MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
 
 
+def _one_key_space(path: str, key: str) -> BadInputError:
+    """torch keeps storages and views in one table by key: a name used for both would make torch
+    read one where we read the other."""
+    return BadInputError(
+        f"{path}: storage key {key!r:.40} names both a storage and a view of another storage (torch would "
+        "read one in place of the other); refusing"
+    )
+
+
 def read_legacy(path: str, f: BinaryIO, file_size: int, globals_seen: set[str], allow: Sequence[str] = ()) -> Any:
     """Parse a legacy torch file into a tree of lazy references (no tensor data is read).
 
@@ -59,6 +68,8 @@ def _read(path: str, data: mmap.mmap, file_size: int, globals_seen: set[str], al
     views: dict[str, tuple[StorageRef, StorageRef, int]] = {}
 
     def load_storage(storage_type: Global, key: str, location: str, numel: int, view: Any) -> StorageRef:
+        if key in views:
+            raise _one_key_space(path, key)
         root = roots.get(key)
         if root is None:
             root = roots[key] = make_storage(storage_type, key, location, numel, None)
@@ -68,6 +79,8 @@ def _read(path: str, data: mmap.mmap, file_size: int, globals_seen: set[str], al
                 and type(view[0]) in (str, bytes) and view[1] >= 0 and view[2] >= 0):
             raise BadInputError(f"{path}: corrupt storage view in a persistent id")
         view_key = view[0] if type(view[0]) is str else view[0].decode("ascii", "replace")
+        if view_key in roots:
+            raise _one_key_space(path, view_key)
         if view_key not in views:
             # as torch: offset and size count elements of the view's own dtype
             storage = make_storage(storage_type, view_key, location, view[2], None)

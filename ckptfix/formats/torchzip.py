@@ -24,14 +24,17 @@ from typing import Any, BinaryIO
 
 from ..compaction import compact_storages
 from ..errors import BadInputError, UnsafeInputError
+from ..pickle_vm import Budgets
 from ..pickle_writer import dumps
 from ..sources import OpenFiles
 from ..tree import Global, StorageRef, check_extents, make_storage
 from ..unpickle import restricted_load
-from ..ziparchive import ZipRecord, ZipWriter, read_directory, read_record_bytes
+from ..ziparchive import STORED, ZipRecord, ZipWriter, read_directory, read_record_bytes
 
 #: data.pkl holds only structure (no tensor data); anything larger is hostile or not ours
 MAX_PICKLE_BYTES = 1 << 30
+#: how much larger than its compressed bytes a deflated data.pkl may be (real ones: 3-6x)
+PICKLE_RATIO = 32
 #: records written from our own knowledge rather than copied
 _REGENERATED = {"data.pkl", ".format_version", ".storage_alignment", "byteorder", ".data/serialization_id"}
 #: the serialization version, as torch.save (``version``) or newer writers (``.data/version``)
@@ -153,7 +156,13 @@ def read_torch_zip(
     if "data.pkl" not in records:
         _refuse_wrapped(raw, path)
         raise BadInputError(f"{path}: a zip archive without data.pkl: not a torch checkpoint")
-    pickle_bytes = read_record_bytes(f, records["data.pkl"], MAX_PICKLE_BYTES, path)
+    record = records["data.pkl"]
+    # a compressed data.pkl is bounded by what it was compressed from, not what it claims:
+    # pickles compress 3-6x; a few KB that inflate to a gigabyte of EMPTY_LIST are a bomb
+    packed = record.method != STORED
+    limit = min(MAX_PICKLE_BYTES, PICKLE_RATIO * record.compressed_size + (1 << 20)) if packed else MAX_PICKLE_BYTES
+    pickle_bytes = read_record_bytes(f, record, limit, path)
+    budgets = Budgets.for_length(min(len(pickle_bytes), PICKLE_RATIO * record.compressed_size)) if packed else None
     byteorder = None
     if "byteorder" in records:
         byteorder = read_record_bytes(f, records["byteorder"], 16, path)
@@ -182,7 +191,7 @@ def read_torch_zip(
         return storage
 
     try:
-        root, _ = restricted_load(pickle_bytes, load_storage, globals_seen, allow, check_depth=False)
+        root, _ = restricted_load(pickle_bytes, load_storage, globals_seen, allow, check_depth=False, budgets=budgets)
     except UnsafeInputError as exc:
         raise UnsafeInputError(exc.global_name, path) from None
     check_extents(root, path)
