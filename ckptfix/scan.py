@@ -18,17 +18,17 @@ own loaders, and any unknown module -- unknown code is dangerous until proven ot
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .detect import open_input, sniff
-from .errors import BadInputError, CkptfixError
+from .errors import CkptfixError
 from .formats.torchzip import MAX_PICKLE_BYTES, read_checked_directory
-from .pickle_vm import Hooks, PickleVM
-from .tree import Global
-from .unpickle import PYTHON_GLOBALS, TORCH_GLOBALS, _encode, looks_like_pickle
+from .recording import record_globals
+from .unpickle import PYTHON_GLOBALS, TORCH_GLOBALS
 from .ziparchive import read_record_bytes
 
 BENIGN = {
@@ -74,11 +74,15 @@ class ScanResult:
 
 def canonical(name: str) -> str:
     """The name users know: ``posix.system`` is ``os.system``, ``__builtin__`` is ``builtins``."""
+    if name.startswith("<"):
+        return name
     module = name.rsplit(".", 1)[0]
     return _RENAMED.get(module, module) + name[len(module):]
 
 
 def classify(name: str) -> str:
+    if name.startswith("<"):
+        return "dangerous"  # what the reader refuses as laundering (BUILD on a global...)
     canonical_name = canonical(name)
     if canonical_name in TORCH_GLOBALS or canonical_name in PYTHON_GLOBALS:
         return "safe"
@@ -87,86 +91,18 @@ def classify(name: str) -> str:
     return "dangerous"
 
 
-class _Symbol:
-    """What a call or a persistent id "returns" while scanning: nothing real, just a name."""
-
-    __slots__ = ("name",)
-
-    def __init__(self, name: str) -> None:
-        self.name = name
+def _plain(name: str) -> bool:
+    """Globals whose results the reader builds itself: BUILD or items on them is laundering."""
+    return name in TORCH_GLOBALS or name in PYTHON_GLOBALS
 
 
-class ScanHooks(Hooks):
-    """Record every global; build nothing; refuse nothing (budgets and malformed input still stop)."""
-
-    def __init__(self, where: str, found: list[Found], depth: int) -> None:
-        self.where, self.found, self.depth = where, found, depth
-
-    def find_global(self, module: str, name: str) -> Any:
-        full = canonical(f"{module}.{name}")
-        self.found.append(Found(full, classify(full), self.where))
-        return _Symbol(full)
-
-    def call(self, func: Any, args: tuple) -> Any:
-        if isinstance(func, _Symbol) and func.name == "_codecs.encode":
-            try:  # protocol 2 spells bytes this way: rebuild them, a nested pickle may hide inside
-                data = _encode(Global("_codecs", "encode"), args)
-                self._nested(data)
-                return data
-            except BadInputError:
-                pass
-        for arg in args:
-            if type(arg) in (bytes, bytearray):
-                self._nested(bytes(arg))
-        return _Symbol(f"{getattr(func, 'name', '?')}(...)")
-
-    def new_object(self, cls: Any, args: tuple, kwargs: dict | None) -> Any:
-        return self.call(cls, args)
-
-    def build(self, inst: Any, state: Any) -> None:
-        pass
-
-    def persistent_load(self, pid: Any) -> Any:
-        return _Symbol("persistent id")
-
-    def extend(self, target: Any, items: list) -> None:
-        pass
-
-    def set_items(self, target: Any, pairs: list) -> None:
-        pass
-
-    def check_key(self, key: Any) -> None:
-        pass
-
-    def _nested(self, data: bytes) -> None:
-        if self.depth < _MAX_DEPTH and looks_like_pickle(data):
-            found, _ = scan_pickles(data, f"{self.where} (nested pickle)", self.depth + 1)
-            self.found.extend(found)
-
-
-def scan_pickles(data: bytes | Any, where: str, depth: int = 0, count: int | None = None) -> tuple[list[Found], str]:
-    """Globals in ``count`` consecutive pickles (all, if None) at the start of ``data`` (bytes
-    or an mmap), nested pickles included; returns them and an error ("" if all read cleanly).
-
-    Without ``count``, stops quietly where the data stops being pickles after at least one
-    complete pickle, if the failed attempt named no global (trailing non-pickle bytes).
-    """
-    found: list[Found] = []
-    pos, complete = 0, 0
-    while pos < len(data) and (count is None or complete < count):
-        before = len(found)
-        vm = PickleVM(data, ScanHooks(where, found, depth), start=pos)
-        try:
-            vm.run()
-        except BadInputError as exc:
-            if count is None and complete and len(found) == before:
-                return found, ""
-            return found, str(exc)
-        pos = vm.pos
-        complete += 1
-    if count is not None and complete < count:
-        return found, f"only {complete} of the {count} pickles are there (truncated)"
-    return found, ""
+def scan_pickles(data: bytes | Any, where: str, count: int | None = None,
+                 headerless: bool = False) -> tuple[list[Found], str]:
+    """Globals (and laundering attempts) in ``count`` consecutive pickles (all, if None) at the
+    start of ``data``, nested pickles included, each with its verdict; and an error ("" if all
+    read cleanly). See :func:`ckptfix.recording.record_globals`."""
+    found, error = record_globals(data, where, _plain, count=count, headerless=headerless)
+    return [Found(canonical(name), classify(name), at) for name, at in found], error
 
 
 def scan_path(path: str | Path) -> ScanResult:
@@ -195,6 +131,11 @@ def scan_path(path: str | Path) -> ScanResult:
             elif what.kind == "tar":
                 result.error = "tar-era torch file: not scanned"
             else:
+                # not a format we know -- but a protocol 0/1 pickle has no header, and
+                # pickle.load would still run whatever it names: record that, if anything
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else contextlib.nullcontext(b"") as data:
+                    found, _ = scan_pickles(data, "pickles", headerless=True)
+                result.globals.extend(found)
                 result.error = what.description
     except (OSError, CkptfixError, ValueError) as exc:
         result.error = str(exc)

@@ -82,8 +82,14 @@ def _torch_allowed_names() -> frozenset[str]:
 #: torch globals a checkpoint may reference; they become inert :class:`Global` records.
 TORCH_GLOBALS: frozenset[str] = _torch_allowed_names()
 
-#: globals that are never allowed, whatever ``--allow-global`` says: they run code on data
-NEVER_ALLOWED = frozenset({"torch.storage._load_from_bytes", "torch.load", "builtins.eval", "builtins.exec"})
+#: globals that are never allowed, whatever ``--allow-global`` says: they turn bytes the reader
+#: has not seen into objects (or code) when the output is loaded
+NEVER_ALLOWED = frozenset({
+    "torch.storage._load_from_bytes", "torch.load", "torch.serialization.load", "torch.serialization._load",
+    "torch.serialization._legacy_load", "torch.jit.load", "pickle.loads", "pickle.load", "_pickle.loads",
+    "_pickle.load", "marshal.loads", "dill.loads", "cloudpickle.loads", "builtins.eval", "builtins.exec",
+    "builtins.compile",
+})
 
 #: platform modules that pickles name instead of the module users know (os.system is posix.system)
 _DISPLAY_MODULES = {"posix": "os", "nt": "os", "_operator": "operator", "_io": "io"}
@@ -226,6 +232,10 @@ BUILDERS: dict[str, Callable[[Global, tuple], Any]] = {
     "builtins.complex": _complex,
     "_codecs.encode": _encode,
 }
+
+def _plain_global(name: str) -> bool:
+    return name in TORCH_GLOBALS or name in PYTHON_GLOBALS
+
 
 def _opaque_reduce(func: Global, args: tuple) -> OpaqueObject:
     return OpaqueObject(func, args, "reduce")
@@ -381,19 +391,24 @@ def restricted_load(
 
 
 def _check_nested_pickles(tree: Any, hooks: ReaderHooks) -> None:
-    """Bytes inside allowed-by-name objects that are pickles: read them with the same VM
-    (no storages, same allow-list), so no unread pickle is ever carried into an output."""
-    from .tree import children_of, walk
+    """Bytes inside allowed-by-name objects that are pickles -- with a protocol header or
+    without (protocol 0/1), nested in each other -- are read by the VM in recording mode: every
+    global they name must be one this read allows, and no laundering, or the file is refused.
+    So no unread pickle is ever carried into an output. One walk over all such objects
+    together: a sub-tree they share is looked at once."""
+    from .recording import looks_like_pickle, record_globals
+    from .tree import walk
 
-    for _, value in walk(tree):
-        if type(value) is not OpaqueObject:
+    opaque = tuple(value for _, value in walk(tree) if type(value) is OpaqueObject)
+    for _, blob in walk(opaque, leaves=True):
+        if type(blob) not in (bytes, bytearray) or len(blob) <= 2:
             continue
-        for _, inner in walk(value):
-            for _, item in children_of(inner) or ():
-                if type(item) in (bytes, bytearray) and looks_like_pickle(item):
-                    PickleVM(bytes(item), ReaderHooks(None, hooks.globals_seen, hooks.allow)).run()
-
-
-def looks_like_pickle(data: bytes | bytearray) -> bool:
-    """A protocol 2-5 header: how a pickle carried inside another one starts."""
-    return len(data) > 2 and data[0] == 0x80 and 2 <= data[1] <= 5
+        found, _ = record_globals(bytes(blob), "nested", _plain_global, headerless=not looks_like_pickle(blob))
+        for name, _ in found:
+            module, _, short = name.rpartition(".")
+            if name.startswith("<"):
+                raise BadInputError(f"corrupt or hostile pickle: a pickle carried as bytes holds {name}")
+            if name not in TORCH_GLOBALS and name not in PYTHON_GLOBALS and (
+                name in NEVER_ALLOWED or not allowed_by_name(name, hooks.allow)
+            ):
+                raise UnsafeInputError(display_name(module, short) + " (in a pickle carried as bytes)")

@@ -1,0 +1,173 @@
+"""The pickle VM in recording mode: every global a pickle names, nothing built, nothing refused.
+
+``scan`` reports what these hooks record, and the reader uses them on pickles carried as bytes
+inside allowed-by-name objects, so both see exactly what the VM resolves (memo, DUP and POP
+juggling included). Besides globals, they record what the reader would refuse as an attempt to
+launder an allowed global -- BUILD, APPENDS or SETITEMS on a global, on a torch record or twice
+on the same object, a call of something that is not a global -- as a finding named
+``<BUILD on torch.FloatStorage>``: ``scan`` calls those dangerous.
+
+Bytes met anywhere in a pickle (call arguments, BUILD state, list or dict items) that are
+pickles themselves are recorded too, up to :data:`MAX_NESTED` levels: with a protocol 2-5
+header, or without one (protocol 0/1) when what they name are real dotted names.
+"""
+
+from __future__ import annotations
+
+import codecs
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from .errors import BadInputError
+from .names import is_dotted_identifier
+from .pickle_vm import Hooks, PickleVM
+from .tree import walk
+
+#: how many pickles-inside-bytes deep the recording goes
+MAX_NESTED = 8
+
+Finding = tuple[str, str]  # (global name or "<what the reader refuses>", where)
+
+
+class Symbol:
+    """What a global, a call or a persistent id "is" while recording: a name and a kind."""
+
+    __slots__ = ("built", "kind", "name")
+
+    def __init__(self, name: str, kind: str) -> None:
+        self.name, self.kind, self.built = name, kind, False
+
+    def __repr__(self) -> str:
+        return self.name
+
+
+def protocol2_bytes(args: tuple) -> bytes | None:
+    """``_codecs.encode(text, "latin1")``: how protocol 2 spells ``bytes``; None if it is not that."""
+    if not (1 <= len(args) <= 2 and all(type(a) is str for a in args)):
+        return None
+    try:
+        if codecs.lookup(args[1] if len(args) > 1 else "utf-8").name not in ("latin-1", "iso8859-1", "ascii", "utf-8"):
+            return None
+        return codecs.encode(*args)
+    except (LookupError, UnicodeError):
+        return None
+
+
+def looks_like_pickle(data: bytes | bytearray) -> bool:
+    """A protocol 2-5 header: how a pickle carried inside another one usually starts."""
+    return len(data) > 2 and data[0] == 0x80 and 2 <= data[1] <= 5
+
+
+class RecordingHooks(Hooks):
+    """See the module docstring. ``plain(name)`` says whether a global is one whose results the
+    reader builds itself (torch records, Python builtins): those never take BUILD or items."""
+
+    def __init__(self, where: str, found: list[Finding], plain: Callable[[str], bool], depth: int = 0,
+                 headerless: bool = False) -> None:
+        self.where, self.found, self.plain, self.depth, self.headerless = where, found, plain, depth, headerless
+
+    def find_global(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"
+        if self.headerless and not is_dotted_identifier(full):
+            return Symbol(full, "junk")  # bytes that happen to parse, not a pickle someone wrote
+        self.found.append((full, self.where))
+        return Symbol(full, "global")
+
+    def _flag(self, what: str) -> None:
+        self.found.append((f"<{what}>", self.where))
+
+    def _objectlike(self, target: Any) -> bool:
+        """What the reader lets BUILD/APPENDS/SETITEMS touch: an object of an allowed-by-name class."""
+        return type(target) is Symbol and target.kind == "call" and not self.plain(target.name)
+
+    def call(self, func: Any, args: tuple) -> Any:
+        if type(func) is not Symbol or func.kind != "global":
+            self._flag(f"a call of {_describe(func)}")
+        name = func.name if type(func) is Symbol else "?"
+        if name == "collections.OrderedDict" and not args and func.kind == "global":
+            return OrderedDict()  # a real one, so BUILD and SETITEMS meet the VM's own checks, as when reading
+        if name == "_codecs.encode":
+            data = protocol2_bytes(args)
+            if data is not None:
+                self._payloads(data)
+                return data
+        self._payloads(args)
+        return Symbol(name, "call")
+
+    def new_object(self, cls: Any, args: tuple, kwargs: dict | None) -> Any:
+        self._payloads(kwargs)
+        return self.call(cls, args)
+
+    def build(self, inst: Any, state: Any) -> None:
+        if not self._objectlike(inst):
+            self._flag(f"BUILD on {_describe(inst)}")
+        elif inst.built:
+            self._flag(f"a second BUILD on {_describe(inst)}")
+        else:
+            inst.built = True
+        self._payloads(state)
+
+    def extend(self, target: Any, items: list) -> None:
+        if not self._objectlike(target):
+            self._flag(f"APPENDS on {_describe(target)}")
+        self._payloads(items)
+
+    def set_items(self, target: Any, pairs: list) -> None:
+        if not self._objectlike(target):
+            self._flag(f"SETITEMS on {_describe(target)}")
+        self._payloads(pairs)
+
+    def persistent_load(self, pid: Any) -> Any:
+        return Symbol("persistent id", "pid")
+
+    def check_key(self, key: Any) -> None:
+        pass  # symbols are hashable; the VM itself refuses unhashable and over-deep keys
+
+    def _payloads(self, value: Any) -> None:
+        """Record the pickles hidden in bytes anywhere in ``value``."""
+        if self.depth >= MAX_NESTED or value is None:
+            return
+        blobs = [value] if type(value) in (bytes, bytearray) else [
+            v for _, v in walk(value, leaves=True) if type(v) in (bytes, bytearray)
+        ]
+        for blob in blobs:
+            if len(blob) > 2:
+                found, _ = record_globals(bytes(blob), f"{self.where} (nested pickle)", self.plain, self.depth + 1,
+                                          headerless=not looks_like_pickle(blob))
+                self.found.extend(found)
+
+
+def _describe(value: Any) -> str:
+    if type(value) is Symbol:
+        return value.name if value.kind != "call" else f"the result of {value.name}"
+    return f"a {type(value).__name__}"
+
+
+def record_globals(
+    data: bytes | Any, where: str, plain: Callable[[str], bool], depth: int = 0, *,
+    count: int | None = None, headerless: bool = False,
+) -> tuple[list[Finding], str]:
+    """Findings in ``count`` consecutive pickles (all, if None) at the start of ``data`` (bytes or
+    an mmap); returns them and an error ("" if every pickle read cleanly).
+
+    Without ``count``, stops quietly where the data stops being pickles after at least one
+    complete pickle, if the failed attempt named nothing (trailing non-pickle bytes). What a
+    pickle named before it turned to garbage is kept: ``pickle.load`` would have run it.
+    """
+    found: list[Finding] = []
+    pos, complete = 0, 0
+    while pos < len(data) and (count is None or complete < count):
+        before = len(found)
+        vm = PickleVM(data, RecordingHooks(where, found, plain, depth, headerless), start=pos)
+        try:
+            vm.run()
+        except BadInputError as exc:
+            if count is None and (complete or headerless) and len(found) == before:
+                return found, ""
+            return found, str(exc)
+        pos = vm.pos
+        complete += 1
+    if count is not None and complete < count:
+        return found, f"only {complete} of the {count} pickles are there (truncated)"
+    return found, ""
