@@ -99,10 +99,12 @@ class _Emitter:
         self.out += b"h" + bytes((index,)) if index < 256 else b"j" + _pack_I(index)
         return True
 
-    def put(self, key: Any) -> None:
-        """Memoize the object with this id -- only if the tree refers to it more than once (or
-        it is part of a cycle): everything else would be a memo entry nobody reads."""
-        if key not in self.shared:
+    def put(self, key: Any, always: bool = False) -> None:
+        """Memoize the object with this id -- if the tree refers to it more than once, and always
+        for lists and dicts: a tuple on a cycle is written twice before it is closed (pickle's
+        recursion rule), and each time the container inside it must be a memo hit, not a new
+        copy. Everything else (tensors, their tuples) would be a memo entry nobody reads."""
+        if not always and key not in self.shared:
             return
         index = self.memo[key] = len(self.memo) + len(self.global_memo)
         self.out += b"q" + bytes((index,)) if index < 256 else b"r" + _pack_I(index)
@@ -224,7 +226,7 @@ class _Emitter:
         if self.get(id(value)):
             return
         self.out += _EMPTY_LIST
-        self.put(id(value))
+        self.put(id(value), always=True)
         self.alive.append(value)
         self.items(value)
 
@@ -238,7 +240,7 @@ class _Emitter:
         if self.get(id(value)):
             return
         self.out += _EMPTY_DICT
-        self.put(id(value))
+        self.put(id(value), always=True)
         self.alive.append(value)
         self.setitems(list(value.items()))
 
@@ -248,7 +250,7 @@ class _Emitter:
             return
         self.global_(_ORDERED_DICT)
         self.out += _EMPTY_TUPLE + _REDUCE
-        self.put(id(value))
+        self.put(id(value), always=True)
         self.alive.append(value)
         state = getattr(value, "__dict__", None)
         if state:
