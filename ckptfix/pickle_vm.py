@@ -30,7 +30,6 @@ from __future__ import annotations
 import codecs
 import mmap
 import struct
-import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -116,7 +115,6 @@ _UNHASHABLE = frozenset({list, dict, set, bytearray, OrderedDict})
 #: a nested tuple recursively in C, so a 990-deep key inside the 1000 limit still crashes repr
 MAX_KEY_NESTING = 100
 _INT_HASH_LIMIT = (1 << 61) - 1  # ints beyond this share hashes: a dict of them is quadratic
-_MAX_SIZE = sys.maxsize
 
 
 def _bad(what: str) -> BadInputError:
@@ -893,10 +891,3 @@ class PickleVM:
                     self.pos = -pos - 1
                     return stack[0]
         raise _bad("it ends before its STOP opcode (truncated)")
-
-
-def load(data: bytes | mmap.mmap, hooks: Hooks, budgets: Budgets | None = None, start: int = 0) -> tuple[Any, int]:
-    """Run one pickle starting at ``start``; returns the object and the offset after its STOP."""
-    vm = PickleVM(data, hooks, budgets, start)
-    result = vm.run()
-    return result, vm.pos

@@ -43,8 +43,9 @@ class Symbol:
 
 
 def protocol2_bytes(args: tuple) -> bytes | None:
-    """``_codecs.encode(text, "latin1")``: how protocol 2 spells ``bytes``; None if it is not that."""
-    if not (1 <= len(args) <= 2 and all(type(a) is str for a in args)):
+    """``_codecs.encode(text, "latin1"[, errors])``: how protocol 2 spells ``bytes`` (text codecs
+    only); None if it is not that. The reader's builder and the recording hooks both use it."""
+    if not (1 <= len(args) <= 3 and all(type(a) is str for a in args)):
         return None
     try:
         if codecs.lookup(args[1] if len(args) > 1 else "utf-8").name not in ("latin-1", "iso8859-1", "ascii", "utf-8"):

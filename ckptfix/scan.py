@@ -45,7 +45,6 @@ BENIGN = {
     "Float64", "Float32", "Float16", "Int64", "Int32", "Int16", "Int8", "UInt8", "UInt16", "UInt32", "UInt64",
     "Bool", "Complex64", "Complex128")}
 _RENAMED = {"__builtin__": "builtins", "posix": "os", "nt": "os"}
-_MAX_DEPTH = 8
 
 
 @dataclass

@@ -25,7 +25,6 @@ bytes) is never allowed, not even by ``--allow-global``.
 
 from __future__ import annotations
 
-import codecs
 import fnmatch
 import gc
 from collections import Counter, OrderedDict
@@ -37,7 +36,19 @@ from .dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS_NAMES
 from .errors import BadInputError, UnsafeInputError
 from .names import is_dotted_identifier
 from .pickle_vm import Budgets, Hooks, PickleVM
-from .tree import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef, check_nesting
+from .recording import looks_like_pickle, protocol2_bytes, record_globals
+from .tree import (
+    ABSENT,
+    EMPTY_HOOKS,
+    Global,
+    OpaqueObject,
+    ParamInfo,
+    Reduce,
+    StorageRef,
+    TensorRef,
+    check_nesting,
+    walk,
+)
 
 _REBUILD_FUNCTIONS = (
     "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
@@ -187,14 +198,10 @@ def _set(func: Global, args: tuple) -> Any:
 
 def _encode(func: Global, args: tuple) -> bytes:
     """``_codecs.encode`` as protocol-2 pickles use it for ``bytes``: text codecs only."""
-    if not (1 <= len(args) <= 3 and all(type(a) is str for a in args)):
+    data = protocol2_bytes(args)
+    if data is None:
         raise BadInputError("corrupt pickle: _codecs.encode used for something other than bytes")
-    try:
-        if codecs.lookup(args[1] if len(args) > 1 else "utf-8").name not in ("latin-1", "iso8859-1", "ascii", "utf-8"):
-            raise LookupError
-        return codecs.encode(*args)
-    except (LookupError, UnicodeError):
-        raise BadInputError("corrupt pickle: _codecs.encode used for something other than bytes") from None
+    return data
 
 
 def _bytearray(func: Global, args: tuple) -> bytearray:
@@ -396,9 +403,6 @@ def _check_nested_pickles(tree: Any, hooks: ReaderHooks) -> None:
     global they name must be one this read allows, and no laundering, or the file is refused.
     So no unread pickle is ever carried into an output. One walk over all such objects
     together: a sub-tree they share is looked at once."""
-    from .recording import looks_like_pickle, record_globals
-    from .tree import walk
-
     opaque = tuple(value for _, value in walk(tree) if type(value) is OpaqueObject)
     for _, blob in walk(opaque, leaves=True):
         if type(blob) not in (bytes, bytearray) or len(blob) <= 2:
