@@ -21,9 +21,12 @@ from .tree import StorageRef, TensorRef, substitute, walk
 
 def _extent(t: TensorRef) -> int:
     """Elements from the tensor's first to one past its last (0 for an empty tensor)."""
-    if 0 in t.shape:
+    shape = t.shape
+    if len(shape) == 1 and t.stride[0] == 1:
+        return shape[0]  # the usual small tensor (a bias, an optimizer moment)
+    if 0 in shape:
         return 0
-    return sum((n - 1) * s for n, s in zip(t.shape, t.stride)) + 1
+    return sum((n - 1) * s for n, s in zip(shape, t.stride)) + 1
 
 
 def _slice_source(source: Any, start: int, length: int) -> Any:
@@ -38,22 +41,30 @@ def _slice_source(source: Any, start: int, length: int) -> Any:
 
 def compact_storages(root: Any) -> tuple[Any, int]:
     """A copy of ``root`` whose storages hold only referenced bytes; returns it and the bytes saved."""
-    users: dict[int, list[TensorRef]] = {}
+    users: dict[int, list[TensorRef]] = {}  # storages no tensor uses whole, and their tensors
+    whole: set[int] = set()  # storages some tensor spans from first byte to last
     opaque: set[int] = set()
     storages: dict[int, StorageRef] = {}
     for _, leaf in walk(root):
-        if isinstance(leaf, TensorRef):
-            users.setdefault(id(leaf.storage), []).append(leaf)
-            storages[id(leaf.storage)] = leaf.storage
-        elif isinstance(leaf, StorageRef):
+        kind = type(leaf)
+        if kind is TensorRef:
+            storage = leaf.storage
+            storage_id = id(storage)
+            if storage_id in whole:
+                continue
+            if leaf.storage_offset == 0 and _extent(leaf) * DTYPE_ITEMSIZE[leaf.dtype] >= storage.nbytes:
+                whole.add(storage_id)  # the usual case: nothing to cut, whoever else uses it
+                continue
+            users.setdefault(storage_id, []).append(leaf)
+            storages[storage_id] = storage
+        elif kind is StorageRef:
             opaque.add(id(leaf))  # a storage pickled on its own: its bytes are kept whole
+    for storage_id in whole.intersection(users):
+        del users[storage_id]
     replacements: dict[int, Any] = {}
     saved = 0
     for storage_id, tensors in users.items():
         storage = storages[storage_id]
-        first = tensors[0]
-        if first.storage_offset == 0 and _extent(first) * DTYPE_ITEMSIZE[first.dtype] >= storage.nbytes:
-            continue  # the usual case: a tensor that spans its whole storage, nothing to cut
         if storage_id in opaque or storage.source is None or len({t.dtype for t in tensors}) != 1:
             continue
         itemsize = DTYPE_ITEMSIZE[tensors[0].dtype]

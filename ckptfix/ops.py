@@ -33,6 +33,7 @@ from .formats.safetensors import (
 from .formats.sharded import parse_size, write_sharded
 from .names import check_global_patterns
 from .output import atomic_output, check_destination
+from .pickle_vm import collector_paused
 from .selection import filter_tree, prune_patterns
 from .summary import describe_tree, summarize
 from .transforms import add_prefix, normalize_prefix, parse_rule, rename_keys, strip_prefix
@@ -266,6 +267,7 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> 
     return root
 
 
+@collector_paused()
 def convert(
     in_path: str | os.PathLike,
     out_path: str | os.PathLike | None = None,
@@ -498,6 +500,7 @@ def write_checkpoint(
     return out_path.stat().st_size
 
 
+@collector_paused()
 def inspect_checkpoint(
     path: str | os.PathLike, *, unsafe_load: bool = False, allow_globals: Sequence[str] = ()
 ) -> dict[str, Any]:
@@ -506,6 +509,7 @@ def inspect_checkpoint(
     return summarize(read_checkpoint(path, unsafe_load=unsafe_load, allow_globals=allow_globals))
 
 
+@collector_paused()
 def diff_checkpoints(
     a_path: str | os.PathLike,
     b_path: str | os.PathLike,
@@ -529,6 +533,7 @@ def diff_checkpoints(
     return diff_trees(root_a, root_b, a_name=str(a_path), b_name=str(b_path), rtol=rtol, atol=atol)
 
 
+@collector_paused()
 def fit_checkpoint(
     in_path: str | os.PathLike,
     out_path: str | os.PathLike | None,
@@ -597,6 +602,7 @@ class PublishResult:
     report: Report
 
 
+@collector_paused()
 def publish(
     in_path: str | os.PathLike,
     out_dir: str | os.PathLike,

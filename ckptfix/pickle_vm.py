@@ -28,10 +28,12 @@ object, and reads via one ``read()`` call per opcode in its pure-Python form. He
 from __future__ import annotations
 
 import codecs
+import gc
 import mmap
 import struct
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -891,3 +893,21 @@ class PickleVM:
                     self.pos = -pos - 1
                     return stack[0]
         raise _bad("it ends before its STOP opcode (truncated)")
+
+
+@contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector for one read-transform-write.
+
+    A checkpoint tree is millions of objects that live until the command ends, and the work
+    on it makes no garbage cycles: every automatic collection would only re-scan the tree
+    (measured: ~1 s of 6 at 200 000 tensors). Nesting is fine; the previous state returns on exit,
+    so cycles made elsewhere (a library user's) are collected as before.
+    """
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()

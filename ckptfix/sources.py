@@ -58,12 +58,40 @@ class ComputedSource:
     produce: Callable[[OpenFiles], bytes]
 
 
+class WindowedReader:
+    """Small reads of one file, in mostly increasing order, served from one buffered window.
+
+    Why not a memory map: the kernel maps a file's page cache in large folios (up to 2 MiB per
+    fault on ext4/XFS), so touching one 30-byte zip header per 6 MB tensor counted the whole
+    file into our RSS (measured: 362 MiB peak to read a 1.2 GB checkpoint's directory), and a
+    file truncated while mapped kills the process with SIGBUS. A read is short where the file
+    ends; callers check lengths.
+    """
+
+    def __init__(self, fd: int, window: int = 1 << 16) -> None:
+        self._fd = fd
+        self._window = window
+        self._start = 0
+        self._buffer = b""
+
+    def read(self, offset: int, size: int) -> bytes:
+        at = offset - self._start
+        if at >= 0 and at + size <= len(self._buffer):
+            return self._buffer[at : at + size]
+        if size >= self._window:
+            return os.pread(self._fd, size, offset)
+        self._buffer = os.pread(self._fd, self._window, offset)
+        self._start = offset
+        return self._buffer[:size]
+
+
 class OpenFiles:
     """Input files opened once per write and closed together."""
 
     def __init__(self) -> None:
         self._files: dict[str, BinaryIO] = {}
         self._maps: dict[str, mmap.mmap] = {}
+        self._windows: dict[str, WindowedReader] = {}
         self._stack = ExitStack()
 
     def file(self, path: str) -> BinaryIO:
@@ -78,6 +106,14 @@ class OpenFiles:
             m = self._maps[path] = mmap.mmap(self.file(path).fileno(), 0, access=mmap.ACCESS_READ)
             self._stack.callback(m.close)
         return m
+
+    def small_read(self, path: str, offset: int, size: int) -> bytes:
+        """A few bytes of ``path`` (a small tensor record), through a read window per file
+        rather than a ``pread`` each (a training checkpoint has ~4 records per parameter)."""
+        window = self._windows.get(path)
+        if window is None:
+            window = self._windows[path] = WindowedReader(self.file(path).fileno())
+        return window.read(offset, size)
 
     def close(self) -> None:
         self._stack.close()
@@ -107,7 +143,7 @@ class OutputStream:
         if is_plain_range(source) and source.size <= SMALL_COPY:
             # a small record (a training checkpoint has ~4 per parameter): one pread into the
             # buffered output beats a flush plus a copy_file_range call per record
-            data = os.pread(files.file(source.path).fileno(), source.size, source.offset)
+            data = files.small_read(source.path, source.offset, source.size)
             if len(data) != source.size:
                 raise BadInputError(f"{source.path}: the file ended inside tensor data (truncated?)")
             self.write(data)

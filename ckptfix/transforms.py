@@ -120,6 +120,8 @@ def _strip_metadata_pass(metadata: OrderedDict, prefix: str) -> None:
 
 
 def _strip_one(state_dict: Mapping, prefix: str) -> tuple[Mapping, list[tuple[str, str]]]:
+    if not any(k.startswith(prefix) for k in state_dict):
+        return state_dict, []  # the usual case for an optimizer's per-parameter state
     originals = list(state_dict.keys())
     current = list(originals)
     metadata = getattr(state_dict, "_metadata", None)

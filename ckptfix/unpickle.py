@@ -35,7 +35,7 @@ from typing import Any
 from .dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS_NAMES
 from .errors import BadInputError, UnsafeInputError
 from .names import is_dotted_identifier
-from .pickle_vm import Budgets, Hooks, PickleVM
+from .pickle_vm import Budgets, Hooks, PickleVM, collector_paused
 from .recording import looks_like_pickle, protocol2_bytes, record_globals
 from .tree import (
     ABSENT,
@@ -128,7 +128,20 @@ def _as_int_tuple(value: Any, what: str) -> tuple[int, ...]:
     for v in value:
         if type(v) is not int or v < 0:
             raise BadInputError(f"corrupt tensor record: its {what} is not a tuple of non-negative integers")
-    return value
+    shared = _SHAPES.get(value)  # checked first: (True,) == (1,), but only ints may match
+    if shared is None:
+        shared = value
+        if len(_SHAPES) < _MAX_SHAPES and len(value) <= 8:
+            _SHAPES[value] = value
+    return shared
+
+
+#: checked shapes and strides, shared between tensors: torch.save pickles a new tuple per tensor,
+#: and most tensors of a checkpoint have one of a few shapes (72 bytes saved per tuple; only
+#: tuples of checked non-negative ints go in, and a tuple is looked up only once it is one).
+#: Bounded, never cleared.
+_SHAPES: dict[tuple[int, ...], tuple[int, ...]] = {}
+_MAX_SHAPES = 4096
 
 
 #: fixed arguments of each tensor rebuild function (v2 and v3 take an optional metadata dict after them)
@@ -383,13 +396,8 @@ def restricted_load(
     seen = globals_seen if globals_seen is not None else set()
     hooks = ReaderHooks(load_storage, seen, allow)
     vm = PickleVM(data, hooks, budgets, start)
-    collecting = gc.isenabled()
-    gc.disable()  # the VM makes ~10 objects per tensor and no garbage cycles: skip GC passes over them
-    try:
+    with collector_paused():  # the VM makes ~10 objects per tensor and no garbage cycles
         tree = vm.run()
-    finally:
-        if collecting:
-            gc.enable()
     if check_depth:
         check_nesting(tree)
     if hooks._opaque:

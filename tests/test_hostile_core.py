@@ -1467,3 +1467,19 @@ def test_sanitize_of_an_overflowing_numpy_shape_is_refused(tmp_path: Path, shape
     result = ck("strip-module", src, out, "--sanitize")
     assert result.returncode in (2, 3), result.stderr  # refused (sanitize's refusals are usage errors today)
     assert "internal error" not in result.stderr and not out.exists()
+
+
+def test_shape_sharing_never_turns_a_bool_or_float_into_an_int() -> None:
+    """Checked shapes are shared between tensors (``_as_int_tuple``); ``(True,) == (1,)`` and
+    ``(1.0,) == (1,)`` in Python, so a cached ``(1,)`` must not vouch for them."""
+    from ckptfix.unpickle import restricted_load
+
+    def load_storage(storage_type: Any, key: str, location: str, numel: int, view: Any) -> Any:
+        return make_storage(storage_type, key, location, numel, None)
+
+    good = PROTO + items(("a", tensor(pid("0", 1), size=(1,), stride=(1,)))) + b"."
+    restricted_load(good, load_storage)  # (1,) is now a known shape
+    for spelled in (b"(\x88t", b"(G" + struct.pack(">d", 1.0) + b"t"):
+        bad = PROTO + items(("a", tensor(pid("0", 1), size=spelled, stride=(1,)))) + b"."
+        with pytest.raises(CkptfixError, match="not a tuple of non-negative integers"):
+            restricted_load(bad, load_storage)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
@@ -29,7 +29,7 @@ from ..pickle_writer import dumps
 from ..sources import OpenFiles
 from ..tree import Global, StorageRef, check_extents, make_storage
 from ..unpickle import restricted_load
-from ..ziparchive import STORED, ZipRecord, ZipWriter, read_directory, read_record_bytes
+from ..ziparchive import STORED, ZipDirectory, ZipRecord, ZipWriter, read_directory, read_record_bytes
 
 #: data.pkl holds only structure (no tensor data); anything larger is hostile or not ours
 MAX_PICKLE_BYTES = 1 << 30
@@ -57,7 +57,7 @@ class TorchZipArchive:
 
     path: str
     archive_name: str
-    records: dict[str, ZipRecord] = field(repr=False)
+    records: ZipDirectory = field(repr=False)
     byteorder: bytes | None
     versions: dict[str, bytes] = field(default_factory=dict)
 
@@ -76,23 +76,23 @@ class TorchZipArchive:
         return [f"not written to outputs ({count} torch never reads): {shown}"]
 
 
-def _refuse_wrapped(records: dict[str, ZipRecord], path: str) -> None:
+def _refuse_wrapped(records: Mapping[str, ZipRecord], path: str) -> None:
     """A zip that carries a checkpoint file (a download bundle) rather than being one."""
     inside = [n for n in records if n.lower().endswith((".pth", ".pt", ".bin", ".ckpt", ".safetensors"))]
     if inside:
         raise BadInputError(f"{path}: a zip archive containing {inside[0]}: extract the checkpoint from it first")
 
 
-def split_archive_names(records: dict[str, ZipRecord], path: str) -> dict[str, ZipRecord]:
+def split_archive_names(records: ZipDirectory, path: str) -> ZipDirectory:
     """Strip the single top folder torch puts every record in; refuse other layouts."""
     tops = {name.split("/", 1)[0] for name in records}
     if len(tops) != 1 or any("/" not in name for name in records):
         _refuse_wrapped(records, path)
         raise BadInputError(f"{path}: a zip archive, but not a torch checkpoint (no single top folder)")
-    return {name.split("/", 1)[1]: record for name, record in records.items()}
+    return records.renamed(lambda name: name.split("/", 1)[1])
 
 
-def check_record_names(records: dict[str, ZipRecord], path: str) -> None:
+def check_record_names(records: Mapping[str, ZipRecord], path: str) -> None:
     """Refuse names by which torch and ckptfix would read different records.
 
     torch's zip reader (miniz) finds names ignoring case: an ``archive/BYTEORDER`` is the byte
@@ -119,7 +119,7 @@ def check_record_names(records: dict[str, ZipRecord], path: str) -> None:
             )
 
 
-def read_checked_directory(f: BinaryIO, file_size: int, path: str) -> dict[str, ZipRecord]:
+def read_checked_directory(f: BinaryIO, file_size: int, path: str) -> ZipDirectory:
     """The archive's records by full name, once the container (``read_directory``) and the
     names (``check_record_names``) pass: what both the reader and ``scan`` look at."""
     records = read_directory(f, file_size, path)
@@ -127,7 +127,7 @@ def read_checked_directory(f: BinaryIO, file_size: int, path: str) -> dict[str, 
     return records
 
 
-def _read_versions(f: BinaryIO, records: dict[str, ZipRecord], path: str) -> dict[str, bytes]:
+def _read_versions(f: BinaryIO, records: Mapping[str, ZipRecord], path: str) -> dict[str, bytes]:
     """The version records' values, checked to be the small number torch writes there."""
     versions = {}
     for name in _VERSION_RECORDS:
@@ -156,6 +156,7 @@ def read_torch_zip(
     if "data.pkl" not in records:
         _refuse_wrapped(raw, path)
         raise BadInputError(f"{path}: a zip archive without data.pkl: not a torch checkpoint")
+    del raw  # the names with their top folder: 70 bytes a record, not needed again
     record = records["data.pkl"]
     # a compressed data.pkl is bounded by what it was compressed from, not what it claims:
     # pickles compress 3-6x; a few KB that inflate to a gigabyte of EMPTY_LIST are a bomb
