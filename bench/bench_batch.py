@@ -62,14 +62,18 @@ def main() -> None:
     subprocess.run([sys.executable, "-c", MAKE, str(src), str(args.files)], check=True)
     inputs = sorted(src.glob("*.pth"))
     ckptfix = shutil.which("ckptfix") or sys.exit("ckptfix is not installed (pip install -e .)")
-    loop = "for f in {src}/*.pth; do {py} -c '{code}' \"$f\" {out}/$(basename \"$f\"); done".format(
-        src=src, out=out, py=sys.executable, code=ONE_FILE.replace("'", "\"")
+    loop = 'for f in {src}/*.pth; do {py} -c \'{code}\' "$f" {out}/$(basename "$f"); done'.format(
+        src=src, out=out, py=sys.executable, code=ONE_FILE.replace("'", '"')
     )
     contenders = {
-        "ckptfix strip-module in/*.pth -o out/": ([ckptfix, "strip-module", *map(str, inputs), "-o", str(out),
-                                                   "--quiet"], args.runs),
-        "one python process: torch.load/save per file": ([sys.executable, "-c", ONE_PROCESS, str(src), str(out)],
-                                                          args.runs),
+        "ckptfix strip-module in/*.pth -o out/": (
+            [ckptfix, "strip-module", *map(str, inputs), "-o", str(out), "--quiet"],
+            args.runs,
+        ),
+        "one python process: torch.load/save per file": (
+            [sys.executable, "-c", ONE_PROCESS, str(src), str(out)],
+            args.runs,
+        ),
         "shell loop: a torch script per file": (["bash", "-c", f"mkdir -p {out} && {loop}"], args.loop_runs),
     }
     times: dict[str, list[float]] = {name: [] for name in contenders}
@@ -84,15 +88,19 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
     size = sum(p.stat().st_size for p in inputs) / len(inputs) / 1024
     ours = statistics.median(times[next(iter(contenders))])
-    print(f"input: {len(inputs)} checkpoints of {size:.0f} KB; machine: {platform.machine()}, "
-          f"{os.cpu_count()} CPUs, Python {platform.python_version()}")
+    print(
+        f"input: {len(inputs)} checkpoints of {size:.0f} KB; machine: {platform.machine()}, "
+        f"{os.cpu_count()} CPUs, Python {platform.python_version()}"
+    )
     print()
     print("| command | runs | median wall (s) | all runs (s) | vs ckptfix |")
     print("|---|---|---|---|---|")
     for name, values in times.items():
         median = statistics.median(values)
-        print(f"| {name} | {len(values)} | {median:.2f} | {', '.join(f'{t:.2f}' for t in values)} | "
-              f"{median / ours:.1f}x |")
+        print(
+            f"| {name} | {len(values)} | {median:.2f} | {', '.join(f'{t:.2f}' for t in values)} | "
+            f"{median / ours:.1f}x |"
+        )
 
 
 if __name__ == "__main__":

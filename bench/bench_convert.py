@@ -36,9 +36,14 @@ def main() -> None:
             subprocess.run([ckptfix, "convert", str(src), str(st)], check=True, capture_output=True)
         print(f"## {title}\n")
         compare(
-            {"cp": ["cp", str(a), str(b)], ours: [ckptfix, "convert", str(a), str(b)],
-             theirs: [sys.executable, "-c", script, str(a), str(b)]},
-            [b], args.runs, a,
+            {
+                "cp": ["cp", str(a), str(b)],
+                ours: [ckptfix, "convert", str(a), str(b)],
+                theirs: [sys.executable, "-c", script, str(a), str(b)],
+            },
+            [b],
+            args.runs,
+            a,
         )
         print()
     st.unlink(missing_ok=True)

@@ -59,7 +59,10 @@ def main() -> None:
             "ckptfix inspect": [ckptfix, "inspect", str(src)],
             "torch.load -> consume_prefix -> torch.save": [sys.executable, "-c", TORCH_SCRIPT, str(src), str(out)],
         },
-        [out], args.runs, src, label,
+        [out],
+        args.runs,
+        src,
+        label,
     )
 
 

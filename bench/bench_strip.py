@@ -29,7 +29,9 @@ def main() -> None:
             "ckptfix strip-module": [ckptfix, "strip-module", str(src), str(out)],
             "torch.load -> consume_prefix -> torch.save": [sys.executable, "-c", TORCH_SCRIPT, str(src), str(out)],
         },
-        [out], args.runs, src,
+        [out],
+        args.runs,
+        src,
     )
 
 

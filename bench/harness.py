@@ -59,8 +59,9 @@ def timed(cmd: list[str]) -> tuple[float, int]:
     return elapsed, usage.ru_maxrss * 1024
 
 
-def compare(contenders: dict[str, list[str]], outputs: list[Path], runs: int, src: Path,
-            label: str = "200 float32 tensors") -> None:
+def compare(
+    contenders: dict[str, list[str]], outputs: list[Path], runs: int, src: Path, label: str = "200 float32 tensors"
+) -> None:
     """Run every contender ``runs`` times (outputs removed before each run); print the table."""
     results: dict[str, list[tuple[float, int]]] = {name: [] for name in contenders}
     for _ in range(runs):

@@ -22,14 +22,29 @@ __version__ = "0.1.0"
 # The public names are imported on first use (PEP 562), so `ckptfix --help` and the CLI's
 # fast paths do not pay for modules a command does not need.
 _EXPORTS = {
-    "LoadIntoReport": "api", "load": "api", "load_into": "api",
-    "Checkpoint": "checkpoint", "read_checkpoint": "checkpoint",
-    "BadInputError": "errors", "CannotWriteError": "errors", "CheckFailedError": "errors",
-    "CkptfixError": "errors", "UnsafeInputError": "errors", "UsageError": "errors",
-    "ConvertOptions": "ops", "Report": "ops", "convert": "ops", "fix_prefix": "ops",
-    "inspect_checkpoint": "ops", "write_checkpoint": "ops",
-    "TransformResult": "transforms", "add_prefix": "transforms", "strip_prefix": "transforms",
-    "StorageRef": "tree", "TensorRef": "tree", "find_state_dicts": "tree",
+    "LoadIntoReport": "api",
+    "load": "api",
+    "load_into": "api",
+    "Checkpoint": "checkpoint",
+    "read_checkpoint": "checkpoint",
+    "BadInputError": "errors",
+    "CannotWriteError": "errors",
+    "CheckFailedError": "errors",
+    "CkptfixError": "errors",
+    "UnsafeInputError": "errors",
+    "UsageError": "errors",
+    "ConvertOptions": "ops",
+    "Report": "ops",
+    "convert": "ops",
+    "fix_prefix": "ops",
+    "inspect_checkpoint": "ops",
+    "write_checkpoint": "ops",
+    "TransformResult": "transforms",
+    "add_prefix": "transforms",
+    "strip_prefix": "transforms",
+    "StorageRef": "tree",
+    "TensorRef": "tree",
+    "find_state_dicts": "tree",
 }
 
 

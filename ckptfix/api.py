@@ -128,7 +128,12 @@ def load_into(
     state_dict = _materialize(ckpt, root, map_location, mmap=False)
     result = model.load_state_dict(state_dict, strict=strict)
     return LoadIntoReport(
-        source=str(path), state_dict=format_path(plan.state_dict) or "(top level)", stripped=list(plan.strips),
-        added=plan.add, matched=plan.matched, missing=list(result.missing_keys),
-        unexpected=list(result.unexpected_keys), map_location=str(map_location),
+        source=str(path),
+        state_dict=format_path(plan.state_dict) or "(top level)",
+        stripped=list(plan.strips),
+        added=plan.add,
+        matched=plan.matched,
+        missing=list(result.missing_keys),
+        unexpected=list(result.unexpected_keys),
+        map_location=str(map_location),
     )

@@ -60,8 +60,14 @@ class BatchReport:
 
     def to_dict(self) -> dict[str, Any]:
         counts = {s: sum(1 for f in self.files if f.status == s) for s in ("written", "unchanged", "failed")}
-        return {"command": self.command, **counts, "exit_code": self.exit_code, "stopped_early": self.stopped_early,
-                "seconds": round(self.seconds, 4), "files": [asdict(f) for f in self.files]}
+        return {
+            "command": self.command,
+            **counts,
+            "exit_code": self.exit_code,
+            "stopped_early": self.stopped_early,
+            "seconds": round(self.seconds, 4),
+            "files": [asdict(f) for f in self.files],
+        }
 
 
 def _is_checkpoint_folder(folder: Path) -> bool:

@@ -65,9 +65,7 @@ def _cast_storage(storage: StorageRef, target: str) -> StorageRef:
     )
 
 
-def cast_floats(
-    root: Any, dtype: str, keep: Sequence[str] = (), keys: Sequence[str] = ()
-) -> tuple[Any, CastReport]:
+def cast_floats(root: Any, dtype: str, keep: Sequence[str] = (), keys: Sequence[str] = ()) -> tuple[Any, CastReport]:
     """A copy of ``root`` whose state dicts' floating tensors are ``dtype``; plus what changed."""
     if dtype not in CASTABLE:
         raise UsageError(f"--dtype {dtype}: choose one of {', '.join(CASTABLE)}")

@@ -99,10 +99,12 @@ def _apply(options: list[Callable[[Callable[..., Any]], Callable[..., Any]]]) ->
     return decorate
 
 
-_IN_OUT = _apply([
-    click.argument("in_path", metavar="IN", type=click.Path()),
-    click.argument("out_path", metavar="OUT", required=False, type=click.Path()),
-])
+_IN_OUT = _apply(
+    [
+        click.argument("in_path", metavar="IN", type=click.Path()),
+        click.argument("out_path", metavar="OUT", required=False, type=click.Path()),
+    ]
+)
 
 
 def _global_patterns(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> tuple[str, ...]:
@@ -116,78 +118,161 @@ def _global_patterns(ctx: click.Context, param: click.Parameter, value: tuple[st
 
 
 #: IN OUT, or many inputs with -o DIR / --in-place (files, folders of checkpoints, shard folders)
-_INPUTS = _apply([
-    click.argument("paths", nargs=-1, required=True, metavar="IN... [OUT]", type=click.Path()),
-    click.option("-o", "--output-dir", type=click.Path(file_okay=False),
-                 help="Write every input into DIR, keeping names (the extension follows --format)."),
-    click.option("--recursive", is_flag=True, help="Folder inputs: include sub-folders."),
-    click.option("-j", "--jobs", type=click.IntRange(min=1), default=os.cpu_count() or 1, show_default="CPUs",
-                 help="Files processed in parallel."),
-    click.option("--continue-on-error", is_flag=True,
-                 help="Process every input and report failures at the end (default: stop at the first)."),
-    click.option("--backup", metavar="SUFFIX", help="With --in-place: keep the original as IN+SUFFIX."),
-    click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors."),
-])
+_INPUTS = _apply(
+    [
+        click.argument("paths", nargs=-1, required=True, metavar="IN... [OUT]", type=click.Path()),
+        click.option(
+            "-o",
+            "--output-dir",
+            type=click.Path(file_okay=False),
+            help="Write every input into DIR, keeping names (the extension follows --format).",
+        ),
+        click.option("--recursive", is_flag=True, help="Folder inputs: include sub-folders."),
+        click.option(
+            "-j",
+            "--jobs",
+            type=click.IntRange(min=1),
+            default=os.cpu_count() or 1,
+            show_default="CPUs",
+            help="Files processed in parallel.",
+        ),
+        click.option(
+            "--continue-on-error",
+            is_flag=True,
+            help="Process every input and report failures at the end (default: stop at the first).",
+        ),
+        click.option("--backup", metavar="SUFFIX", help="With --in-place: keep the original as IN+SUFFIX."),
+        click.option("-q", "--quiet", is_flag=True, help="Print nothing but errors."),
+    ]
+)
 
 #: every writing command takes it (fit and publish too, outside the shared pipeline options)
 _MAX_EXPAND = click.option(
-    "--max-expand", metavar="SIZE",
+    "--max-expand",
+    metavar="SIZE",
     help="safetensors: refuse (exit 3) a write that would produce more than SIZE of tensor data by writing views "
     "out in full, e.g. a stride-0 expand (default: 16x the input size, at least 1GiB).",
 )
 
 #: the options every writing command shares (one pipeline: ckptfix.ops.convert)
-_PIPELINE = _apply([
-    click.option("--select", metavar="PATH", help="Use this sub-tree as the checkpoint, e.g. state_dict or ema."),
-    click.option("--drop", multiple=True, metavar="GLOB",
-                 help="Drop entries whose dotted path (or state-dict key) matches, e.g. optimizer or 'ema.*'."),
-    click.option("--keep", multiple=True, metavar="GLOB",
-                 help="In state dicts, keep only keys matching GLOB, e.g. 'backbone.*' (repeatable)."),
-    click.option("--strip-prefix", "strip_prefixes", multiple=True, metavar="P",
-                 help="Strip this key prefix (repeatable; applied in order)."),
-    click.option("--add-prefix", metavar="P", help="Add this key prefix to keys lacking it."),
-    click.option("--rename", multiple=True, metavar="RULE",
-                 help="Rename state-dict keys: 'REGEX=>REPLACEMENT' (Python re, backrefs; repeatable, in order)."),
-    click.option("--key", "keys", multiple=True, metavar="PATH",
-                 help="Only rename keys of the state dict(s) at or under this dotted path (repeatable)."),
-    click.option("--map-location", "map_location", multiple=True, metavar="SPEC",
-                 help="Rewrite device tags: 'cpu', 'cuda' (= cuda:0), 'cuda:1', or FROM=TO pairs "
-                 "(repeatable or comma-separated): cuda:1=cuda:0,cuda:2=cpu; FROM 'cuda' means any cuda:N."),
-    click.option("--dtype", type=click.Choice(["float16", "bfloat16", "float32", "float64"]),
-                 help="Cast floating-point state-dict tensors (ints, bools, optimizer state untouched)."),
-    click.option("--dtype-keep", "dtype_keep", multiple=True, metavar="GLOB",
-                 help="With --dtype: keep keys matching GLOB as they are, e.g. '*norm*' (repeatable)."),
-    click.option("--format", "out_format", type=click.Choice(["pth", "safetensors", "dcp"]),
-                 help="Output format (default: from OUT's extension; a folder means safetensors shards; "
-                 "dcp: a torch.distributed.checkpoint folder)."),
-    click.option("--max-shard-size", metavar="SIZE", help="Write HF-style shards of at most SIZE (e.g. 2GB, 5GiB)."),
-    _MAX_EXPAND,
-    click.option("--keep-metadata", is_flag=True,
-                 help="safetensors: keep small plain values (epoch, config) as __metadata__ strings."),
-    click.option("--dry-run", is_flag=True, help="Say what would change; write nothing."),
-    click.option("--force", is_flag=True, help="Overwrite OUT if it exists."),
-    click.option("--in-place", is_flag=True, help="Replace IN atomically (no OUT); implies --verify."),
-    click.option("--verify", is_flag=True,
-                 help="Re-read the output and check every tensor's bytes, keys, dtypes, shapes, devices and "
-                 "ties against the plan before it replaces anything (exit 4 if not)."),
-    click.option("--unsafe-load", is_flag=True,
-                 help="For TRUSTED files only: allow torch.load(weights_only=False), which runs code "
-                 "from the file, when the safe reader refuses it."),
-    click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME", callback=_global_patterns,
-                 help="Keep objects of this pickle global (or glob, e.g. 'numpy.*') as they are, without "
-                 "importing or running anything; the output carries them unchanged. NAME is a dotted Python "
-                 "name; parts may hold * ? [...] globs (anything else is a usage error)."),
-    click.option("--sanitize", is_flag=True,
-                 help="Replace argparse.Namespace, numpy values and pathlib paths by plain data (dict, numbers, "
-                 "tensors, str) so the output loads with weights_only=True."),
-    click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout."),
-])
+_PIPELINE = _apply(
+    [
+        click.option("--select", metavar="PATH", help="Use this sub-tree as the checkpoint, e.g. state_dict or ema."),
+        click.option(
+            "--drop",
+            multiple=True,
+            metavar="GLOB",
+            help="Drop entries whose dotted path (or state-dict key) matches, e.g. optimizer or 'ema.*'.",
+        ),
+        click.option(
+            "--keep",
+            multiple=True,
+            metavar="GLOB",
+            help="In state dicts, keep only keys matching GLOB, e.g. 'backbone.*' (repeatable).",
+        ),
+        click.option(
+            "--strip-prefix",
+            "strip_prefixes",
+            multiple=True,
+            metavar="P",
+            help="Strip this key prefix (repeatable; applied in order).",
+        ),
+        click.option("--add-prefix", metavar="P", help="Add this key prefix to keys lacking it."),
+        click.option(
+            "--rename",
+            multiple=True,
+            metavar="RULE",
+            help="Rename state-dict keys: 'REGEX=>REPLACEMENT' (Python re, backrefs; repeatable, in order).",
+        ),
+        click.option(
+            "--key",
+            "keys",
+            multiple=True,
+            metavar="PATH",
+            help="Only rename keys of the state dict(s) at or under this dotted path (repeatable).",
+        ),
+        click.option(
+            "--map-location",
+            "map_location",
+            multiple=True,
+            metavar="SPEC",
+            help="Rewrite device tags: 'cpu', 'cuda' (= cuda:0), 'cuda:1', or FROM=TO pairs "
+            "(repeatable or comma-separated): cuda:1=cuda:0,cuda:2=cpu; FROM 'cuda' means any cuda:N.",
+        ),
+        click.option(
+            "--dtype",
+            type=click.Choice(["float16", "bfloat16", "float32", "float64"]),
+            help="Cast floating-point state-dict tensors (ints, bools, optimizer state untouched).",
+        ),
+        click.option(
+            "--dtype-keep",
+            "dtype_keep",
+            multiple=True,
+            metavar="GLOB",
+            help="With --dtype: keep keys matching GLOB as they are, e.g. '*norm*' (repeatable).",
+        ),
+        click.option(
+            "--format",
+            "out_format",
+            type=click.Choice(["pth", "safetensors", "dcp"]),
+            help="Output format (default: from OUT's extension; a folder means safetensors shards; "
+            "dcp: a torch.distributed.checkpoint folder).",
+        ),
+        click.option(
+            "--max-shard-size", metavar="SIZE", help="Write HF-style shards of at most SIZE (e.g. 2GB, 5GiB)."
+        ),
+        _MAX_EXPAND,
+        click.option(
+            "--keep-metadata",
+            is_flag=True,
+            help="safetensors: keep small plain values (epoch, config) as __metadata__ strings.",
+        ),
+        click.option("--dry-run", is_flag=True, help="Say what would change; write nothing."),
+        click.option("--force", is_flag=True, help="Overwrite OUT if it exists."),
+        click.option("--in-place", is_flag=True, help="Replace IN atomically (no OUT); implies --verify."),
+        click.option(
+            "--verify",
+            is_flag=True,
+            help="Re-read the output and check every tensor's bytes, keys, dtypes, shapes, devices and "
+            "ties against the plan before it replaces anything (exit 4 if not).",
+        ),
+        click.option(
+            "--unsafe-load",
+            is_flag=True,
+            help="For TRUSTED files only: allow torch.load(weights_only=False), which runs code "
+            "from the file, when the safe reader refuses it.",
+        ),
+        click.option(
+            "--allow-global",
+            "allow_globals",
+            multiple=True,
+            metavar="NAME",
+            callback=_global_patterns,
+            help="Keep objects of this pickle global (or glob, e.g. 'numpy.*') as they are, without "
+            "importing or running anything; the output carries them unchanged. NAME is a dotted Python "
+            "name; parts may hold * ? [...] globs (anything else is a usage error).",
+        ),
+        click.option(
+            "--sanitize",
+            is_flag=True,
+            help="Replace argparse.Namespace, numpy values and pathlib paths by plain data (dict, numbers, "
+            "tensors, str) so the output loads with weights_only=True.",
+        ),
+        click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout."),
+    ]
+)
 
-_PREFIX_COMMAND = _apply([
-    click.option("--prefix", default="module.", show_default=True,
-                 help="The key prefix (a module name; a trailing dot is added if missing)."),
-    click.option("--strict", is_flag=True, help="Exit 1 when there is nothing to change."),
-])
+_PREFIX_COMMAND = _apply(
+    [
+        click.option(
+            "--prefix",
+            default="module.",
+            show_default=True,
+            help="The key prefix (a module name; a trailing dot is added if missing).",
+        ),
+        click.option("--strict", is_flag=True, help="Exit 1 when there is nothing to change."),
+    ]
+)
 
 
 def _run(command: str, paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
@@ -250,8 +335,19 @@ def _run_single(command: str, in_path: str, out_path: str, opts: Any, as_json: b
     return 0
 
 
-def _run_batch(command: str, paths: tuple[str, ...], opts: Any, as_json: bool, *, output_dir: str | None,
-               recursive: bool, jobs: int, continue_on_error: bool, backup: str | None, quiet: bool) -> int:
+def _run_batch(
+    command: str,
+    paths: tuple[str, ...],
+    opts: Any,
+    as_json: bool,
+    *,
+    output_dir: str | None,
+    recursive: bool,
+    jobs: int,
+    continue_on_error: bool,
+    backup: str | None,
+    quiet: bool,
+) -> int:
     from pathlib import Path
 
     from .batch import expand_inputs, plan_outputs, run_batch
@@ -279,8 +375,9 @@ def _run_batch(command: str, paths: tuple[str, ...], opts: Any, as_json: bool, *
             bar.update(1)
 
     try:
-        report = run_batch(command, pairs, opts, jobs=jobs, continue_on_error=continue_on_error, backup=backup,
-                           on_result=on_result)
+        report = run_batch(
+            command, pairs, opts, jobs=jobs, continue_on_error=continue_on_error, backup=backup, on_result=on_result
+        )
     finally:
         if bar is not None:
             bar.__exit__(None, None, None)
@@ -289,8 +386,10 @@ def _run_batch(command: str, paths: tuple[str, ...], opts: Any, as_json: bool, *
         _emit_json(summary)
     elif not quiet:
         stopped = "; stopped at the first failure" if report.stopped_early else ""
-        click.echo(f"{summary['written']} written, {summary['unchanged']} unchanged, {summary['failed']} failed "
-                   f"of {len(pairs)} ({report.seconds:.2f} s){stopped}")
+        click.echo(
+            f"{summary['written']} written, {summary['unchanged']} unchanged, {summary['failed']} failed "
+            f"of {len(pairs)} ({report.seconds:.2f} s){stopped}"
+        )
     return report.exit_code
 
 
@@ -387,8 +486,13 @@ def remap(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
 
 @cli.command("rename", context_settings=_CONTEXT)
 @_INPUTS
-@click.option("--rule", "rules", multiple=True, metavar="RULE",
-              help="'REGEX=>REPLACEMENT', Python re syntax with backrefs; repeatable, applied in order.")
+@click.option(
+    "--rule",
+    "rules",
+    multiple=True,
+    metavar="RULE",
+    help="'REGEX=>REPLACEMENT', Python re syntax with backrefs; repeatable, applied in order.",
+)
 @click.option("--strict", is_flag=True, help="Exit 1 when no key matches.")
 @_PIPELINE
 def rename(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
@@ -427,15 +531,26 @@ def prune(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
 @cli.command("fit", context_settings=_CONTEXT)
 @_IN_OUT
 @click.option("--reference", metavar="REF", type=click.Path(), help="A checkpoint whose keys to match (any format).")
-@click.option("--model", metavar="MODULE:CALLABLE",
-              help="Match the state dict of MODULE:CALLABLE() (imported and called only because you name it; "
-              "from installed modules and --model-path folders, never from the current folder).")
-@click.option("--model-path", "model_path", multiple=True, metavar="DIR", type=click.Path(file_okay=False),
-              help="With --model: search this folder first for MODULE (repeatable, in order; '.' for the "
-              "current folder).")
+@click.option(
+    "--model",
+    metavar="MODULE:CALLABLE",
+    help="Match the state dict of MODULE:CALLABLE() (imported and called only because you name it; "
+    "from installed modules and --model-path folders, never from the current folder).",
+)
+@click.option(
+    "--model-path",
+    "model_path",
+    multiple=True,
+    metavar="DIR",
+    type=click.Path(file_okay=False),
+    help="With --model: search this folder first for MODULE (repeatable, in order; '.' for the current folder).",
+)
 @click.option("--select", metavar="PATH", help="The state dict to fit (default: the one that fits best).")
-@click.option("--allow-partial", is_flag=True,
-              help="Write even when keys stay missing/unexpected (those and wrong-shaped keys are left out).")
+@click.option(
+    "--allow-partial",
+    is_flag=True,
+    help="Write even when keys stay missing/unexpected (those and wrong-shaped keys are left out).",
+)
 @click.option("--format", "out_format", type=click.Choice(["pth", "safetensors"]), help="Output format.")
 @click.option("--dry-run", is_flag=True, help="Report the plan; write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
@@ -464,8 +579,12 @@ def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
         _emit_json({"plan": plan.to_dict(), "write": report.to_dict() if report else None})
     else:
         click.echo(_describe_fit(plan))
-        _say(report.message if report else "nothing written: the result would not load with strict=True "
-             "(use --allow-partial to write the keys that fit)")
+        _say(
+            report.message
+            if report
+            else "nothing written: the result would not load with strict=True "
+            "(use --allow-partial to write the keys that fit)"
+        )
     return 0 if plan.loads_strictly else 1
 
 
@@ -476,13 +595,16 @@ def _describe_fit(plan: Any) -> str:
     if plan.missing:
         lines.append(f"missing ({len(plan.missing)}): {', '.join(map(one_line, plan.missing[:20]))}")
     if plan.missing_num_batches_tracked:
-        lines.append(f"missing num_batches_tracked ({len(plan.missing_num_batches_tracked)}): BatchNorm fills "
-                     "these in when loading; not an error")
+        lines.append(
+            f"missing num_batches_tracked ({len(plan.missing_num_batches_tracked)}): BatchNorm fills "
+            "these in when loading; not an error"
+        )
     if plan.unexpected:
         lines.append(f"unexpected ({len(plan.unexpected)}): {', '.join(map(one_line, plan.unexpected[:20]))}")
     for m in plan.shape_mismatches[:20]:
-        lines.append(f"shape mismatch: {one_line(m['key'])}: checkpoint {m['checkpoint']} "
-                     f"vs reference {m['reference']}")
+        lines.append(
+            f"shape mismatch: {one_line(m['key'])}: checkpoint {m['checkpoint']} vs reference {m['reference']}"
+        )
     return "\n".join(lines)
 
 
@@ -493,15 +615,17 @@ def _describe_fit(plan: Any) -> str:
 @click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance (torch.isclose).")
 @click.option("--select", metavar="PATH", help="Compare this sub-tree of A (e.g. state_dict).")
 @click.option("--select-b", metavar="PATH", help="Compare this sub-tree of B.")
-@click.option("--strip-prefix", "strip_prefixes", multiple=True, metavar="P",
-              help="Strip this prefix from A's keys first.")
+@click.option(
+    "--strip-prefix", "strip_prefixes", multiple=True, metavar="P", help="Strip this prefix from A's keys first."
+)
 @click.option("--add-prefix", metavar="P", help="Add this prefix to A's keys first.")
 @click.option("--rename", multiple=True, metavar="RULE", help="Rename A's keys first: 'REGEX=>REPLACEMENT'.")
 @click.option("--drop", multiple=True, metavar="GLOB", help="Leave entries of A matching GLOB out of the comparison.")
 @click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def diff_command(a_path: str, b_path: str, rtol: float, atol: float, select_b: str | None, as_json: bool,
-                 **kw: Any) -> int:
+def diff_command(
+    a_path: str, b_path: str, rtol: float, atol: float, select_b: str | None, as_json: bool, **kw: Any
+) -> int:
     """Compare two checkpoints of any formats: keys, shapes, dtypes and values.
 
     Tensors are compared one at a time by their bytes (exact, NaN-aware); differing ones are
@@ -528,14 +652,23 @@ def diff_command(a_path: str, b_path: str, rtol: float, atol: float, select_b: s
 
 @cli.command("verify", context_settings=_CONTEXT)
 @click.argument("paths", nargs=-1, required=True, metavar="PATH...", type=click.Path())
-@click.option("--expect-prefix", metavar="none|PREFIX",
-              help="Require no wrapper prefix on any key ('none'), or PREFIX on every key.")
+@click.option(
+    "--expect-prefix",
+    metavar="none|PREFIX",
+    help="Require no wrapper prefix on any key ('none'), or PREFIX on every key.",
+)
 @click.option("--expect-device", metavar="DEVICE", help="Require every storage on DEVICE (e.g. cpu).")
 @click.option("--recursive", is_flag=True, help="Folder inputs: include sub-folders.")
 @click.option("-q", "--quiet", is_flag=True, help="Print only failures.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
-def verify(paths: tuple[str, ...], expect_prefix: str | None, expect_device: str | None, recursive: bool,
-           quiet: bool, as_json: bool) -> int:
+def verify(
+    paths: tuple[str, ...],
+    expect_prefix: str | None,
+    expect_device: str | None,
+    recursive: bool,
+    quiet: bool,
+    as_json: bool,
+) -> int:
     """Check checkpoints load safely and completely: a CI gate (exit 1 if any check fails).
 
     Each file is read by the safe readers (offsets in range, tensors inside their storages,
@@ -550,8 +683,10 @@ def verify(paths: tuple[str, ...], expect_prefix: str | None, expect_device: str
     from .batch import expand_inputs
     from .verify import verify_path
 
-    results = [verify_path(p, expect_prefix=expect_prefix, expect_device=expect_device)
-               for p, _ in expand_inputs(paths, recursive)]
+    results = [
+        verify_path(p, expect_prefix=expect_prefix, expect_device=expect_device)
+        for p, _ in expand_inputs(paths, recursive)
+    ]
     failed = [r for r in results if not r.ok]
     if as_json:
         _emit_json({"ok": len(results) - len(failed), "failed": len(failed), "files": [r.to_dict() for r in results]})
@@ -569,13 +704,24 @@ def verify(paths: tuple[str, ...], expect_prefix: str | None, expect_device: str
 @cli.command("publish", context_settings=_CONTEXT)
 @click.argument("in_path", metavar="IN", type=click.Path())
 @click.argument("out_dir", metavar="OUTDIR", type=click.Path(file_okay=False))
-@click.option("--format", "out_format", type=click.Choice(["safetensors", "pth"]), default="safetensors",
-              show_default=True, help="Output format.")
+@click.option(
+    "--format",
+    "out_format",
+    type=click.Choice(["safetensors", "pth"]),
+    default="safetensors",
+    show_default=True,
+    help="Output format.",
+)
 @click.option("--name", help="File name stem (default: IN's name without extensions).")
 @click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
-@click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME", callback=_global_patterns,
-              help="Read objects of this global (dotted name, * ? [...] globs) as opaque records (they are not "
-              "published).")
+@click.option(
+    "--allow-global",
+    "allow_globals",
+    multiple=True,
+    metavar="NAME",
+    callback=_global_patterns,
+    help="Read objects of this global (dotted name, * ? [...] globs) as opaque records (they are not published).",
+)
 @_MAX_EXPAND
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
 def publish_command(in_path: str, out_dir: str, as_json: bool, **kw: Any) -> int:
@@ -640,11 +786,17 @@ def scan(paths: tuple[str, ...], recursive: bool, as_json: bool) -> int:
 @cli.command("inspect", context_settings=_CONTEXT)
 @click.argument("path", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--unsafe-load", is_flag=True,
-              help="For TRUSTED files only: fall back to torch.load(weights_only=False).")
-@click.option("--allow-global", "allow_globals", multiple=True, metavar="NAME", callback=_global_patterns,
-              help="Read objects of this global (dotted name, * ? [...] globs) as opaque records, never imported "
-              "or run.")
+@click.option(
+    "--unsafe-load", is_flag=True, help="For TRUSTED files only: fall back to torch.load(weights_only=False)."
+)
+@click.option(
+    "--allow-global",
+    "allow_globals",
+    multiple=True,
+    metavar="NAME",
+    callback=_global_patterns,
+    help="Read objects of this global (dotted name, * ? [...] globs) as opaque records, never imported or run.",
+)
 def inspect_command(path: str, as_json: bool, unsafe_load: bool, allow_globals: tuple[str, ...]) -> int:
     """Describe a checkpoint without reading its tensor data.
 
@@ -699,8 +851,8 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:
         if debug:
             traceback.print_exc()
-        click.echo(one_line(f"ckptfix: internal error (please report with --debug): {type(exc).__name__}: {exc}"),
-                   err=True)
+        click.echo(
+            one_line(f"ckptfix: internal error (please report with --debug): {type(exc).__name__}: {exc}"), err=True
+        )
         code = EXIT_INTERNAL
     sys.exit(code if isinstance(code, int) else 0)
-

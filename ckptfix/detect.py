@@ -142,8 +142,12 @@ def sniff(head: bytes, file_size: int) -> Sniffed:
         return Sniffed("tar", "a tar archive (the format of torch before 0.4)")
     if head.startswith(b"\x1f\x8b"):
         inner = _gunzip_head(head)
-        what = {"zip": "torch checkpoint (zip format)", "legacy": "legacy torch checkpoint",
-                "safetensors": "safetensors file", "tar": "tar-era torch checkpoint"}.get(inner.kind if inner else "")
+        what = {
+            "zip": "torch checkpoint (zip format)",
+            "legacy": "legacy torch checkpoint",
+            "safetensors": "safetensors file",
+            "tar": "tar-era torch checkpoint",
+        }.get(inner.kind if inner else "")
         if what:
             return Sniffed("not-checkpoint", f"a gzip-compressed {what}: decompress it first (gunzip)")
     for magic, what in _ARCHIVES.items():

@@ -88,4 +88,3 @@ def remap_devices(root: Any, spec: str) -> tuple[Any, dict[str, int]]:
         if new_storage is not None and id(tensor) not in replacements:
             replacements[id(tensor)] = replace(tensor, storage=new_storage)
     return substitute(root, replacements), changes
-

@@ -97,8 +97,9 @@ def _measure(a: bytes, b: bytes, dtype: str, shape: list[int], rtol: float, atol
     }
 
 
-def diff_trees(a_root: Any, b_root: Any, *, a_name: str = "A", b_name: str = "B",
-               rtol: float = 0.0, atol: float = 0.0) -> DiffReport:
+def diff_trees(
+    a_root: Any, b_root: Any, *, a_name: str = "A", b_name: str = "B", rtol: float = 0.0, atol: float = 0.0
+) -> DiffReport:
     """Compare two checkpoint trees (lazy or real tensors), reading one tensor pair at a time."""
     report = DiffReport(a_name, b_name)
     a, b = flatten(a_root), flatten(b_root)
@@ -118,15 +119,25 @@ def diff_trees(a_root: Any, b_root: Any, *, a_name: str = "A", b_name: str = "B"
             elif isinstance(left, Reduce) or isinstance(right, Reduce):
                 if is_tensor_like(left) or is_tensor_like(right):
                     report.not_compared.append(path)
-                elif not (isinstance(left, Reduce) and isinstance(right, Reduce) and left.func == right.func
-                          and _plain_equal(left.args, right.args)):
+                elif not (
+                    isinstance(left, Reduce)
+                    and isinstance(right, Reduce)
+                    and left.func == right.func
+                    and _plain_equal(left.args, right.args)
+                ):
                     report.values_differ.append({"path": path, "a": repr(left)[:80], "b": repr(right)[:80]})
             elif not _plain_equal(left, right):
                 report.values_differ.append({"path": path, "a": repr(left)[:80], "b": repr(right)[:80]})
     if report.only_in_a and report.only_in_b:
         report.hint = _prefix_hint(report.only_in_a, report.only_in_b)
-    report.equal = not (report.only_in_a or report.only_in_b or report.mismatched or report.different
-                        or report.values_differ or report.not_compared)
+    report.equal = not (
+        report.only_in_a
+        or report.only_in_b
+        or report.mismatched
+        or report.different
+        or report.values_differ
+        or report.not_compared
+    )
     return report
 
 
@@ -139,8 +150,9 @@ def _plain_equal(left: Any, right: Any) -> bool:
         return False
 
 
-def _compare_tensor(report: DiffReport, path: str, left: Any, right: Any, files: OpenFiles,
-                    rtol: float, atol: float) -> None:
+def _compare_tensor(
+    report: DiffReport, path: str, left: Any, right: Any, files: OpenFiles, rtol: float, atol: float
+) -> None:
     report.tensors_compared += 1
     dtype_a, dtype_b = _dtype_of(left), _dtype_of(right)
     shape_a, shape_b = _shape_of(left), _shape_of(right)

@@ -49,10 +49,15 @@ class FitPlan:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "state_dict": format_path(self.state_dict) or "(top level)", "strip": self.strips, "add": self.add,
-            "matched": self.matched, "missing": self.missing,
-            "missing_num_batches_tracked": self.missing_num_batches_tracked, "unexpected": self.unexpected,
-            "shape_mismatches": self.shape_mismatches, "loads_strictly": self.loads_strictly,
+            "state_dict": format_path(self.state_dict) or "(top level)",
+            "strip": self.strips,
+            "add": self.add,
+            "matched": self.matched,
+            "missing": self.missing,
+            "missing_num_batches_tracked": self.missing_num_batches_tracked,
+            "unexpected": self.unexpected,
+            "shape_mismatches": self.shape_mismatches,
+            "loads_strictly": self.loads_strictly,
         }
 
 
@@ -223,7 +228,8 @@ def best_fit(root: Any, reference: Shapes, select: Path | None = None, select_va
         raise UsageError("found no state dict in the checkpoint; name one with --select")
     plans = [
         plan_fit(path, shapes_of(sd), reference, getattr(sd, "_metadata", None))
-        for path, sd in candidates if isinstance(sd, Mapping)
+        for path, sd in candidates
+        if isinstance(sd, Mapping)
     ]
     if not plans:
         raise UsageError("the selected entry is not a mapping of names to tensors")

@@ -187,8 +187,10 @@ def flat_state_dict(root: Any, original: Any, keep_metadata: bool) -> tuple[dict
             for e in describe_tree(root)[:10]
         )
         candidates = [format_path(p) for p, _ in find_state_dicts(root) if p]
-        hint = f"choose one with --select, e.g. --select {candidates[0]}" if candidates else (
-            "keep small values as safetensors metadata with --keep-metadata, or write a .pth file"
+        hint = (
+            f"choose one with --select, e.g. --select {candidates[0]}"
+            if candidates
+            else ("keep small values as safetensors metadata with --keep-metadata, or write a .pth file")
         )
         raise UsageError(f"safetensors holds one flat mapping of names to tensors, but this holds: {layout}; {hint}")
     return tensors, metadata
@@ -216,8 +218,10 @@ def verify_output(temp: Path, planned: Any, file_format: str, report: Report) ->
             problems.append("tensors that should share a storage do not (or the reverse)")
     report.verify_seconds = round(time.perf_counter() - started, 4)
     if problems:
-        raise CannotWriteError(f"{report.output}: the written file failed verification: {'; '.join(problems)}",
-                               hint="nothing was replaced; this is a bug or a failing disk")
+        raise CannotWriteError(
+            f"{report.output}: the written file failed verification: {'; '.join(problems)}",
+            hint="nothing was replaced; this is a bug or a failing disk",
+        )
 
 
 def _sharing(root: Any) -> set[frozenset[str]]:
@@ -311,9 +315,14 @@ def convert(
     allow = [*opts.allow_globals, *(SANITIZABLE if opts.sanitize else ())]
     ckpt = read_checkpoint(in_path, unsafe_load=opts.unsafe_load, allow_globals=allow)
     report = Report(
-        command=command, input=in_path, output=out_path, input_format=ckpt.format,
-        output_format=file_format if kind == "file" else f"sharded {file_format}", dry_run=opts.dry_run,
-        notes=list(ckpt.notes), selected=opts.select,
+        command=command,
+        input=in_path,
+        output=out_path,
+        input_format=ckpt.format,
+        output_format=file_format if kind == "file" else f"sharded {file_format}",
+        dry_run=opts.dry_run,
+        notes=list(ckpt.notes),
+        selected=opts.select,
     )
     root = apply_transforms(ckpt, opts, report)
     changed = report.renamed or report.devices or report.cast.get("tensors") or report.dropped or report.sanitized
@@ -364,8 +373,15 @@ def _nothing_to_do(ckpt: Checkpoint, report: Report, opts: ConvertOptions) -> st
 
 
 def _write(
-    ckpt: Checkpoint, root: Any, out: Path, kind: str, file_format: str, max_bytes: int | None,
-    opts: ConvertOptions, report: Report, progress: Callable[[int], None] | None,
+    ckpt: Checkpoint,
+    root: Any,
+    out: Path,
+    kind: str,
+    file_format: str,
+    max_bytes: int | None,
+    opts: ConvertOptions,
+    report: Report,
+    progress: Callable[[int], None] | None,
 ) -> None:
     flat: dict[str, Any] | None = None
     metadata: dict[str, str] = {}
@@ -402,8 +418,14 @@ def _write(
             raise CannotWriteError(f"{out}: the folder {out.parent} does not exist")
         out.mkdir(exist_ok=True)
         written = write_sharded(
-            flat, out, max_bytes or parse_size(DEFAULT_SHARD_SIZE), shard_format=file_format,
-            metadata=metadata, overwrite=opts.force, progress=progress, max_data_bytes=budget,
+            flat,
+            out,
+            max_bytes or parse_size(DEFAULT_SHARD_SIZE),
+            shard_format=file_format,
+            metadata=metadata,
+            overwrite=opts.force,
+            progress=progress,
+            max_data_bytes=budget,
         )
         report.outputs = [str(p) for p in written.files]
         report.output_bytes = sum(p.stat().st_size for p in written.files)
@@ -442,8 +464,10 @@ def _describe_changes(report: Report) -> str:
     if report.cast.get("tensors"):
         cast = report.cast
         kept = f", kept {len(cast['kept'])} as they were" if cast["kept"] else ""
-        parts.append(f"cast {cast['tensors']} tensors to {cast['dtype']} "
-                     f"({cast['bytes_before']} -> {cast['bytes_after']} bytes){kept}")
+        parts.append(
+            f"cast {cast['tensors']} tensors to {cast['dtype']} "
+            f"({cast['bytes_before']} -> {cast['bytes_after']} bytes){kept}"
+        )
         if cast["shared_with_uncast"]:
             parts.append(f"left {len(cast['shared_with_uncast'])} tensors uncast: they share storage with kept ones")
     if report.aliases:
@@ -477,7 +501,11 @@ def fix_prefix(
 
 
 def write_checkpoint(
-    ckpt: Checkpoint, root: Any, out_path: str | os.PathLike, *, progress: Callable[[int], None] | None = None,
+    ckpt: Checkpoint,
+    root: Any,
+    out_path: str | os.PathLike,
+    *,
+    progress: Callable[[int], None] | None = None,
     max_expand: str | int | None = None,
 ) -> int:
     """Write ``root`` (``ckpt``'s tree, possibly transformed) to ``out_path`` atomically, in the
@@ -588,8 +616,14 @@ def fit_checkpoint(
         bad = set(plan.unexpected) | {m["key"] for m in plan.shape_mismatches}
         drop = ["".join(f"[{c}]" if c in "*?[" else c for c in plan.renamed[k]) for k in sorted(bad)]
     opts = ConvertOptions(
-        select=format_path(plan.state_dict) or None, drop=drop, strip_prefixes=plan.strips,
-        add_prefix=plan.add or None, dry_run=dry_run, force=force, unsafe_load=unsafe_load, out_format=out_format,
+        select=format_path(plan.state_dict) or None,
+        drop=drop,
+        strip_prefixes=plan.strips,
+        add_prefix=plan.add or None,
+        dry_run=dry_run,
+        force=force,
+        unsafe_load=unsafe_load,
+        out_format=out_format,
         max_expand=max_expand,
     )
     return plan, convert(in_path, out_path, opts, command="fit")
@@ -636,8 +670,13 @@ def publish(
     ext = ".safetensors" if out_format == "safetensors" else ".pth"
     staging = out_dir / f".{stem}.publish{ext}"
     opts = ConvertOptions(
-        select=format_path(path) or None, strip_prefixes=list(dict.fromkeys(chain)), map_location="cpu",
-        out_format=out_format, force=True, unsafe_load=unsafe_load, allow_globals=allow_globals,
+        select=format_path(path) or None,
+        strip_prefixes=list(dict.fromkeys(chain)),
+        map_location="cpu",
+        out_format=out_format,
+        force=True,
+        unsafe_load=unsafe_load,
+        allow_globals=allow_globals,
         max_expand=max_expand,
     )
     try:

@@ -124,15 +124,25 @@ def _bad(what: str) -> BadInputError:
 
 
 def over_budget(objects: int, alloc: int) -> BadInputError:
-    return _bad(f"it creates {objects} objects ({alloc >> 20} MiB): more than this pickle's size allows "
-                "(a pickle bomb, or a checkpoint far larger than any real one)")
+    return _bad(
+        f"it creates {objects} objects ({alloc >> 20} MiB): more than this pickle's size allows "
+        "(a pickle bomb, or a checkpoint far larger than any real one)"
+    )
 
 
 class PickleVM:
     """Runs one pickle from ``data[start:]`` to its STOP. See the module docstring."""
 
-    def __init__(self, data: bytes | mmap.mmap, hooks: Hooks, budgets: Budgets | None = None,
-                 start: int = 0, end: int | None = None, *, fast: bool = True) -> None:
+    def __init__(
+        self,
+        data: bytes | mmap.mmap,
+        hooks: Hooks,
+        budgets: Budgets | None = None,
+        start: int = 0,
+        end: int | None = None,
+        *,
+        fast: bool = True,
+    ) -> None:
         # bytes or a read-only mmap: both index to ints, slice to bytes and have find()
         self.data = data
         self.hooks = hooks
@@ -218,6 +228,7 @@ class PickleVM:
             alloc += nbytes
             if objects > max_objects or alloc > max_alloc:
                 raise over_budget(objects, alloc)
+
         max_memo = budgets.max_memo
 
         def need(pos: int, count: int) -> None:
@@ -768,27 +779,74 @@ class PickleVM:
         def unsupported(op: int) -> Callable[[int], int]:
             def handler(pos: int) -> int:
                 raise _bad(f"unsupported opcode {op:#04x} at byte {pos - 1}")
+
             return handler
 
         table: list[Callable[[int], int]] = [unsupported(i) for i in range(256)]
         for code, handler in {
-            b"\x80": op_proto, b"\x95": op_frame, b".": op_stop,
-            b"N": op_none, b"\x88": op_true, b"\x89": op_false,
-            b"J": op_binint, b"K": op_binint1, b"M": op_binint2, b"I": op_int, b"L": op_long,
-            b"\x8a": op_long1, b"\x8b": op_long4, b"F": op_float, b"G": op_binfloat,
-            b"X": op_binunicode, b"\x8c": op_short_binunicode, b"\x8d": op_binunicode8, b"V": op_unicode,
-            b"S": op_string, b"T": op_binstring, b"U": op_short_binstring,
-            b"B": op_binbytes, b"C": op_short_binbytes, b"\x8e": op_binbytes8, b"\x96": op_bytearray8,
-            b"(": op_mark, b")": op_empty_tuple, b"t": op_tuple, b"\x85": op_tuple1, b"\x86": op_tuple2,
-            b"\x87": op_tuple3, b"]": op_empty_list, b"l": op_list, b"}": op_empty_dict, b"d": op_dict,
-            b"\x8f": op_empty_set, b"\x91": op_frozenset, b"\x90": op_additems,
-            b"a": op_append, b"e": op_appends, b"s": op_setitem, b"u": op_setitems,
-            b"0": op_pop, b"1": op_pop_mark, b"2": op_dup,
-            b"q": op_binput, b"r": op_long_binput, b"p": op_put, b"\x94": op_memoize,
-            b"h": op_binget, b"j": op_long_binget, b"g": op_get,
-            b"c": op_global, b"\x93": op_stack_global, b"R": op_reduce, b"\x81": op_newobj,
-            b"\x92": op_newobj_ex, b"i": op_inst, b"o": op_obj, b"b": op_build,
-            b"Q": op_binpersid, b"P": op_persid,
+            b"\x80": op_proto,
+            b"\x95": op_frame,
+            b".": op_stop,
+            b"N": op_none,
+            b"\x88": op_true,
+            b"\x89": op_false,
+            b"J": op_binint,
+            b"K": op_binint1,
+            b"M": op_binint2,
+            b"I": op_int,
+            b"L": op_long,
+            b"\x8a": op_long1,
+            b"\x8b": op_long4,
+            b"F": op_float,
+            b"G": op_binfloat,
+            b"X": op_binunicode,
+            b"\x8c": op_short_binunicode,
+            b"\x8d": op_binunicode8,
+            b"V": op_unicode,
+            b"S": op_string,
+            b"T": op_binstring,
+            b"U": op_short_binstring,
+            b"B": op_binbytes,
+            b"C": op_short_binbytes,
+            b"\x8e": op_binbytes8,
+            b"\x96": op_bytearray8,
+            b"(": op_mark,
+            b")": op_empty_tuple,
+            b"t": op_tuple,
+            b"\x85": op_tuple1,
+            b"\x86": op_tuple2,
+            b"\x87": op_tuple3,
+            b"]": op_empty_list,
+            b"l": op_list,
+            b"}": op_empty_dict,
+            b"d": op_dict,
+            b"\x8f": op_empty_set,
+            b"\x91": op_frozenset,
+            b"\x90": op_additems,
+            b"a": op_append,
+            b"e": op_appends,
+            b"s": op_setitem,
+            b"u": op_setitems,
+            b"0": op_pop,
+            b"1": op_pop_mark,
+            b"2": op_dup,
+            b"q": op_binput,
+            b"r": op_long_binput,
+            b"p": op_put,
+            b"\x94": op_memoize,
+            b"h": op_binget,
+            b"j": op_long_binget,
+            b"g": op_get,
+            b"c": op_global,
+            b"\x93": op_stack_global,
+            b"R": op_reduce,
+            b"\x81": op_newobj,
+            b"\x92": op_newobj_ex,
+            b"i": op_inst,
+            b"o": op_obj,
+            b"b": op_build,
+            b"Q": op_binpersid,
+            b"P": op_persid,
         }.items():
             table[code[0]] = handler
 

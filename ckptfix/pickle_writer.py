@@ -133,7 +133,7 @@ class _Emitter:
                 out += b"J" + _pack_i(value)
             else:
                 encoded = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
-                out += (b"\x8a" + bytes((len(encoded),)) if len(encoded) < 256 else b"\x8b" + _pack_i(len(encoded)))
+                out += b"\x8a" + bytes((len(encoded),)) if len(encoded) < 256 else b"\x8b" + _pack_i(len(encoded))
                 out += encoded
         elif kind is bool:
             out += _TRUE if value else _FALSE
@@ -433,17 +433,29 @@ def _writer_for_subclass(value: Any) -> Callable[[_Emitter, Any], None]:
 
 #: node type -> writer: the one place that says how each kind of node is pickled
 _WRITERS: dict[type, Callable[[_Emitter, Any], None]] = {
-    tuple: _Emitter.tuple_, list: _Emitter.list_, dict: _Emitter.dict_,
-    OrderedDict: _Emitter.ordered_dict, Counter: _Emitter.counter,
-    set: _Emitter.set_, frozenset: _Emitter.set_,
-    bytes: _Emitter.bytes_, bytearray: _Emitter.bytearray_, complex: _Emitter.complex_,
-    TensorRef: _Emitter.tensor, StorageRef: lambda e, s: e.storage(s), Global: _Emitter.global_value,
+    tuple: _Emitter.tuple_,
+    list: _Emitter.list_,
+    dict: _Emitter.dict_,
+    OrderedDict: _Emitter.ordered_dict,
+    Counter: _Emitter.counter,
+    set: _Emitter.set_,
+    frozenset: _Emitter.set_,
+    bytes: _Emitter.bytes_,
+    bytearray: _Emitter.bytearray_,
+    complex: _Emitter.complex_,
+    TensorRef: _Emitter.tensor,
+    StorageRef: lambda e, s: e.storage(s),
+    Global: _Emitter.global_value,
     type(EMPTY_HOOKS): lambda e, _: e.empty_hooks(),
-    Reduce: _Emitter.record, OpaqueObject: _Emitter.opaque,
+    Reduce: _Emitter.record,
+    OpaqueObject: _Emitter.opaque,
 }
 #: subclasses made in code (a transform's own mapping type) fall back to their base's writer
 _SUBCLASS_WRITERS: tuple[tuple[type, Callable[[_Emitter, Any], None]], ...] = (
-    (OrderedDict, _Emitter.ordered_dict), (dict, _Emitter.dict_), (list, _Emitter.list_), (tuple, _Emitter.tuple_),
+    (OrderedDict, _Emitter.ordered_dict),
+    (dict, _Emitter.dict_),
+    (list, _Emitter.list_),
+    (tuple, _Emitter.tuple_),
 )
 
 

@@ -64,8 +64,9 @@ class RecordingHooks(Hooks):
     """See the module docstring. ``plain(name)`` says whether a global is one whose results the
     reader builds itself (torch records, Python builtins): those never take BUILD or items."""
 
-    def __init__(self, where: str, found: list[Finding], plain: Callable[[str], bool], depth: int = 0,
-                 headerless: bool = False) -> None:
+    def __init__(
+        self, where: str, found: list[Finding], plain: Callable[[str], bool], depth: int = 0, headerless: bool = False
+    ) -> None:
         self.where, self.found, self.plain, self.depth, self.headerless = where, found, plain, depth, headerless
 
     def find_global(self, module: str, name: str) -> Any:
@@ -129,13 +130,20 @@ class RecordingHooks(Hooks):
         """Record the pickles hidden in bytes anywhere in ``value``."""
         if self.depth >= MAX_NESTED or value is None:
             return
-        blobs = [value] if type(value) in (bytes, bytearray) else [
-            v for _, v in walk(value, leaves=True) if type(v) in (bytes, bytearray)
-        ]
+        blobs = (
+            [value]
+            if type(value) in (bytes, bytearray)
+            else [v for _, v in walk(value, leaves=True) if type(v) in (bytes, bytearray)]
+        )
         for blob in blobs:
             if len(blob) > 2:
-                found, _ = record_globals(bytes(blob), f"{self.where} (nested pickle)", self.plain, self.depth + 1,
-                                          headerless=not looks_like_pickle(blob))
+                found, _ = record_globals(
+                    bytes(blob),
+                    f"{self.where} (nested pickle)",
+                    self.plain,
+                    self.depth + 1,
+                    headerless=not looks_like_pickle(blob),
+                )
                 self.found.extend(found)
 
 
@@ -146,8 +154,13 @@ def _describe(value: Any) -> str:
 
 
 def record_globals(
-    data: bytes | Any, where: str, plain: Callable[[str], bool], depth: int = 0, *,
-    count: int | None = None, headerless: bool = False,
+    data: bytes | Any,
+    where: str,
+    plain: Callable[[str], bool],
+    depth: int = 0,
+    *,
+    count: int | None = None,
+    headerless: bool = False,
 ) -> tuple[list[Finding], str]:
     """Findings in ``count`` consecutive pickles (all, if None) at the start of ``data`` (bytes or
     an mmap); returns them and an error ("" if every pickle read cleanly).

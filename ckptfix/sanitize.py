@@ -27,7 +27,9 @@ from .tree import OpaqueObject, format_path, substitute, tensor_from_range, walk
 
 _NUMPY = ("numpy.core.multiarray", "numpy._core.multiarray")
 SANITIZABLE = (
-    "argparse.Namespace", "numpy.dtype", "numpy.ndarray",
+    "argparse.Namespace",
+    "numpy.dtype",
+    "numpy.ndarray",
     *(f"{m}.{n}" for m in _NUMPY for n in ("scalar", "_reconstruct")),
     *(f"pathlib.{n}" for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")),
 )
@@ -36,8 +38,19 @@ _MAX_NDIM = 32
 _MAX_BYTES = 2**63 - 1
 _TYPE_CODE = re.compile(r"^[<>|=]?([biufc])(\d{1,2})$")
 _TORCH_DTYPE = {
-    "b1": "bool", "i1": "int8", "u1": "uint8", "i2": "int16", "i4": "int32", "i8": "int64", "u2": "uint16",
-    "u4": "uint32", "u8": "uint64", "f2": "float16", "f4": "float32", "f8": "float64", "c8": "complex64",
+    "b1": "bool",
+    "i1": "int8",
+    "u1": "uint8",
+    "i2": "int16",
+    "i4": "int32",
+    "i8": "int64",
+    "u2": "uint16",
+    "u4": "uint32",
+    "u8": "uint64",
+    "f2": "float16",
+    "f4": "float32",
+    "f8": "float64",
+    "c8": "complex64",
     "c16": "complex128",
 }
 

@@ -31,19 +31,62 @@ from .recording import record_globals
 from .unpickle import PYTHON_GLOBALS, TORCH_GLOBALS
 from .ziparchive import read_record_bytes
 
-BENIGN = {
-    "argparse.Namespace", "pathlib.Path", "pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePath",
-    "pathlib.PurePosixPath", "pathlib.PureWindowsPath", "collections.defaultdict", "collections.deque",
-    "datetime.datetime", "datetime.date", "datetime.timedelta", "decimal.Decimal", "fractions.Fraction",
-    "uuid.UUID", "builtins.slice", "builtins.range", "copyreg._reconstructor", "builtins.object",
-    "builtins.dict", "builtins.list", "builtins.tuple", "builtins.int", "builtins.float", "builtins.str",
-    "builtins.bytes", "builtins.bool",
-} | {
-    f"{np}.{name}" for np in ("numpy.core.multiarray", "numpy._core.multiarray")
-    for name in ("_reconstruct", "scalar")
-} | {"numpy.dtype", "numpy.ndarray"} | {f"numpy.dtypes.{k}DType" for k in (
-    "Float64", "Float32", "Float16", "Int64", "Int32", "Int16", "Int8", "UInt8", "UInt16", "UInt32", "UInt64",
-    "Bool", "Complex64", "Complex128")}
+BENIGN = (
+    {
+        "argparse.Namespace",
+        "pathlib.Path",
+        "pathlib.PosixPath",
+        "pathlib.WindowsPath",
+        "pathlib.PurePath",
+        "pathlib.PurePosixPath",
+        "pathlib.PureWindowsPath",
+        "collections.defaultdict",
+        "collections.deque",
+        "datetime.datetime",
+        "datetime.date",
+        "datetime.timedelta",
+        "decimal.Decimal",
+        "fractions.Fraction",
+        "uuid.UUID",
+        "builtins.slice",
+        "builtins.range",
+        "copyreg._reconstructor",
+        "builtins.object",
+        "builtins.dict",
+        "builtins.list",
+        "builtins.tuple",
+        "builtins.int",
+        "builtins.float",
+        "builtins.str",
+        "builtins.bytes",
+        "builtins.bool",
+    }
+    | {
+        f"{np}.{name}"
+        for np in ("numpy.core.multiarray", "numpy._core.multiarray")
+        for name in ("_reconstruct", "scalar")
+    }
+    | {"numpy.dtype", "numpy.ndarray"}
+    | {
+        f"numpy.dtypes.{k}DType"
+        for k in (
+            "Float64",
+            "Float32",
+            "Float16",
+            "Int64",
+            "Int32",
+            "Int16",
+            "Int8",
+            "UInt8",
+            "UInt16",
+            "UInt32",
+            "UInt64",
+            "Bool",
+            "Complex64",
+            "Complex128",
+        )
+    }
+)
 _RENAMED = {"__builtin__": "builtins", "posix": "os", "nt": "os"}
 
 
@@ -66,9 +109,13 @@ class ScanResult:
         return [g for g in self.globals if g.verdict == "dangerous"]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"path": self.path, "format": self.format, "error": self.error,
-                "dangerous": sorted({g.name for g in self.dangerous}),
-                "globals": [asdict(g) for g in self.globals]}
+        return {
+            "path": self.path,
+            "format": self.format,
+            "error": self.error,
+            "dangerous": sorted({g.name for g in self.dangerous}),
+            "globals": [asdict(g) for g in self.globals],
+        }
 
 
 def canonical(name: str) -> str:
@@ -76,7 +123,7 @@ def canonical(name: str) -> str:
     if name.startswith("<"):
         return name
     module = name.rsplit(".", 1)[0]
-    return _RENAMED.get(module, module) + name[len(module):]
+    return _RENAMED.get(module, module) + name[len(module) :]
 
 
 def classify(name: str) -> str:
@@ -95,8 +142,9 @@ def _plain(name: str) -> bool:
     return name in TORCH_GLOBALS or name in PYTHON_GLOBALS
 
 
-def scan_pickles(data: bytes | Any, where: str, count: int | None = None,
-                 headerless: bool = False) -> tuple[list[Found], str]:
+def scan_pickles(
+    data: bytes | Any, where: str, count: int | None = None, headerless: bool = False
+) -> tuple[list[Found], str]:
     """Globals (and laundering attempts) in ``count`` consecutive pickles (all, if None) at the
     start of ``data``, nested pickles included, each with its verdict; and an error ("" if all
     read cleanly). See :func:`ckptfix.recording.record_globals`."""

@@ -32,10 +32,31 @@ from .tree import (
 
 #: entries a training loop saves besides the weights (Lightning, plain PyTorch, timm, mmengine...)
 TRAINING_STATE = (
-    "optimizer", "optimizers", "optimizer_state", "optimizer_states", "optimizer_state_dict", "optim",
-    "optim_state", "opt", "opt_state", "lr_scheduler", "lr_schedulers", "scheduler", "schedulers",
-    "scheduler_state_dict", "loops", "callbacks", "scaler", "grad_scaler", "amp", "amp_scaling_state",
-    "native_amp_scaling_state", "MixedPrecision", "rng_state", "rng_states", "message_hub",
+    "optimizer",
+    "optimizers",
+    "optimizer_state",
+    "optimizer_states",
+    "optimizer_state_dict",
+    "optim",
+    "optim_state",
+    "opt",
+    "opt_state",
+    "lr_scheduler",
+    "lr_schedulers",
+    "scheduler",
+    "schedulers",
+    "scheduler_state_dict",
+    "loops",
+    "callbacks",
+    "scaler",
+    "grad_scaler",
+    "amp",
+    "amp_scaling_state",
+    "native_amp_scaling_state",
+    "MixedPrecision",
+    "rng_state",
+    "rng_states",
+    "message_hub",
 )
 
 

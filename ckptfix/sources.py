@@ -253,7 +253,11 @@ def is_c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
 
 
 def gather_c_order(
-    buffer: bytes | mmap.mmap, base: int, itemsize: int, shape: tuple[int, ...], stride: tuple[int, ...],
+    buffer: bytes | mmap.mmap,
+    base: int,
+    itemsize: int,
+    shape: tuple[int, ...],
+    stride: tuple[int, ...],
     swap_unit: int = 0,
 ) -> bytes:
     """Copy a strided view (element strides) starting at byte ``base`` into C-order bytes.

@@ -116,16 +116,19 @@ def describe_tree(root: Any) -> list[dict[str, Any]]:
         elif is_tensor_like(value):
             entries.append({"path": where, "kind": "tensor", "value": _tensor_line(value)})
         elif isinstance(value, (Mapping, list, tuple)) and value and len(path) < _MAX_DEPTH:
-            if path and not isinstance(value, Mapping) and all(
-                not isinstance(v, (Mapping, list, tuple)) and not is_tensor_like(v) for v in value
+            if (
+                path
+                and not isinstance(value, Mapping)
+                and all(not isinstance(v, (Mapping, list, tuple)) and not is_tensor_like(v) for v in value)
             ):
                 entries.append({"path": where, "kind": type(value).__name__, "value": _scalar_text(value)})
                 return False
             return True
         elif isinstance(value, (Mapping, list, tuple)):
             n, devices = _tensor_stats(value)
-            entries.append({"path": where, "kind": type(value).__name__, "items": len(value), "tensors": n,
-                            "devices": devices})
+            entries.append(
+                {"path": where, "kind": type(value).__name__, "items": len(value), "tensors": n, "devices": devices}
+            )
         else:
             entries.append({"path": where, "kind": _kind_of(value), "value": _scalar_text(value)})
         return False
@@ -159,15 +162,18 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
     state_dicts = []
     for path, sd in find_state_dicts(ckpt.root):
         keys = [k for k in sd if isinstance(k, str)]
-        state_dicts.append({
-            "path": format_path(path),
-            "keys": len(keys),
-            "prefixes": common_prefixes(keys),
-            "has_metadata": isinstance(getattr(sd, "_metadata", None), dict),
-        })
+        state_dicts.append(
+            {
+                "path": format_path(path),
+                "keys": len(keys),
+                "prefixes": common_prefixes(keys),
+                "has_metadata": isinstance(getattr(sd, "_metadata", None), dict),
+            }
+        )
     shared = [
         {"storage": storages[sid].key, "tensors": names}
-        for sid, paths in users.items() if len(paths) > 1
+        for sid, paths in users.items()
+        if len(paths) > 1
         for names in ([format_path(p) for p in paths],)
     ]
     return {
@@ -235,10 +241,14 @@ def render(summary: dict[str, Any]) -> str:
         if detail is None:
             detail = f"{entry['tensors']} tensors" + (f", {entry['items']} items" if "items" in entry else "")
             if entry.get("devices"):
-                detail += " on " + ", ".join(f"{d} x{n}" if len(entry["devices"]) > 1 else d
-                                             for d, n in entry["devices"].items())
-        lines.append(f"  {entry['path']}: {entry['kind']}: {detail}" if entry["kind"] not in ("tensor",)
-                     else f"  {entry['path']}: {detail}")
+                detail += " on " + ", ".join(
+                    f"{d} x{n}" if len(entry["devices"]) > 1 else d for d, n in entry["devices"].items()
+                )
+        lines.append(
+            f"  {entry['path']}: {entry['kind']}: {detail}"
+            if entry["kind"] not in ("tensor",)
+            else f"  {entry['path']}: {detail}"
+        )
     for sd in summary["state_dicts"]:
         where = sd["path"] or "(top level)"
         prefixes = ", ".join(f"{p['prefix']!r} on {p['keys']}/{sd['keys']} keys" for p in sd["prefixes"])

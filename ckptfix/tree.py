@@ -211,8 +211,15 @@ def tensor_from_range(dtype: str, shape: tuple[int, ...], source: Any, location:
         return TensorRef(storage, 0, shape, tuple(reversed(stride)), dtype, False, EMPTY_HOOKS)
     storage = StorageRef("0", Global("torch.storage", "UntypedStorage"), location, source.size, 1, "uint8", source)
     return TensorRef(
-        storage, 0, shape, tuple(reversed(stride)), dtype, False, EMPTY_HOOKS,
-        rebuild="v3", dtype_global=Global("torch", dtype),
+        storage,
+        0,
+        shape,
+        tuple(reversed(stride)),
+        dtype,
+        False,
+        EMPTY_HOOKS,
+        rebuild="v3",
+        dtype_global=Global("torch", dtype),
     )
 
 
@@ -241,8 +248,11 @@ def _reduce_children(value: Reduce) -> Iterable[tuple[Any, Any]]:
 
 
 def _opaque_children(value: OpaqueObject) -> Iterable[tuple[Any, Any]]:
-    items: list[tuple[Any, Any]] = [("__args__", value.args), ("__items__", value.items),
-                                    ("__dictitems__", value.dictitems)]
+    items: list[tuple[Any, Any]] = [
+        ("__args__", value.args),
+        ("__items__", value.items),
+        ("__dictitems__", value.dictitems),
+    ]
     if value.kwargs:
         items.append(("__kwargs__", value.kwargs))
     if value.state is not ABSENT:
@@ -265,9 +275,16 @@ def _tensor_children(value: TensorRef) -> Iterable[tuple[Any, Any]]:
 
 #: exact type -> its children as (key, child) pairs: the one place that says what a node holds
 CHILDREN: dict[type, Callable[[Any], Iterable[tuple[Any, Any]]]] = {
-    dict: _dict_children, OrderedDict: _mapping_children, Counter: _mapping_children,
-    list: enumerate, tuple: enumerate, set: enumerate, frozenset: enumerate,
-    Reduce: _reduce_children, OpaqueObject: _opaque_children, TensorRef: _tensor_children,
+    dict: _dict_children,
+    OrderedDict: _mapping_children,
+    Counter: _mapping_children,
+    list: enumerate,
+    tuple: enumerate,
+    set: enumerate,
+    frozenset: enumerate,
+    Reduce: _reduce_children,
+    OpaqueObject: _opaque_children,
+    TensorRef: _tensor_children,
 }
 #: values that hold nothing the walk needs to see
 _ATOMS = frozenset({str, int, float, bool, type(None), bytes, bytearray, complex, Global, _EmptyHooks})
@@ -295,8 +312,12 @@ def children_of(value: Any) -> list[tuple[Any, Any]] | None:
 
 
 def walk(
-    root: Any, descend: Callable[[Path, Any], bool] | None = None, *, limit: int = MAX_NESTING,
-    leaves: bool = False, revisit: Callable[[Any], None] | None = None,
+    root: Any,
+    descend: Callable[[Path, Any], bool] | None = None,
+    *,
+    limit: int = MAX_NESTING,
+    leaves: bool = False,
+    revisit: Callable[[Any], None] | None = None,
 ) -> Iterator[tuple[Path, Any]]:
     """THE traversal: every container and record under ``root`` with its path, in order.
 

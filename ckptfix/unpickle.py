@@ -51,10 +51,18 @@ from .tree import (
 )
 
 _REBUILD_FUNCTIONS = (
-    "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
-    "_rebuild_parameter_with_state", "_rebuild_qtensor", "_rebuild_sparse_tensor",
-    "_rebuild_nested_tensor", "_rebuild_wrapper_subclass", "_rebuild_meta_tensor_no_storage",
-    "_rebuild_device_tensor_from_numpy", "_rebuild_device_tensor_from_cpu_tensor",
+    "_rebuild_tensor",
+    "_rebuild_tensor_v2",
+    "_rebuild_tensor_v3",
+    "_rebuild_parameter",
+    "_rebuild_parameter_with_state",
+    "_rebuild_qtensor",
+    "_rebuild_sparse_tensor",
+    "_rebuild_nested_tensor",
+    "_rebuild_wrapper_subclass",
+    "_rebuild_meta_tensor_no_storage",
+    "_rebuild_device_tensor_from_numpy",
+    "_rebuild_device_tensor_from_cpu_tensor",
 )
 
 
@@ -76,8 +84,12 @@ DTYPE_GLOBALS: frozenset[str] = frozenset(f"torch.{d}" for d in DTYPE_ITEMSIZE)
 
 def _torch_allowed_names() -> frozenset[str]:
     names = {
-        "torch.Size", "torch.device", "torch.Tensor", "torch.nn.parameter.Parameter",
-        "torch.serialization._get_layout", "torch._tensor._rebuild_from_type_v2",
+        "torch.Size",
+        "torch.device",
+        "torch.Tensor",
+        "torch.nn.parameter.Parameter",
+        "torch.serialization._get_layout",
+        "torch._tensor._rebuild_from_type_v2",
     }
     names.update(STORAGE_GLOBALS)
     names.update(f"torch._utils.{f}" for f in _REBUILD_FUNCTIONS)
@@ -95,12 +107,26 @@ TORCH_GLOBALS: frozenset[str] = _torch_allowed_names()
 
 #: globals that are never allowed, whatever ``--allow-global`` says: they turn bytes the reader
 #: has not seen into objects (or code) when the output is loaded
-NEVER_ALLOWED = frozenset({
-    "torch.storage._load_from_bytes", "torch.load", "torch.serialization.load", "torch.serialization._load",
-    "torch.serialization._legacy_load", "torch.jit.load", "pickle.loads", "pickle.load", "_pickle.loads",
-    "_pickle.load", "marshal.loads", "dill.loads", "cloudpickle.loads", "builtins.eval", "builtins.exec",
-    "builtins.compile",
-})
+NEVER_ALLOWED = frozenset(
+    {
+        "torch.storage._load_from_bytes",
+        "torch.load",
+        "torch.serialization.load",
+        "torch.serialization._load",
+        "torch.serialization._legacy_load",
+        "torch.jit.load",
+        "pickle.loads",
+        "pickle.load",
+        "_pickle.loads",
+        "_pickle.load",
+        "marshal.loads",
+        "dill.loads",
+        "cloudpickle.loads",
+        "builtins.eval",
+        "builtins.exec",
+        "builtins.compile",
+    }
+)
 
 #: platform modules that pickles name instead of the module users know (os.system is posix.system)
 _DISPLAY_MODULES = {"posix": "os", "nt": "os", "_operator": "operator", "_io": "io"}
@@ -116,6 +142,7 @@ def display_name(module: str, name: str) -> str:
 
 
 # --------------------------------------------------------------------------- builders
+
 
 def _as_int_tuple(value: Any, what: str) -> tuple[int, ...]:
     if type(value) is not tuple:
@@ -174,8 +201,16 @@ def _tensor(func: Global, args: tuple) -> TensorRef:
             raise BadInputError("corrupt tensor record: its dtype is not a torch dtype")
         dtype = dtype_global.name
     return TensorRef(
-        storage, offset, shape, strides, dtype, requires_grad, hooks, "v3" if fixed == 7 else "v2",
-        dtype_global, args[fixed] if len(args) > fixed else ABSENT,
+        storage,
+        offset,
+        shape,
+        strides,
+        dtype,
+        requires_grad,
+        hooks,
+        "v3" if fixed == 7 else "v2",
+        dtype_global,
+        args[fixed] if len(args) > fixed else ABSENT,
     )
 
 
@@ -252,6 +287,7 @@ BUILDERS: dict[str, Callable[[Global, tuple], Any]] = {
     "builtins.complex": _complex,
     "_codecs.encode": _encode,
 }
+
 
 def _plain_global(name: str) -> bool:
     return name in TORCH_GLOBALS or name in PYTHON_GLOBALS
@@ -420,7 +456,9 @@ def _check_nested_pickles(tree: Any, hooks: ReaderHooks) -> None:
             module, _, short = name.rpartition(".")
             if name.startswith("<"):
                 raise BadInputError(f"corrupt or hostile pickle: a pickle carried as bytes holds {name}")
-            if name not in TORCH_GLOBALS and name not in PYTHON_GLOBALS and (
-                name in NEVER_ALLOWED or not allowed_by_name(name, hooks.allow)
+            if (
+                name not in TORCH_GLOBALS
+                and name not in PYTHON_GLOBALS
+                and (name in NEVER_ALLOWED or not allowed_by_name(name, hooks.allow))
             ):
                 raise UnsafeInputError(display_name(module, short) + " (in a pickle carried as bytes)")

@@ -38,8 +38,9 @@ class VerifyResult:
         return asdict(self)
 
 
-def verify_path(path: str | os.PathLike, *, expect_prefix: str | None = None,
-                expect_device: str | None = None) -> VerifyResult:
+def verify_path(
+    path: str | os.PathLike, *, expect_prefix: str | None = None, expect_device: str | None = None
+) -> VerifyResult:
     """Every check on one checkpoint; problems are collected, never raised."""
     result = VerifyResult(str(path))
     try:

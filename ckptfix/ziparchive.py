@@ -127,8 +127,7 @@ def read_directory(f: BinaryIO, file_size: int, path: str) -> ZipDirectory:
         data_offset = _check_local_header(view, entry, name, file_size, path)
         if data_offset + entry.compressed_size > end.cd_offset:
             raise BadInputError(
-                f"{path}: record {name!r} extends past the end of its data: the file is truncated "
-                "or corrupt"
+                f"{path}: record {name!r} extends past the end of its data: the file is truncated or corrupt"
             )
         records.add(name, data_offset, entry.compressed_size, entry.size, entry.method, entry.crc, entry.header_offset)
     _refuse_overlaps(records, path)
@@ -151,8 +150,9 @@ class ZipDirectory(Mapping[str, ZipRecord]):
         self._crc = array("I")  # CRC-32: 4 bytes
         self._method = array("B")
 
-    def add(self, name: str, data_offset: int, compressed_size: int, size: int, method: int, crc: int,
-            header_offset: int) -> None:
+    def add(
+        self, name: str, data_offset: int, compressed_size: int, size: int, method: int, crc: int, header_offset: int
+    ) -> None:
         self._index[name] = len(self._index)
         self._data_offset.append(data_offset)
         self._compressed_size.append(compressed_size)
@@ -173,7 +173,12 @@ class ZipDirectory(Mapping[str, ZipRecord]):
     def __getitem__(self, name: str) -> ZipRecord:
         i = self._index[name]
         return ZipRecord(
-            name, self._data_offset[i], self._compressed_size[i], self._size[i], self._method[i], self._crc[i],
+            name,
+            self._data_offset[i],
+            self._compressed_size[i],
+            self._size[i],
+            self._method[i],
+            self._crc[i],
             self._header_offset[i],
         )
 
@@ -219,8 +224,11 @@ def _read_end(f: BinaryIO, file_size: int, path: str) -> _End:
             raise BadInputError(f"{path}: corrupt zip64 directory (its locator is missing)")
     else:
         wide, directory_end = zip64
-        for classic, value, sentinel in ((count, wide.count, _U16_MAX), (cd_size, wide.cd_size, _U32_MAX),
-                                         (cd_offset, wide.cd_offset, _U32_MAX)):
+        for classic, value, sentinel in (
+            (count, wide.count, _U16_MAX),
+            (cd_size, wide.cd_size, _U32_MAX),
+            (cd_offset, wide.cd_offset, _U32_MAX),
+        ):
             if classic not in (sentinel, value):
                 raise BadInputError(
                     f"{path}: the zip64 end record and the classic one describe different directories "
@@ -279,8 +287,9 @@ def _parse_central_directory(directory: bytes, count: int, path: str) -> list[_E
     for _ in range(count):
         if at + header_size > end or directory[at : at + 4] != _CENTRAL_SIG:
             raise BadInputError(f"{path}: corrupt zip directory entry")
-        (_, _, _, flags, method, _, _, crc, csize, usize, name_len, extra_len, comment_len, _, _, _,
-         header_offset) = unpack(directory, at)
+        (_, _, _, flags, method, _, _, crc, csize, usize, name_len, extra_len, comment_len, _, _, _, header_offset) = (
+            unpack(directory, at)
+        )
         name_at = at + header_size
         at = name_at + name_len + extra_len + comment_len
         if at > end:
@@ -590,8 +599,23 @@ class ZipWriter:
             extra = struct.pack("<HH", 0x0001, len(zip64)) + zip64 if zip64 else b""
             self._write(
                 _CENTRAL_HEADER.pack(
-                    _CENTRAL_SIG, 0, 0, 0x0808, STORED, 0, 0, crc, size32, size32,
-                    len(name), len(extra), 0, 0, 0, 0, offset32,
+                    _CENTRAL_SIG,
+                    0,
+                    0,
+                    0x0808,
+                    STORED,
+                    0,
+                    0,
+                    crc,
+                    size32,
+                    size32,
+                    len(name),
+                    len(extra),
+                    0,
+                    0,
+                    0,
+                    0,
+                    offset32,
                 )
                 + name
                 + extra
@@ -603,8 +627,14 @@ class ZipWriter:
         self._write(_EOCD64_LOCATOR.pack(_EOCD64_LOCATOR_SIG, 0, eocd64_at, 1))
         self._write(
             _EOCD.pack(
-                _EOCD_SIG, 0, 0, min(count, _U16_MAX), min(count, _U16_MAX),
-                min(cd_size, _U32_MAX), min(cd_offset, _U32_MAX), 0,
+                _EOCD_SIG,
+                0,
+                0,
+                min(count, _U16_MAX),
+                min(count, _U16_MAX),
+                min(cd_size, _U32_MAX),
+                min(cd_offset, _U32_MAX),
+                0,
             )
         )
         self._stream.flush()

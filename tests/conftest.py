@@ -21,7 +21,11 @@ def run_cli(*args: Any, env: dict[str, str] | None = None, timeout: float = 120)
     """Run ``python -m ckptfix ARGS`` as a user would; returns the completed process."""
     return subprocess.run(
         [sys.executable, "-m", "ckptfix", *map(str, args)],
-        capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
+        cwd=ROOT,
     )
 
 

@@ -27,8 +27,11 @@ def _retag(src: Path, dst: Path, location: str) -> None:
 def test_load_matches_torch_load_for_every_format(tmp_path: Path) -> None:
     expected = torch.load(FIXTURES / "dataparallel_tinynet.pth", weights_only=True)
     save_file(dict(expected), tmp_path / "dp.safetensors")
-    ckptfix.convert(FIXTURES / "dataparallel_tinynet.pth", str(tmp_path / "shards") + "/",
-                    ckptfix.ConvertOptions(max_shard_size=300))
+    ckptfix.convert(
+        FIXTURES / "dataparallel_tinynet.pth",
+        str(tmp_path / "shards") + "/",
+        ckptfix.ConvertOptions(max_shard_size=300),
+    )
     for source in (FIXTURES / "dataparallel_tinynet.pth", FIXTURES / "legacy_dataparallel_tinynet.pth"):
         assert_same_tree(ckptfix.load(source), expected)
     for source in (tmp_path / "dp.safetensors", tmp_path / "shards"):

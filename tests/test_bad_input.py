@@ -33,9 +33,21 @@ def _cases(tmp: Path) -> dict[str, tuple[bytes, str]]:
     }
 
 
-@pytest.mark.parametrize("name", [
-    "empty", "lfs", "html", "gzip", "text", "pickle", "random", "zip-no-torch", "truncated-end", "truncated-half",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "empty",
+        "lfs",
+        "html",
+        "gzip",
+        "text",
+        "pickle",
+        "random",
+        "zip-no-torch",
+        "truncated-end",
+        "truncated-half",
+    ],
+)
 @pytest.mark.parametrize("command", ["strip-module", "inspect"])
 def test_not_a_checkpoint(tmp_path: Path, name: str, command: str) -> None:
     data, expected = _cases(tmp_path)[name]

@@ -43,8 +43,17 @@ def test_broken_inputs_with_continue_on_error(tmp_path: Path) -> None:
     inputs = _many(tmp_path / "in", 50)
     for index, junk in ((5, b""), (20, b"<html>404</html>"), (41, inputs[41].read_bytes()[:100])):
         inputs[index].write_bytes(junk)
-    result = run_cli("strip-module", tmp_path / "in", "-o", tmp_path / "out", "--jobs", "2",
-                     "--continue-on-error", "--json", timeout=300)
+    result = run_cli(
+        "strip-module",
+        tmp_path / "in",
+        "-o",
+        tmp_path / "out",
+        "--jobs",
+        "2",
+        "--continue-on-error",
+        "--json",
+        timeout=300,
+    )
     assert result.returncode == 3
     report = json.loads(result.stdout)
     assert (report["written"], report["failed"]) == (47, 3)
@@ -71,8 +80,9 @@ def test_report_order_does_not_depend_on_jobs(tmp_path: Path) -> None:
     for jobs in ("1", "3"):
         out = tmp_path / f"out{jobs}"
         result = run_cli("strip-module", *inputs, "-o", out, "--jobs", jobs, "--json")
-        reports.append([(Path(f["input"]).name, f["status"], Path(f["output"]).name)
-                        for f in json.loads(result.stdout)["files"]])
+        reports.append(
+            [(Path(f["input"]).name, f["status"], Path(f["output"]).name) for f in json.loads(result.stdout)["files"]]
+        )
     assert reports[0] == reports[1]
 
 

@@ -14,8 +14,20 @@ import torch
 from conftest import FIXTURES, ROOT, run_cli
 
 DP = FIXTURES / "dataparallel_tinynet.pth"
-COMMANDS = ["strip-module", "add-module", "inspect", "convert", "remap", "rename", "prune", "diff", "fit",
-            "verify", "scan", "publish"]
+COMMANDS = [
+    "strip-module",
+    "add-module",
+    "inspect",
+    "convert",
+    "remap",
+    "rename",
+    "prune",
+    "diff",
+    "fit",
+    "verify",
+    "scan",
+    "publish",
+]
 
 
 def test_version_and_help_with_examples() -> None:
@@ -153,11 +165,21 @@ def test_inspect_reports_shared_storage(tmp_path: Path) -> None:
 LEGACY = FIXTURES / "legacy_dataparallel_tinynet.pth"
 
 
-@pytest.mark.parametrize("args", [
-    ["inspect", DP], ["strip-module", DP, "OUT"], ["add-module", DP, "OUT"], ["--help"],
-    ["inspect", LEGACY], ["strip-module", LEGACY, "OUT"], ["scan", DP, LEGACY], ["verify", DP, LEGACY],
-    ["diff", DP, DP], ["remap", DP, "OUT", "--map-location", "cuda:1"],
-])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["inspect", DP],
+        ["strip-module", DP, "OUT"],
+        ["add-module", DP, "OUT"],
+        ["--help"],
+        ["inspect", LEGACY],
+        ["strip-module", LEGACY, "OUT"],
+        ["scan", DP, LEGACY],
+        ["verify", DP, LEGACY],
+        ["diff", DP, DP],
+        ["remap", DP, "OUT", "--map-location", "cuda:1"],
+    ],
+)
 def test_torch_is_not_imported(tmp_path: Path, args: list) -> None:
     args = [str(tmp_path / "out.pth") if a == "OUT" else str(a) for a in args]
     code = (
@@ -173,7 +195,9 @@ def test_output_mode_follows_umask(tmp_path: Path) -> None:
     out = tmp_path / "out.pth"
     result = subprocess.run(
         ["sh", "-c", f'umask 027 && "{sys.executable}" -m ckptfix strip-module "{DP}" "{out}"'],
-        capture_output=True, text=True, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert result.returncode == 0, result.stderr
     assert os.stat(out).st_mode & 0o777 == 0o640

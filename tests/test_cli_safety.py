@@ -25,50 +25,121 @@ from ckptfix.names import check_global_patterns, global_pattern_problem, is_dott
 DP = FIXTURES / "dataparallel_tinynet.pth"
 
 
-def _ckptfix(*args: Any, cwd: Path, env: dict[str, str] | None = None, script: bool = False,
-             umask: int | None = None) -> subprocess.CompletedProcess:
+def _ckptfix(
+    *args: Any, cwd: Path, env: dict[str, str] | None = None, script: bool = False, umask: int | None = None
+) -> subprocess.CompletedProcess:
     """Run the CLI from ``cwd``: as ``python -m ckptfix`` (which puts ``cwd`` first on sys.path)
     or as the installed console script; optionally under a given umask."""
     launcher = [str(Path(sys.executable).with_name("ckptfix"))] if script else [sys.executable, "-m", "ckptfix"]
     base = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     # python -m finds ckptfix itself through its editable install, not through the cwd
     return subprocess.run(
-        [*launcher, *map(str, args)], capture_output=True, text=True, cwd=cwd, env={**base, **(env or {})},
-        timeout=120, preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
+        [*launcher, *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env={**base, **(env or {})},
+        timeout=120,
+        preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
     )
 
 
 # --- 1. --allow-global patterns and global names -------------------------------------------
 
-@pytest.mark.parametrize("name", [
-    "os", "os.path", "torch._utils._rebuild_tensor_v2", "collections.OrderedDict", "Outer.Inner", "_codecs",
-    "numpy.core.multiarray.scalar", "a1.b2", "class",
-])
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "os",
+        "os.path",
+        "torch._utils._rebuild_tensor_v2",
+        "collections.OrderedDict",
+        "Outer.Inner",
+        "_codecs",
+        "numpy.core.multiarray.scalar",
+        "a1.b2",
+        "class",
+    ],
+)
 def test_dotted_identifiers_accepted(name: str) -> None:
     assert is_dotted_identifier(name)
 
 
-@pytest.mark.parametrize("name", [
-    "", ".", "a.", ".a", "a..b", "a b", "a\nb", "os.system\nGLOBAL", "a\x00", "a\tb", "1a", "a.1b", "a-b",
-    "a/b", "é", "numpy.*", "a\rb", "\x1b[31m", "torch.\u200bTensor", None, b"os.path",
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        ".",
+        "a.",
+        ".a",
+        "a..b",
+        "a b",
+        "a\nb",
+        "os.system\nGLOBAL",
+        "a\x00",
+        "a\tb",
+        "1a",
+        "a.1b",
+        "a-b",
+        "a/b",
+        "é",
+        "numpy.*",
+        "a\rb",
+        "\x1b[31m",
+        "torch.\u200bTensor",
+        None,
+        b"os.path",
+    ],
+)
 def test_non_identifiers_refused(name: Any) -> None:
     assert not is_dotted_identifier(name)
 
 
-@pytest.mark.parametrize("pattern", [
-    "numpy.*", "argparse.Namespace", "*", "*.*", "pathlib.*Path", "mod.Conf[AB]", "mod.v?", "a.b[!c-d]e",
-    "_private.x",
-])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "numpy.*",
+        "argparse.Namespace",
+        "*",
+        "*.*",
+        "pathlib.*Path",
+        "mod.Conf[AB]",
+        "mod.v?",
+        "a.b[!c-d]e",
+        "_private.x",
+    ],
+)
 def test_glob_patterns_accepted(pattern: str) -> None:
     assert is_global_pattern(pattern) and global_pattern_problem(pattern) is None
     check_global_patterns([pattern])
 
 
-@pytest.mark.parametrize("pattern", [
-    "", "os.system\nGLOBAL", "numpy.*\n", "a b", "a\x00b", "\x00", ".a", "a.", "a..b", ".", "*.", "1abc",
-    "é.x", "a.[.]", "x[]", "x[", "x]", "a/b", "a\tb", "a;b", "os.system\x1b[2K",
-])
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "",
+        "os.system\nGLOBAL",
+        "numpy.*\n",
+        "a b",
+        "a\x00b",
+        "\x00",
+        ".a",
+        "a.",
+        "a..b",
+        ".",
+        "*.",
+        "1abc",
+        "é.x",
+        "a.[.]",
+        "x[]",
+        "x[",
+        "x]",
+        "a/b",
+        "a\tb",
+        "a;b",
+        "os.system\x1b[2K",
+    ],
+)
 def test_bad_glob_patterns_refused(pattern: str) -> None:
     assert not is_global_pattern(pattern)
     with pytest.raises(UsageError) as info:
@@ -77,9 +148,15 @@ def test_bad_glob_patterns_refused(pattern: str) -> None:
     assert "\n" not in message and repr(pattern) in message
 
 
-@pytest.mark.parametrize("command", [
-    ["strip-module", DP, "OUT"], ["convert", DP, "OUT"], ["inspect", DP], ["publish", DP, "OUTDIR"],
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["strip-module", DP, "OUT"],
+        ["convert", DP, "OUT"],
+        ["inspect", DP],
+        ["publish", DP, "OUTDIR"],
+    ],
+)
 @pytest.mark.parametrize("pattern", ["os.system\nGLOBAL", "numpy. *", "a..b", "os.", ".os"])
 def test_bad_allow_global_is_a_one_line_usage_error(tmp_path: Path, command: list, pattern: str) -> None:
     args = [tmp_path / "out.pth" if a == "OUT" else tmp_path if a == "OUTDIR" else a for a in command]
@@ -101,8 +178,16 @@ def test_nul_in_allow_global_is_refused_while_parsing(tmp_path: Path) -> None:
 
 
 def test_valid_allow_global_patterns_still_work(tmp_path: Path) -> None:
-    result = run_cli("inspect", DP, "--allow-global", "numpy.*", "--allow-global", "argparse.Namespace",
-                     "--allow-global", "pathlib.[PW]*Path")
+    result = run_cli(
+        "inspect",
+        DP,
+        "--allow-global",
+        "numpy.*",
+        "--allow-global",
+        "argparse.Namespace",
+        "--allow-global",
+        "pathlib.[PW]*Path",
+    )
     assert result.returncode == 0, result.stderr
 
 
@@ -133,8 +218,16 @@ def fit_setup(tmp_path: Path) -> dict[str, Path]:
 @pytest.mark.parametrize("script", [False, True], ids=["python-m", "console-script"])
 def test_fit_model_is_not_shadowed_by_files_in_the_current_folder(fit_setup: dict[str, Path], script: bool) -> None:
     root = fit_setup["root"]
-    result = _ckptfix("fit", fit_setup["ckpt"], root / "out.pth", "--model", "ckptfix_shadowtest_models:build",
-                      cwd=fit_setup["work"], env={"PYTHONPATH": str(fit_setup["site"])}, script=script)
+    result = _ckptfix(
+        "fit",
+        fit_setup["ckpt"],
+        root / "out.pth",
+        "--model",
+        "ckptfix_shadowtest_models:build",
+        cwd=fit_setup["work"],
+        env={"PYTHONPATH": str(fit_setup["site"])},
+        script=script,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert not (root / "shadow-models").exists(), "the model module came from the current folder"
     assert not (root / "shadow-colorsys").exists(), "a stdlib module came from the current folder"
@@ -161,8 +254,16 @@ def test_model_path_dot_is_an_explicit_opt_in_to_the_current_folder(fit_setup: d
 
 def test_model_path_needs_model_and_a_folder(fit_setup: dict[str, Path]) -> None:
     root, work = fit_setup["root"], fit_setup["work"]
-    alone = _ckptfix("fit", fit_setup["ckpt"], root / "o.pth", "--reference", fit_setup["ckpt"],
-                     "--model-path", "../models", cwd=work)
+    alone = _ckptfix(
+        "fit",
+        fit_setup["ckpt"],
+        root / "o.pth",
+        "--reference",
+        fit_setup["ckpt"],
+        "--model-path",
+        "../models",
+        cwd=work,
+    )
     assert alone.returncode == 2 and "--model-path goes with --model" in alone.stderr
     with pytest.raises(UsageError, match="no such folder"):
         reference_from_model("ckptfix_localtest_models:build", [root / "nowhere"])
@@ -185,6 +286,7 @@ def test_reference_from_model_restores_sys_path(fit_setup: dict[str, Path], monk
 
 
 # --- 3. --in-place keeps the file's mode, owner and symlinks -----------------------------------
+
 
 def _keys(path: Path) -> list[str]:
     return sorted(torch.load(path, weights_only=True))
@@ -298,8 +400,13 @@ def test_dry_run_listing_escapes_keys_and_json_keeps_them(hostile: dict[str, Pat
     args = ["strip-module", hostile["hostile"], tmp_path / "out.pth", "--dry-run"]
     human = run_cli(*args)
     assert human.returncode == 0, human.stderr
-    _assert_escaped(human.stdout, "module.\\x1b[31mred -> \\x1b[31mred", "module.a\\nb -> a\\nb",
-                    "module.\\r -> \\r", "module.t\\x1b]0;pwned\\x07 -> t\\x1b]0;pwned\\x07")
+    _assert_escaped(
+        human.stdout,
+        "module.\\x1b[31mred -> \\x1b[31mred",
+        "module.a\\nb -> a\\nb",
+        "module.\\r -> \\r",
+        "module.t\\x1b]0;pwned\\x07 -> t\\x1b]0;pwned\\x07",
+    )
     assert len(human.stdout.splitlines()) == 5  # four renames and the summary, one line each
     renames = json.loads(run_cli(*args, "--json").stdout)["state_dicts"][0]["renames"]
     assert sorted(map(tuple, renames)) == sorted((f"module.{k}", k) for k in [RED, NEWLINE, CR, OSC])
@@ -309,8 +416,7 @@ def test_written_file_round_trips_the_exact_keys(hostile: dict[str, Path], tmp_p
     result = run_cli("strip-module", hostile["hostile"], tmp_path / "out.pth")
     assert result.returncode == 0, result.stderr
     _assert_escaped(result.stdout)
-    assert sorted(torch.load(tmp_path / "out.pth", weights_only=True)["state_dict"]) == sorted(
-        [RED, NEWLINE, CR, OSC])
+    assert sorted(torch.load(tmp_path / "out.pth", weights_only=True)["state_dict"]) == sorted([RED, NEWLINE, CR, OSC])
 
 
 def test_diff_escapes_keys_and_json_keeps_them(hostile: dict[str, Path]) -> None:

@@ -24,8 +24,9 @@ import ckptfix
 
 
 def _settings(examples: int) -> settings:
-    return settings(max_examples=examples, deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    return settings(
+        max_examples=examples, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+    )
 
 
 def _ties(sd: dict) -> set[frozenset[str]]:
@@ -167,8 +168,16 @@ def test_training_checkpoint_needs_select_and_names_candidates(tmp_path: Path) -
     assert refused.returncode == 2
     assert "--select state_dict" in refused.stderr and "optimizer state" in refused.stderr
     assert not (tmp_path / "w.safetensors").exists()
-    ok = run_cli("convert", ckpt, tmp_path / "w.safetensors", "--select", "state_dict", "--strip-prefix", "model.",
-                 "--keep-metadata")
+    ok = run_cli(
+        "convert",
+        ckpt,
+        tmp_path / "w.safetensors",
+        "--select",
+        "state_dict",
+        "--strip-prefix",
+        "model.",
+        "--keep-metadata",
+    )
     assert ok.returncode == 0, ok.stderr
     model = TinyNet()
     model.load_state_dict(load_file(tmp_path / "w.safetensors"), strict=True)
@@ -201,8 +210,14 @@ def _write_raw_safetensors(path: Path, header: dict, data: bytes) -> None:
 @pytest.mark.parametrize(
     ("header", "data", "words"),
     [
-        ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
-          "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, bytes(12), "overlap"),
+        (
+            {
+                "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]},
+            },
+            bytes(12),
+            "overlap",
+        ),
         ({"a": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}, bytes(8), "truncated or corrupt"),
         ({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, bytes(8), "does not fit"),
         ({"a": {"dtype": "XX", "shape": [2], "data_offsets": [0, 8]}}, bytes(8), "corrupt safetensors entry"),
@@ -284,8 +299,12 @@ def test_convert_between_pth_and_safetensors_does_not_import_torch(tmp_path: Pat
         "    try:\n        main(args)\n    except SystemExit as e:\n        assert e.code == 0, (args, e.code)\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
-    result = subprocess.run([sys.executable, "-c", code, str(FIXTURES / "dataparallel_tinynet.pth"), str(tmp_path)],
-                            capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-c", code, str(FIXTURES / "dataparallel_tinynet.pth"), str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
 
 

@@ -40,12 +40,13 @@ def test_no_recursive_traversal_in_the_package() -> None:
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for func in _functions(ast.parse(path.read_text())):
-            calls = {
-                n.func.id for n in ast.walk(func) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)
-            } | {
-                n.func.attr for n in ast.walk(func)
-                if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-                and isinstance(n.func.value, ast.Name) and n.func.value.id in ("self", "cls")
+            calls = {n.func.id for n in ast.walk(func) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)} | {
+                n.func.attr
+                for n in ast.walk(func)
+                if isinstance(n, ast.Call)
+                and isinstance(n.func, ast.Attribute)
+                and isinstance(n.func.value, ast.Name)
+                and n.func.value.id in ("self", "cls")
             }
             if func.name in calls and (path.name, func.name) not in _RECURSION_ALLOWED:
                 offenders.append(f"{path.relative_to(PACKAGE)}:{func.lineno} {func.name}")
@@ -69,9 +70,13 @@ def test_no_python_unpickler_and_one_opcode_table() -> None:
 # --------------------------------------------------------------------------- generated trees
 
 _atoms = st.one_of(
-    st.none(), st.booleans(), st.integers(min_value=-(2**70), max_value=2**70),
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**70), max_value=2**70),
     # not b"": torch.save spells it builtins.bytes(), which torch.load(weights_only=True) refuses too
-    st.floats(allow_nan=False), st.text(max_size=8), st.binary(min_size=1, max_size=8),
+    st.floats(allow_nan=False),
+    st.text(max_size=8),
+    st.binary(min_size=1, max_size=8),
     st.complex_numbers(allow_nan=False, allow_infinity=False),
 )
 _keys = st.one_of(st.text(max_size=6), st.integers(-5, 5), st.tuples(st.text(max_size=3), st.integers(0, 3)))
@@ -160,8 +165,8 @@ def _no_storage(*_: Any) -> Any:
 @given(trees())
 def test_generated_trees_round_trip_through_emitter_pickle_and_vm(tree: Any) -> None:
     data = dumps(tree).data
-    assert_isomorphic(tree, pickle.loads(data))                        # Python's own unpickler
-    assert_isomorphic(tree, restricted_load(data, _no_storage)[0])     # our VM, same result
+    assert_isomorphic(tree, pickle.loads(data))  # Python's own unpickler
+    assert_isomorphic(tree, restricted_load(data, _no_storage)[0])  # our VM, same result
     if not _needs_pop(data):  # torch's safe loader has no POP: a tuple on a cycle is beyond it
         assert_isomorphic(tree, torch.load(io.BytesIO(_zip_of(data)), weights_only=True))
 
@@ -240,9 +245,16 @@ def test_nesting_up_to_the_limit_works_everywhere_and_beyond_it_is_exit_3(tmp_pa
             torch.save({"state_dict": {"module.w": torch.tensor([1.0, 2.0])}, "deep": nested(depth)}, path)
     finally:
         sys.setrecursionlimit(limit)
-    for args in (["inspect", ok, "--json"], ["strip-module", ok, tmp_path / "a.pth"], ["verify", ok], ["diff", ok, ok],
-                 ["prune", ok, tmp_path / "b.pth"], ["scan", ok], ["convert", ok, tmp_path / "c.pth", "--sanitize"],
-                 ["convert", ok, tmp_path / "d.safetensors", "--keep-metadata"]):
+    for args in (
+        ["inspect", ok, "--json"],
+        ["strip-module", ok, tmp_path / "a.pth"],
+        ["verify", ok],
+        ["diff", ok, ok],
+        ["prune", ok, tmp_path / "b.pth"],
+        ["scan", ok],
+        ["convert", ok, tmp_path / "c.pth", "--sanitize"],
+        ["convert", ok, tmp_path / "d.safetensors", "--keep-metadata"],
+    ):
         result = run_cli(*args)
         assert result.returncode in (0, 2), (args[0], result.stderr)  # 2: the deep value is too big to keep
     assert torch.load(tmp_path / "a.pth", weights_only=True)["state_dict"]["w"].tolist() == [1.0, 2.0]

@@ -30,8 +30,12 @@ def test_sigkill_mid_write_leaves_old_or_new_complete_file(tmp_path: Path) -> No
     rng = random.Random(7)
     outcomes = set()
     for _ in range(6):
-        proc = subprocess.Popen([sys.executable, "-m", "ckptfix", "convert", str(src), str(out), "--force",
-                                 "--dtype", "float16"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptfix", "convert", str(src), str(out), "--force", "--dtype", "float16"],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         time.sleep(rng.uniform(0.3, 2.5))
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -48,8 +52,13 @@ def test_sigkill_mid_write_leaves_old_or_new_complete_file(tmp_path: Path) -> No
 def test_sigterm_mid_write_cleans_up(tmp_path: Path) -> None:
     src, out = tmp_path / "big.pth", tmp_path / "out.safetensors"
     _big_checkpoint(src)
-    proc = subprocess.Popen([sys.executable, "-m", "ckptfix", "convert", str(src), str(out), "--dtype", "float16"],
-                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ckptfix", "convert", str(src), str(out), "--dtype", "float16"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     deadline = time.monotonic() + 20
     while not list(tmp_path.glob(".out.safetensors.*.ckptfix-tmp")) and proc.poll() is None:
         assert time.monotonic() < deadline, "the writer never started"
@@ -72,8 +81,13 @@ def test_write_failure_is_exit_4_with_no_output(tmp_path: Path) -> None:
     """A file-size limit makes writes fail mid-file, as a full disk does (EFBIG instead of ENOSPC)."""
     src = tmp_path / "m.pth"
     torch.save({"module.w": torch.randn(100_000)}, src)
-    result = subprocess.run([sys.executable, "-m", "ckptfix", "strip-module", str(src), str(tmp_path / "out.pth")],
-                            cwd=ROOT, capture_output=True, text=True, preexec_fn=_limit_file_size)
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptfix", "strip-module", str(src), str(tmp_path / "out.pth")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        preexec_fn=_limit_file_size,
+    )
     assert result.returncode == 4, result.stderr
     assert "cannot write" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out.pth").exists() and no_temp_files(tmp_path)
@@ -83,8 +97,13 @@ def test_in_place_never_loses_the_input(tmp_path: Path) -> None:
     src = tmp_path / "m.pth"
     src.write_bytes((FIXTURES / "dataparallel_tinynet.pth").read_bytes())
     before = src.read_bytes()
-    result = subprocess.run([sys.executable, "-m", "ckptfix", "convert", str(src), "--in-place", "--dtype", "float16",
-                             "--quiet"], cwd=ROOT, capture_output=True, text=True, preexec_fn=_limit_file_size)
+    result = subprocess.run(
+        [sys.executable, "-m", "ckptfix", "convert", str(src), "--in-place", "--dtype", "float16", "--quiet"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        preexec_fn=_limit_file_size,
+    )
     assert result.returncode in (0, 4), result.stderr
     if result.returncode == 4:
         assert src.read_bytes() == before

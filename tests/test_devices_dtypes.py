@@ -26,8 +26,11 @@ def _retag(src: Path, dst: Path, tags: dict[str, str] | str) -> None:
     ckpt = ckptfix.read_checkpoint(src)
     for path, tensor in ckptfix.tree.iter_tensors(ckpt.root):
         name = ".".join(map(str, path))
-        tensor.storage.location = tags if isinstance(tags, str) else next(
-            (tag for prefix, tag in tags.items() if name.startswith(prefix)), "cpu")
+        tensor.storage.location = (
+            tags
+            if isinstance(tags, str)
+            else next((tag for prefix, tag in tags.items() if name.startswith(prefix)), "cpu")
+        )
     ckptfix.write_checkpoint(ckpt, ckpt.root, dst)
 
 
@@ -52,8 +55,15 @@ def test_pairs_map_only_their_tags_and_bare_types_match_every_index(tmp_path: Pa
     assert _devices(tmp_path / "a.pth") == {"cuda:2": 5, "cpu": 2, "cuda:0": 2}
     ckptfix.convert(tmp_path / "mixed.pth", tmp_path / "b.pth", ckptfix.ConvertOptions(map_location="cuda=cpu"))
     assert _devices(tmp_path / "b.pth") == {"cpu": 9}
-    result = run_cli("remap", tmp_path / "mixed.pth", tmp_path / "c.pth",
-                     "--map-location", "cuda:1=cuda", "--map-location", "cuda:2=meta")
+    result = run_cli(
+        "remap",
+        tmp_path / "mixed.pth",
+        tmp_path / "c.pth",
+        "--map-location",
+        "cuda:1=cuda",
+        "--map-location",
+        "cuda:2=meta",
+    )
     assert result.returncode == 0, result.stderr
     assert _devices(tmp_path / "c.pth") == {"meta": 5, "cpu": 2, "cuda:0": 2}
 
@@ -71,8 +81,14 @@ def test_inspect_shows_devices_per_subtree_and_warns_on_mixed(tmp_path: Path) ->
 
 @pytest.mark.parametrize(
     ("spec", "words"),
-    [("cuda1", "write 'cuda:1'"), ("0", "write 'cuda:0'"), ("gpu", "write 'cuda'"), ("cpu,cuda", "several"),
-     ("cuda:1=", "invalid device ''"), ("tpu:0", "invalid device 'tpu:0'")],
+    [
+        ("cuda1", "write 'cuda:1'"),
+        ("0", "write 'cuda:0'"),
+        ("gpu", "write 'cuda'"),
+        ("cpu,cuda", "several"),
+        ("cuda:1=", "invalid device ''"),
+        ("tpu:0", "invalid device 'tpu:0'"),
+    ],
 )
 def test_bad_map_location_is_usage_error_naming_the_part(tmp_path: Path, spec: str, words: str) -> None:
     result = run_cli("remap", DP, tmp_path / "out.pth", "--map-location", spec)
@@ -143,7 +159,8 @@ def test_dtype_leaves_optimizer_state_alone(tmp_path: Path) -> None:
 def test_cast_storage_shared_with_kept_tensor_is_left_alone(tmp_path: Path) -> None:
     weight = torch.randn(4)
     torch.save({"emb.weight": weight, "norm.weight": weight}, tmp_path / "tied.pth")
-    report = ckptfix.convert(tmp_path / "tied.pth", tmp_path / "out.pth",
-                             ckptfix.ConvertOptions(dtype="float16", dtype_keep=["norm.*"]))
+    report = ckptfix.convert(
+        tmp_path / "tied.pth", tmp_path / "out.pth", ckptfix.ConvertOptions(dtype="float16", dtype_keep=["norm.*"])
+    )
     assert report.cast["tensors"] == 0 and report.cast["shared_with_uncast"] == ["emb.weight"]
     assert {s.dtype for s in iter_storages(ckptfix.read_checkpoint(tmp_path / "out.pth").root)} == {"float32"}

@@ -119,8 +119,9 @@ def test_strip_module_matches_torch(case: tuple[OrderedDict, object]) -> None:
 
 
 #: dtypes the legacy format can round-trip through torch itself (newer ones it saves but cannot load)
-LEGACY_DTYPES = {d for d in DTYPES if d not in (torch.uint16, torch.uint32, torch.uint64,
-                                                torch.float8_e4m3fn, torch.float8_e5m2)}
+LEGACY_DTYPES = {
+    d for d in DTYPES if d not in (torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2)
+}
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])

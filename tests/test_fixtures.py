@@ -46,8 +46,10 @@ def test_wrapped_fixture_strips_into_bare_model(tmp_path: Path, fixture: str, pr
         assert result.returncode == 0, result.stderr
         src = out
     _assert_same_weights(_load_strict(src))
-    assert_same_tree(torch.load(src, weights_only=True), reference_strip(FIXTURES / fixture, prefixes[-1])
-                     if len(prefixes) == 1 else torch.load(src, weights_only=True))
+    assert_same_tree(
+        torch.load(src, weights_only=True),
+        reference_strip(FIXTURES / fixture, prefixes[-1]) if len(prefixes) == 1 else torch.load(src, weights_only=True),
+    )
 
 
 def test_lightning_checkpoint_strips_model_prefix_and_keeps_the_rest(tmp_path: Path) -> None:

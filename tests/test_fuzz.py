@@ -22,8 +22,12 @@ from ckptfix.cli import main
 
 SOURCES = [
     FIXTURES / name
-    for name in ("dataparallel_tinynet.pth", "lightning_tinynet.ckpt", "legacy_dataparallel_tinynet.pth",
-                 "compile_ddp_tinynet.pth")
+    for name in (
+        "dataparallel_tinynet.pth",
+        "lightning_tinynet.ckpt",
+        "legacy_dataparallel_tinynet.pth",
+        "compile_ddp_tinynet.pth",
+    )
 ]
 EXAMPLES = int(os.environ.get("CKPTFIX_FUZZ_EXAMPLES", "300"))
 

@@ -106,8 +106,14 @@ def items(*pairs: tuple[str, bytes]) -> bytes:
     return b"}(" + b"".join(u(k) + v for k, v in pairs) + b"u"
 
 
-def pid(key: str = "0", numel: int = 4, cls: bytes | None = None, *, legacy: bool = False,
-        view: tuple[str, int, int] | None = None) -> bytes:
+def pid(
+    key: str = "0",
+    numel: int = 4,
+    cls: bytes | None = None,
+    *,
+    legacy: bool = False,
+    view: tuple[str, int, int] | None = None,
+) -> bytes:
     """A storage persistent id: ("storage", cls, key, "cpu", numel[, view]) BINPERSID."""
     tail = b""
     if legacy:
@@ -120,13 +126,32 @@ def tensor(storage: bytes | None = None, offset: int = 0, size: Any = (4,), stri
     are int tuples or ready opcodes."""
     size_ops = size if isinstance(size, bytes) else tup(size)
     stride_ops = stride if isinstance(stride, bytes) else tup(stride)
-    return (g("torch._utils", "_rebuild_tensor_v2") + b"(" + (storage if storage is not None else pid()) + n(offset)
-            + size_ops + stride_ops + b"\x89" + HOOKS + b"tR")
+    return (
+        g("torch._utils", "_rebuild_tensor_v2")
+        + b"("
+        + (storage if storage is not None else pid())
+        + n(offset)
+        + size_ops
+        + stride_ops
+        + b"\x89"
+        + HOOKS
+        + b"tR"
+    )
 
 
 def tensor_v3(storage: bytes, dtype: bytes, offset: int = 0, size: Any = (4,), stride: Any = (1,)) -> bytes:
-    return (g("torch._utils", "_rebuild_tensor_v3") + b"(" + storage + n(offset) + tup(size) + tup(stride)
-            + b"\x89" + HOOKS + dtype + b"tR")
+    return (
+        g("torch._utils", "_rebuild_tensor_v3")
+        + b"("
+        + storage
+        + n(offset)
+        + tup(size)
+        + tup(stride)
+        + b"\x89"
+        + HOOKS
+        + dtype
+        + b"tR"
+    )
 
 
 def ckpt(extra: bytes | None = None, weight: bytes | None = None) -> bytes:
@@ -144,6 +169,7 @@ POSIX_STATE = items(("module", u("posix")), ("name", u("system")))
 
 def system_call(marker: Path, proto: int = 2) -> bytes:
     """A pickle that runs ``touch marker`` when unpickled."""
+
     class Evil:
         def __reduce__(self) -> Any:
             return (os.system, (f"touch {marker}",))
@@ -152,6 +178,7 @@ def system_call(marker: Path, proto: int = 2) -> bytes:
 
 
 # =========================================================================== files
+
 
 @pytest.fixture(scope="module")
 def base_zip(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -198,6 +225,7 @@ def data_pkl(path: Path) -> bytes:
 
 # =========================================================================== running ckptfix
 
+
 @dataclass
 class Result:
     returncode: int
@@ -225,10 +253,18 @@ def sub(*args: Any, timeout: float = 60, limit_as: int | None = None) -> Result:
     """``python -m ckptfix ARGS`` in a subprocess (for inputs that could kill the interpreter)."""
     preexec = None
     if limit_as is not None:
+
         def preexec() -> None:
             resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
-    proc = subprocess.run([sys.executable, "-m", "ckptfix", *map(str, args)], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT, preexec_fn=preexec)
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptfix", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+        preexec_fn=preexec,
+    )
     return Result(proc.returncode, proc.stdout, proc.stderr)
 
 
@@ -248,8 +284,13 @@ def sub_measured(tmp_path: Path, *args: Any, timeout: float = 60) -> tuple[Resul
     inside the child, so the parent's pages at fork do not count)."""
     rss_file = tmp_path / "rss.txt"
     started = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", _MEASURED, str(rss_file), *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", _MEASURED, str(rss_file), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=ROOT,
+    )
     seconds = time.perf_counter() - started
     return Result(proc.returncode, proc.stdout, proc.stderr), seconds, int(rss_file.read_text()) // 1024
 
@@ -261,6 +302,7 @@ class DeadlineExceeded(BaseException):
 @contextlib.contextmanager
 def deadline(seconds: float) -> Any:
     """Interrupt an in-process run that takes longer than ``seconds`` (a hang fails, not blocks)."""
+
     def expire(signum: int, frame: Any) -> None:
         raise DeadlineExceeded(f"still running after {seconds} s")
 
@@ -338,8 +380,10 @@ def assert_output_safe(path: Path, allow: tuple[str, ...] = ()) -> None:
     """The pickletools-level proof: the output names only allow-listed globals or --allow-global ones."""
     assert path.exists(), path
     unexpected = {
-        name for name in output_globals(path)
-        if name not in TORCH_GLOBALS and name not in PYTHON_GLOBALS
+        name
+        for name in output_globals(path)
+        if name not in TORCH_GLOBALS
+        and name not in PYTHON_GLOBALS
         and not any(fnmatch.fnmatchcase(name, pattern) for pattern in allow)
     }
     assert not unexpected, f"{path} references {sorted(unexpected)}"
@@ -377,47 +421,67 @@ def _laundering() -> dict[str, Variant]:
     v3 = lambda dtype: tensor_v3(pid(numel=16, cls=UNTYPED), dtype)  # noqa: E731
     return {
         "BUILD on a Global": Variant(ckpt(fs + POSIX_STATE + b"b"), ckpt(fs), "BUILD on a Global"),
-        "SETITEMS on a Global": Variant(ckpt(fs + b"(" + u("module") + u("posix") + b"u"), ckpt(fs),
-                                        "SETITEMS on a Global"),
+        "SETITEMS on a Global": Variant(
+            ckpt(fs + b"(" + u("module") + u("posix") + b"u"), ckpt(fs), "SETITEMS on a Global"
+        ),
         "SETITEM on a Global": Variant(ckpt(fs + u("name") + u("system") + b"s"), ckpt(fs), "SETITEMS on a Global"),
         "APPENDS on a Global": Variant(ckpt(fs + b"(" + u("posix") + b"e"), ckpt(fs), "APPENDS on a Global"),
         "APPEND on a Global": Variant(ckpt(fs + u("posix") + b"a"), ckpt(fs), "APPENDS on a Global"),
         "BUILD on a persistent id's storage class": Variant(
             ckpt(get(200) + POSIX_STATE + b"b", weight=tensor(pid(cls=fs + put(200)))),
-            ckpt(get(200), weight=tensor(pid(cls=fs + put(200)))), "BUILD on a Global"),
+            ckpt(get(200), weight=tensor(pid(cls=fs + put(200)))),
+            "BUILD on a Global",
+        ),
         "BUILD on a storage class before its persistent id": Variant(
-            ckpt(weight=tensor(pid(cls=fs + POSIX_STATE + b"b"))), ckpt(weight=tensor(pid(cls=fs))),
-            "BUILD on a Global"),
-        "BUILD on a storage": Variant(ckpt(get(201) + POSIX_STATE + b"b", weight=tensor(pid() + put(201))),
-                                      ckpt(weight=tensor(pid() + put(201))), "BUILD on a StorageRef"),
+            ckpt(weight=tensor(pid(cls=fs + POSIX_STATE + b"b"))), ckpt(weight=tensor(pid(cls=fs))), "BUILD on a Global"
+        ),
+        "BUILD on a storage": Variant(
+            ckpt(get(201) + POSIX_STATE + b"b", weight=tensor(pid() + put(201))),
+            ckpt(weight=tensor(pid() + put(201))),
+            "BUILD on a StorageRef",
+        ),
         "SETITEMS on a storage": Variant(
             ckpt(get(201) + b"(" + u("numel") + n(10**6) + b"u", weight=tensor(pid() + put(201))),
-            ckpt(weight=tensor(pid() + put(201))), "SETITEMS on a StorageRef"),
+            ckpt(weight=tensor(pid() + put(201))),
+            "SETITEMS on a StorageRef",
+        ),
         "BUILD on a _rebuild_tensor_v3 dtype": Variant(
             ckpt(get(202) + POSIX_STATE + b"b", weight=v3(g("torch", "float32") + put(202))),
-            ckpt(get(202), weight=v3(g("torch", "float32") + put(202))), "BUILD on a Global"),
+            ckpt(get(202), weight=v3(g("torch", "float32") + put(202))),
+            "BUILD on a Global",
+        ),
         "BUILD on a dtype before the tensor": Variant(
-            ckpt(weight=v3(g("torch", "float32") + POSIX_STATE + b"b")), ckpt(weight=v3(g("torch", "float32"))),
-            "BUILD on a Global"),
+            ckpt(weight=v3(g("torch", "float32") + POSIX_STATE + b"b")),
+            ckpt(weight=v3(g("torch", "float32"))),
+            "BUILD on a Global",
+        ),
         "BUILD on torch.Size": Variant(ckpt(size + POSIX_STATE + b"b"), ckpt(size), "BUILD on a Reduce"),
-        "SETITEMS on torch.Size": Variant(ckpt(size + b"(" + u("a") + u("b") + b"u"), ckpt(size),
-                                          "SETITEMS on a Reduce"),
+        "SETITEMS on torch.Size": Variant(
+            ckpt(size + b"(" + u("a") + u("b") + b"u"), ckpt(size), "SETITEMS on a Reduce"
+        ),
         "APPENDS on torch.Size": Variant(ckpt(size + b"(" + n(7) + b"e"), ckpt(size), "APPENDS on a Reduce"),
-        "BUILD on torch.device": Variant(ckpt(g("torch", "device") + u("cpu") + b"\x85R" + POSIX_STATE + b"b"),
-                                         ckpt(g("torch", "device") + u("cpu") + b"\x85R"), "BUILD on a Reduce"),
+        "BUILD on torch.device": Variant(
+            ckpt(g("torch", "device") + u("cpu") + b"\x85R" + POSIX_STATE + b"b"),
+            ckpt(g("torch", "device") + u("cpu") + b"\x85R"),
+            "BUILD on a Reduce",
+        ),
         "BUILD on a tensor": Variant(ckpt(weight=tensor() + POSIX_STATE + b"b"), ckpt(), "BUILD on a TensorRef"),
-        "SETITEMS on a tensor": Variant(ckpt(weight=tensor() + b"(" + u("shape") + tup((100,)) + b"u"), ckpt(),
-                                        "SETITEMS on a TensorRef"),
+        "SETITEMS on a tensor": Variant(
+            ckpt(weight=tensor() + b"(" + u("shape") + tup((100,)) + b"u"), ckpt(), "SETITEMS on a TensorRef"
+        ),
         "APPENDS on a tensor": Variant(ckpt(weight=tensor() + b"(" + n(1) + b"e"), ckpt(), "APPENDS on a TensorRef"),
         "NEWOBJ of a torch class": Variant(ckpt(fs + b")\x81"), ckpt(fs), "NEWOBJ of"),
         "REDUCE on a record": Variant(ckpt(size + b")R"), ckpt(size), "it calls a Reduce"),
         "REDUCE on a string": Variant(ckpt(u("posix.system") + b")R"), ckpt(u("posix.system")), "it calls a str"),
         "persistent id naming a non-storage class": Variant(
-            ckpt(weight=tensor(pid(cls=g("torch", "Size")))), ckpt(), "malformed storage persistent id"),
+            ckpt(weight=tensor(pid(cls=g("torch", "Size")))), ckpt(), "malformed storage persistent id"
+        ),
         "BUILD twice on an allowed object": Variant(
             ckpt(g("argparse", "Namespace") + b")\x81" + items() + b"b" + POSIX_STATE + b"b"),
-            ckpt(g("argparse", "Namespace") + b")\x81" + items() + b"b"), "BUILD on a OpaqueObject",
-            ("argparse.Namespace",)),
+            ckpt(g("argparse", "Namespace") + b")\x81" + items() + b"b"),
+            "BUILD on a OpaqueObject",
+            ("argparse.Namespace",),
+        ),
     }
 
 
@@ -451,9 +515,21 @@ def test_laundering_is_refused_by_every_command(base_zip: Path, tmp_path: Path, 
     assert_every_command_refuses(src, tmp_path, variant.needle, allow=variant.allow)
 
 
-@pytest.mark.parametrize("name", [pytest.param(k) for k in (
-    "BUILD on a Global", "BUILD on a persistent id's storage class", "BUILD on a _rebuild_tensor_v3 dtype",
-    "BUILD on torch.Size", "BUILD on a tensor", "REDUCE on a string", "BUILD twice on an allowed object")])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(k)
+        for k in (
+            "BUILD on a Global",
+            "BUILD on a persistent id's storage class",
+            "BUILD on a _rebuild_tensor_v3 dtype",
+            "BUILD on torch.Size",
+            "BUILD on a tensor",
+            "REDUCE on a string",
+            "BUILD twice on an allowed object",
+        )
+    ],
+)
 def test_scan_never_calls_a_laundering_pickle_ok(base_zip: Path, tmp_path: Path, name: str) -> None:
     src = with_data_pkl(base_zip, LAUNDERING[name].hostile, tmp_path / "hostile.pth")
     result = ck("scan", src)
@@ -469,23 +545,30 @@ def test_laundering_through_the_real_cli_runs_nothing(base_zip: Path, tmp_path: 
     src = with_data_pkl(base_zip, ckpt(call), tmp_path / "hostile.pth")
     out = tmp_path / "out.pth"
     assert_refused(sub("strip-module", src, out), "BUILD on a Global", out=out)
-    assert_refused(sub("convert", src, tmp_path / "o.safetensors", "--select", "sd"), "BUILD on a Global",
-                   out=tmp_path / "o.safetensors")
+    assert_refused(
+        sub("convert", src, tmp_path / "o.safetensors", "--select", "sd"),
+        "BUILD on a Global",
+        out=tmp_path / "o.safetensors",
+    )
     assert not marker.exists()
 
 
 # --- torch.storage._load_from_bytes and the other never-allowed names ----------------------------
 
-@pytest.mark.parametrize(("module", "name", "pattern"), [
-    ("torch.storage", "_load_from_bytes", "torch.storage.*"),
-    ("torch.storage", "_load_from_bytes", "torch.*"),
-    ("torch.storage", "_load_from_bytes", "torch.storage._load_from_bytes"),
-    ("torch.storage", "_load_from_bytes", "*"),
-    ("torch", "load", "torch.*"),
-    ("builtins", "eval", "builtins.*"),
-    ("__builtin__", "eval", "builtins.*"),
-    ("builtins", "exec", "builtins.*"),
-])
+
+@pytest.mark.parametrize(
+    ("module", "name", "pattern"),
+    [
+        ("torch.storage", "_load_from_bytes", "torch.storage.*"),
+        ("torch.storage", "_load_from_bytes", "torch.*"),
+        ("torch.storage", "_load_from_bytes", "torch.storage._load_from_bytes"),
+        ("torch.storage", "_load_from_bytes", "*"),
+        ("torch", "load", "torch.*"),
+        ("builtins", "eval", "builtins.*"),
+        ("__builtin__", "eval", "builtins.*"),
+        ("builtins", "exec", "builtins.*"),
+    ],
+)
 def test_never_allowed_globals_stay_refused_whatever_allow_global_says(
     base_zip: Path, tmp_path: Path, module: str, name: str, pattern: str
 ) -> None:
@@ -502,8 +585,9 @@ def test_never_allowed_globals_stay_refused_whatever_allow_global_says(
 
 def test_torch_load_under_its_module_name_is_never_allowed_either(base_zip: Path, tmp_path: Path) -> None:
     assert torch.serialization.load is torch.load
-    src = with_data_pkl(base_zip, ckpt(g("torch.serialization", "load") + u("/tmp/other.pth") + b"\x85R"),
-                        tmp_path / "h.pth")
+    src = with_data_pkl(
+        base_zip, ckpt(g("torch.serialization", "load") + u("/tmp/other.pth") + b"\x85R"), tmp_path / "h.pth"
+    )
     assert_refused(ck("inspect", src, "--allow-global", "torch.*"), "torch.serialization.load")
 
 
@@ -515,8 +599,7 @@ NAMESPACE = ("argparse.Namespace",)
 def _namespace_file(path: Path, proto: int = 2, **fields: Any) -> Path:
     """What a training script saves: its argparse.Namespace (torch.save: NEWOBJ + BUILD; bytes are
     _codecs.encode calls under protocol 2, BINBYTES opcodes under 3+), beside a state dict."""
-    torch.save({"sd": {"module.w": torch.arange(4.0)}, "x": argparse.Namespace(**fields)}, path,
-               pickle_protocol=proto)
+    torch.save({"sd": {"module.w": torch.arange(4.0)}, "x": argparse.Namespace(**fields)}, path, pickle_protocol=proto)
     return path
 
 
@@ -537,11 +620,14 @@ def _nested_variants(marker: Path) -> dict[str, Any]:
         "NEWOBJ args": lambda p: with_data_pkl(p.parent / "base.pth", _raw_namespace(binbytes(evil) + b"\x85\x81"), p),
         "REDUCE args": lambda p: with_data_pkl(p.parent / "base.pth", _raw_namespace(binbytes(evil) + b"\x85R"), p),
         "SETITEMS items": lambda p: with_data_pkl(
-            p.parent / "base.pth", _raw_namespace(b")\x81(" + u("k") + binbytes(evil) + b"u"), p),
+            p.parent / "base.pth", _raw_namespace(b")\x81(" + u("k") + binbytes(evil) + b"u"), p
+        ),
         "APPENDS items": lambda p: with_data_pkl(
-            p.parent / "base.pth", _raw_namespace(b")\x81(" + binbytes(evil) + b"e"), p),
-        "payload calling _load_from_bytes": lambda p: _namespace_file(p, blob=PROTO + g(
-            "torch.storage", "_load_from_bytes") + binbytes(evil) + b"\x85R."),
+            p.parent / "base.pth", _raw_namespace(b")\x81(" + binbytes(evil) + b"e"), p
+        ),
+        "payload calling _load_from_bytes": lambda p: _namespace_file(
+            p, blob=PROTO + g("torch.storage", "_load_from_bytes") + binbytes(evil) + b"\x85R."
+        ),
     }
 
 
@@ -560,11 +646,16 @@ def test_allowed_object_carrying_a_hostile_pickle_is_refused(nested_dir: Path, v
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("variant", [
-    "NEWOBJ args", "REDUCE args", "state bytes (torch.save)",
-    pytest.param("state bytes (torch.save protocol 4)"),
-    pytest.param("SETITEMS items"),
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        "NEWOBJ args",
+        "REDUCE args",
+        "state bytes (torch.save)",
+        pytest.param("state bytes (torch.save protocol 4)"),
+        pytest.param("SETITEMS items"),
+    ],
+)
 def test_scan_reports_the_pickle_inside_an_allowed_object(nested_dir: Path, variant: str) -> None:
     src = _nested_variants(nested_dir / "PWNED")[variant](nested_dir / "hostile.pth")
     result = ck("scan", "--json", src)
@@ -572,10 +663,13 @@ def test_scan_reports_the_pickle_inside_an_allowed_object(nested_dir: Path, vari
     assert "os.system" in json.loads(result.stdout)["files"][0]["dangerous"]
 
 
-@pytest.mark.parametrize("proto", [
-    pytest.param(0),
-    pytest.param(1),
-])
+@pytest.mark.parametrize(
+    "proto",
+    [
+        pytest.param(0),
+        pytest.param(1),
+    ],
+)
 def test_headerless_pickle_inside_an_allowed_object_is_refused(nested_dir: Path, proto: int) -> None:
     marker = nested_dir / "PWNED"
     payload = system_call(marker, proto=proto)
@@ -626,12 +720,26 @@ OOB = {  # data/0 holds 16 bytes: four float32
     "shape and stride 2**32": (ckpt(weight=tensor(size=(2**32, 2**32), stride=(2**32, 1))), "more elements than"),
     "declared numel over the record": (ckpt(weight=tensor(pid(numel=5))), "declares 20"),
     "declared numel 2**62": (ckpt(weight=tensor(pid(numel=2**62), size=(1,))), "data/0"),
-    "v3 dtype wider than the storage": (ckpt(weight=tensor_v3(pid(numel=16, cls=UNTYPED), g("torch", "float64"))),
-                                         "needs 32 bytes"),
+    "v3 dtype wider than the storage": (
+        ckpt(weight=tensor_v3(pid(numel=16, cls=UNTYPED), g("torch", "float64"))),
+        "needs 32 bytes",
+    ),
     "storage record missing": (ckpt(weight=tensor(pid(key="7"))), "data/7"),
-    "tensor in tensor metadata": (ckpt(weight=g("torch._utils", "_rebuild_tensor_v2") + b"(" + pid() + n(0)
-                                       + tup((4,)) + tup((1,)) + b"\x89" + HOOKS
-                                       + items(("m", tensor(offset=3))) + b"tR"), "needs 28 bytes"),
+    "tensor in tensor metadata": (
+        ckpt(
+            weight=g("torch._utils", "_rebuild_tensor_v2")
+            + b"("
+            + pid()
+            + n(0)
+            + tup((4,))
+            + tup((1,))
+            + b"\x89"
+            + HOOKS
+            + items(("m", tensor(offset=3)))
+            + b"tR"
+        ),
+        "needs 28 bytes",
+    ),
 }
 
 
@@ -665,10 +773,14 @@ def _mutated_size_variants() -> dict[str, tuple[bytes, Any]]:
     return {
         "size list": (ckpt(grow(210), weight=tensor(size=size_list, stride=(2, 1))), [2, 2, 7]),
         "stride list": (ckpt(grow(211), weight=tensor(size=(2, 2), stride=stride_list)), [2, 1, 7]),
-        "torch.Size of a list": (ckpt(grow(210), weight=tensor(
-            size=g("torch", "Size") + size_list + b"\x85R", stride=(2, 1))), [2, 2, 7]),
-        "size list, APPENDS": (ckpt(get(210) + b"(" + n(9) + n(9) + b"e", weight=tensor(size=size_list, stride=(2, 1))),
-                               [2, 2, 9, 9]),
+        "torch.Size of a list": (
+            ckpt(grow(210), weight=tensor(size=g("torch", "Size") + size_list + b"\x85R", stride=(2, 1))),
+            [2, 2, 7],
+        ),
+        "size list, APPENDS": (
+            ckpt(get(210) + b"(" + n(9) + n(9) + b"e", weight=tensor(size=size_list, stride=(2, 1))),
+            [2, 2, 9, 9],
+        ),
     }
 
 
@@ -714,9 +826,12 @@ LEGACY_BAD = {  # storages in the file, the state dict's tensors, what the error
     "tensor past its view": ([("0", 4, _FOUR)], [_legacy_tensor(_lpid(view=("v", 1, 2)), (3,))], "needs 12 bytes"),
     "float view past a byte root": (
         [("0", 8, bytes(range(8)))],
-        [_legacy_tensor(_lpid(numel=8, cls="ByteStorage"), (8,)),
-         _legacy_tensor(_lpid(numel=2, view=("v", 1, 2)), (2,))],
-        "lies outside"),
+        [
+            _legacy_tensor(_lpid(numel=8, cls="ByteStorage"), (8,)),
+            _legacy_tensor(_lpid(numel=2, view=("v", 1, 2)), (2,)),
+        ],
+        "lies outside",
+    ),
     "view offset 2**40": ([("0", 4, _FOUR)], [_legacy_tensor(_lpid(view=("v", 2**40, 1)), (1,))], "lies outside"),
     "storage shorter than declared": ([("0", 3, _FOUR[:12])], [_legacy_tensor(_lpid(), (4,))], "holds 3 elements"),
     "file ends inside a storage": ([("0", 4, _FOUR[:10])], [_legacy_tensor(_lpid(), (4,))], "past the end"),
@@ -752,8 +867,9 @@ def test_legacy_view_inside_its_root_reads_like_torch(legacy_header: bytes, tmp_
 
 def test_legacy_view_key_colliding_with_a_root_key_reads_like_torch(legacy_header: bytes, tmp_path: Path) -> None:
     tree = _legacy_tree(_legacy_tensor(_lpid(), (4,)), _legacy_tensor(_lpid("1", view=("0", 1, 2)), (2,)))
-    src = legacy_file(legacy_header, tree, [("0", 4, _FOUR), ("1", 4, struct.pack("<4f", 10, 20, 30, 40))],
-                      tmp_path / "legacy.pth")
+    src = legacy_file(
+        legacy_header, tree, [("0", 4, _FOUR), ("1", 4, struct.pack("<4f", 10, 20, 30, 40))], tmp_path / "legacy.pth"
+    )
     theirs = torch.load(src, weights_only=True)["sd"]
     out = tmp_path / "out.pth"
     result = ck("strip-module", src, out)
@@ -765,6 +881,7 @@ def test_legacy_view_key_colliding_with_a_root_key_reads_like_torch(legacy_heade
 
 
 # =========================================================================== 3. cycles and sharing
+
 
 def test_raw_dict_that_contains_itself_is_stripped_in_place(base_zip: Path, tmp_path: Path) -> None:
     """A plain dict (memo BINGET of itself, not torch.save's OrderedDict) whose "module.self" is
@@ -805,8 +922,13 @@ def test_list_that_contains_itself(tmp_path: Path) -> None:
     assert_output_safe(out)
     loaded = torch.load(out, weights_only=True)
     assert loaded["l"][1] is loaded["l"] and loaded["l"][0].tolist() == [0.0, 1.0]
-    for command in (("inspect", src), ("verify", out), ("diff", src, src), ("prune", src, tmp_path / "p.pth"),
-                    ("convert", src, tmp_path / "d.pth", "--drop", "l")):
+    for command in (
+        ("inspect", src),
+        ("verify", out),
+        ("diff", src, src),
+        ("prune", src, tmp_path / "p.pth"),
+        ("convert", src, tmp_path / "d.pth", "--drop", "l"),
+    ):
         assert ck(*command).returncode == 0, command
 
 
@@ -825,12 +947,21 @@ def dag40(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.mark.parametrize("command", [
-    ("inspect", "{src}"), ("inspect", "--json", "{src}"), ("diff", "{src}", "{src}"), ("verify", "{src}"),
-    ("prune", "{src}", "{tmp}/p.pth", "--drop", "*x*"), ("convert", "{src}", "{tmp}/d.pth", "--drop", "*x*"),
-    ("convert", "{src}", "{tmp}/k.pth", "--keep", "*w*"), ("strip-module", "{src}", "{tmp}/s.pth", "--verify"),
-    ("strip-module", "{copy}", "--in-place"), ("scan", "{src}"),
-])
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("inspect", "{src}"),
+        ("inspect", "--json", "{src}"),
+        ("diff", "{src}", "{src}"),
+        ("verify", "{src}"),
+        ("prune", "{src}", "{tmp}/p.pth", "--drop", "*x*"),
+        ("convert", "{src}", "{tmp}/d.pth", "--drop", "*x*"),
+        ("convert", "{src}", "{tmp}/k.pth", "--keep", "*w*"),
+        ("strip-module", "{src}", "{tmp}/s.pth", "--verify"),
+        ("strip-module", "{copy}", "--in-place"),
+        ("scan", "{src}"),
+    ],
+)
 def test_shared_dag_40_levels_deep_is_walked_once(dag40: Path, tmp_path: Path, command: tuple[str, ...]) -> None:
     copy = tmp_path / "copy.pth"
     shutil.copy(dag40, copy)
@@ -884,10 +1015,30 @@ DEPTH_REFUSED = {
     "list 1100 deep": ckpt(b"]" * 1100 + b"a" * 1099),
     "dict 1100 deep": ckpt((b"}" + u("k")) * 1100 + b"N" + b"s" * 1100),
     "tuple 1100 deep as a value": ckpt(u("x") + b"\x85" * 1100),
-    "_metadata 2000 deep": ckpt(g("collections", "OrderedDict") + b")R" + b"}" + u("_metadata")
-                                 + (b"}" + u("k")) * 2000 + b"N" + b"s" * 2000 + b"s" + b"b"),
-    "tensor metadata 2000 deep": ckpt(weight=g("torch._utils", "_rebuild_tensor_v2") + b"(" + pid() + n(0)
-                                      + tup((4,)) + tup((1,)) + b"\x89" + HOOKS + b"]" * 2000 + b"a" * 1999 + b"tR"),
+    "_metadata 2000 deep": ckpt(
+        g("collections", "OrderedDict")
+        + b")R"
+        + b"}"
+        + u("_metadata")
+        + (b"}" + u("k")) * 2000
+        + b"N"
+        + b"s" * 2000
+        + b"s"
+        + b"b"
+    ),
+    "tensor metadata 2000 deep": ckpt(
+        weight=g("torch._utils", "_rebuild_tensor_v2")
+        + b"("
+        + pid()
+        + n(0)
+        + tup((4,))
+        + tup((1,))
+        + b"\x89"
+        + HOOKS
+        + b"]" * 2000
+        + b"a" * 1999
+        + b"tR"
+    ),
     "torch.Size args 2000 deep": ckpt(g("torch", "Size") + b"]" * 2000 + b"a" * 1999 + b"\x85R"),
     "allowed object state 2000 deep": ckpt(g("argparse", "Namespace") + b")\x81" + b"]" * 2000 + b"a" * 1999 + b"b"),
 }
@@ -915,10 +1066,13 @@ def test_nesting_beyond_the_limit_is_refused_without_a_crash(base_zip: Path, tmp
 _SEGV = "the process dies by SIGSEGV (returncode -11) while hashing"
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param("builtins.frozenset"),
-    pytest.param("builtins.set"),
-])
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param("builtins.frozenset"),
+        pytest.param("builtins.set"),
+    ],
+)
 def test_set_builders_check_element_depth(base_zip: Path, tmp_path: Path, name: str) -> None:
     module, func = name.split(".")
     deep = u("x") + b"\x85" * DEEP
@@ -974,8 +1128,16 @@ def test_lists_within_the_limit_work_everywhere(base_zip: Path, tmp_path: Path, 
     """One limit, enforced while reading: what the reader accepts every command handles (exit 0)."""
     src = with_data_pkl(base_zip, ckpt(b"]" * depth + b"a" * (depth - 1)), tmp_path / "deep.pth")
     out = tmp_path / "o.pth"
-    for args in (("inspect", src), ("inspect", "--json", src), ("strip-module", src, out), ("verify", src),
-                 ("convert", src, tmp_path / "c.pth"), ("diff", src, src), ("verify", out), ("scan", src)):
+    for args in (
+        ("inspect", src),
+        ("inspect", "--json", src),
+        ("strip-module", src, out),
+        ("verify", src),
+        ("convert", src, tmp_path / "c.pth"),
+        ("diff", src, src),
+        ("verify", out),
+        ("scan", src),
+    ):
         result = sub(*args) if args[0] == "inspect" else ck(*args)
         assert result.returncode == 0, (args, result.stderr[-500:])
     assert_output_safe(out)
@@ -1060,6 +1222,7 @@ def test_deflated_genuine_storage_reads(tmp_path: Path) -> None:
 
 # =========================================================================== 6. scan
 
+
 def _touch(marker: Path) -> bytes:
     return u(f"touch {marker}")
 
@@ -1068,15 +1231,44 @@ def _juggled(marker: Path) -> dict[str, bytes]:
     """os.system reached without a literal GLOBAL posix/system pair: names through memo, DUP, POP."""
     s = _touch(marker)
     return {
-        "STACK_GLOBAL of BINGET strings after POPs": PROTO + su("posix") + put(0) + b"0" + su("decoy") + b"2" + b"0"
-        + put(1) + b"0" + su("system") + put(2) + b"0" + get(0) + get(2) + b"\x93" + s + b"\x85R.",
+        "STACK_GLOBAL of BINGET strings after POPs": PROTO
+        + su("posix")
+        + put(0)
+        + b"0"
+        + su("decoy")
+        + b"2"
+        + b"0"
+        + put(1)
+        + b"0"
+        + su("system")
+        + put(2)
+        + b"0"
+        + get(0)
+        + get(2)
+        + b"\x93"
+        + s
+        + b"\x85R.",
         "MEMOIZE and FRAME (protocol 4)": (lambda body: b"\x80\x04\x95" + _Q(len(body)) + body)(
-            su("posix") + b"\x94" + su("system") + b"\x94" + b"0" + b"0" + get(0) + get(1) + b"\x93" + s + b"\x85R."),
+            su("posix") + b"\x94" + su("system") + b"\x94" + b"0" + b"0" + get(0) + get(1) + b"\x93" + s + b"\x85R."
+        ),
         "DUP of the module name": PROTO + su("posix") + b"2" + b"0" + su("system") + b"\x93" + s + b"\x85R.",
         "INST (protocol 0)": b"(" + b"V" + f"touch {marker}".encode() + b"\n" + b"iposix\nsystem\n.",
         "OBJ": PROTO + b"(" + g("posix", "system") + s + b"o.",
-        "LONG_BINGET of a re-PUT name": PROTO + su("nt") + b"r" + _I4(9) + b"0" + su("posix") + b"r" + _I4(9) + b"0"
-        + b"j" + _I4(9) + su("system") + b"\x93" + s + b"\x85R.",
+        "LONG_BINGET of a re-PUT name": PROTO
+        + su("nt")
+        + b"r"
+        + _I4(9)
+        + b"0"
+        + su("posix")
+        + b"r"
+        + _I4(9)
+        + b"0"
+        + b"j"
+        + _I4(9)
+        + su("system")
+        + b"\x93"
+        + s
+        + b"\x85R.",
         "inside a dict inside a list": PROTO + b"](}(" + u("k") + g("posix", "system") + s + b"\x85Ru" + b"e.",
     }
 
@@ -1120,11 +1312,15 @@ def test_scan_reads_every_pickle_of_a_legacy_file(legacy_header: bytes, tmp_path
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("proto", [
-    pytest.param(0),
-    pytest.param(1),
-    2, 4,
-])
+@pytest.mark.parametrize(
+    "proto",
+    [
+        pytest.param(0),
+        pytest.param(1),
+        2,
+        4,
+    ],
+)
 def test_scan_reports_a_bare_pickle_file_torch_would_run(tmp_path: Path, proto: int) -> None:
     marker = tmp_path / "PWNED"
     src = tmp_path / "model.pth"
@@ -1150,13 +1346,30 @@ def _genuine_checkpoints(folder: Path) -> list[Path]:
     trees = {
         "state_dict": model.state_dict(),
         "ddp": torch.nn.DataParallel(model).state_dict(),
-        "training": {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": 3,
-                     "rng": torch.get_rng_state(), "cfg": {"lr": 0.1, "sizes": (1, 2), "tags": ["a"]}},
-        "views and dtypes": {"views": [base[1:5], base[::2], base.view(3, 4).t()], "bf16": base.bfloat16(),
-                             "int8": base.to(torch.int8), "bool": base > 3,
-                             "param": torch.nn.Parameter(base.clone()), "c64": base.to(torch.complex64)},
-        "python values": {"set": {1, 2}, "bytes": b"\x00\xff", "complex": 1 + 2j,
-                          "big": 2**80, "od": OrderedDict(a=1), "none": None, "t": torch.tensor(1.5)},
+        "training": {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "epoch": 3,
+            "rng": torch.get_rng_state(),
+            "cfg": {"lr": 0.1, "sizes": (1, 2), "tags": ["a"]},
+        },
+        "views and dtypes": {
+            "views": [base[1:5], base[::2], base.view(3, 4).t()],
+            "bf16": base.bfloat16(),
+            "int8": base.to(torch.int8),
+            "bool": base > 3,
+            "param": torch.nn.Parameter(base.clone()),
+            "c64": base.to(torch.complex64),
+        },
+        "python values": {
+            "set": {1, 2},
+            "bytes": b"\x00\xff",
+            "complex": 1 + 2j,
+            "big": 2**80,
+            "od": OrderedDict(a=1),
+            "none": None,
+            "t": torch.tensor(1.5),
+        },
         # dtypes without a typed storage class: _rebuild_tensor_v3 (torch cannot read them back from legacy files)
         "v3 dtypes": {"u16": base.to(torch.uint16), "u32": base.to(torch.uint32), "f8": base.to(torch.float8_e4m3fn)},
     }
@@ -1205,10 +1418,14 @@ def test_genuine_files_round_trip_with_proven_outputs(genuine: list[Path], tmp_p
         assert_same_tree(torch.load(path, weights_only=False), torch.load(out, weights_only=True), path.name)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a legacy file saved with pickle_protocol=3 (torch.load(weights_only=True) reads it) is refused as 'a plain "
-    "Python pickle, not a torch checkpoint': detect.sniff knows the legacy magic number only behind a "
-    "protocol-2 header"))
+@pytest.mark.xfail(
+    strict=True,
+    reason=(
+        "a legacy file saved with pickle_protocol=3 (torch.load(weights_only=True) reads it) is refused as 'a plain "
+        "Python pickle, not a torch checkpoint': detect.sniff knows the legacy magic number only behind a "
+        "protocol-2 header"
+    ),
+)
 @pytest.mark.filterwarnings("ignore:Detected pickle protocol 3")
 def test_legacy_file_with_protocol_3_is_read(tmp_path: Path) -> None:
     src = tmp_path / "legacy3.pth"
@@ -1218,6 +1435,7 @@ def test_legacy_file_with_protocol_3_is_read(tmp_path: Path) -> None:
 
 
 # =========================================================================== fast loop vs reference table
+
 
 class _AnySize:
     """A storage source that holds whatever is asked of it: the VM, not the extents, is under test."""
@@ -1252,8 +1470,12 @@ def _outcome(data: bytes, fast: bool) -> tuple[Any, ...]:
     else:
         try:
             written = dumps(tree)
-            read = ("tree", type(tree).__name__, written.data,
-                    [(s.key, s.storage_type.full, s.location, s.numel) for s in written.storages])
+            read = (
+                "tree",
+                type(tree).__name__,
+                written.data,
+                [(s.key, s.storage_type.full, s.location, s.numel) for s in written.storages],
+            )
         except CkptfixError as exc:
             read = ("unwritable", type(tree).__name__, str(exc))
     found: list[Any] = []
@@ -1276,8 +1498,10 @@ def _seeds(genuine: list[Path]) -> list[bytes]:
 
 
 #: opcodes worth planting: every one the VM knows plus a few it does not
-_OPCODES = (b"\x80\x95.N\x88\x89JKMIL\x8a\x8bFGX\x8c\x8dVSTUBC\x8e\x96()t\x85\x86\x87]l}d\x8f\x91\x90aesu012"
-            b"qr\x94hjgc\x93R\x81\x92iobQP\x97\x98\xff")
+_OPCODES = (
+    b"\x80\x95.N\x88\x89JKMIL\x8a\x8bFGX\x8c\x8dVSTUBC\x8e\x96()t\x85\x86\x87]l}d\x8f\x91\x90aesu012"
+    b"qr\x94hjgc\x93R\x81\x92iobQP\x97\x98\xff"
+)
 
 
 def _mutate(rng: random.Random, data: bytes, other: bytes) -> bytes:
@@ -1286,23 +1510,23 @@ def _mutate(rng: random.Random, data: bytes, other: bytes) -> bytes:
         where = rng.randrange(len(data)) if data else 0
         kind = rng.randrange(8)
         if kind == 0:
-            data[where:where + 1] = bytes([rng.randrange(256)])
+            data[where : where + 1] = bytes([rng.randrange(256)])
         elif kind == 1:
-            data[where:where + 1] = bytes([rng.choice(_OPCODES)])
+            data[where : where + 1] = bytes([rng.choice(_OPCODES)])
         elif kind == 2:
-            del data[where:where + rng.randint(1, 8)]
+            del data[where : where + rng.randint(1, 8)]
         elif kind == 3:
             data[where:where] = bytes(rng.choice(_OPCODES) for _ in range(rng.randint(1, 4)))
         elif kind == 4:
             start = rng.randrange(len(data)) if data else 0
-            data[where:where] = data[start:start + rng.randint(1, 32)]
+            data[where:where] = data[start : start + rng.randint(1, 32)]
         elif kind == 5:
             start = rng.randrange(len(other))
-            data[where:where] = other[start:start + rng.randint(1, 64)]
+            data[where:where] = other[start : start + rng.randint(1, 64)]
         elif kind == 6:
-            data[where:where + 4] = struct.pack("<I", rng.choice((0, 1, 255, 256, 2**16, 2**31 - 1, 2**32 - 1)))
+            data[where : where + 4] = struct.pack("<I", rng.choice((0, 1, 255, 256, 2**16, 2**31 - 1, 2**32 - 1)))
         else:  # a small int argument: an index, a length, an offset
-            data[where:where + 1] = bytes([rng.choice((0, 1, 2, 3, 4, 7, 16))])
+            data[where : where + 1] = bytes([rng.choice((0, 1, 2, 3, 4, 7, 16))])
     return bytes(data)
 
 
@@ -1339,11 +1563,14 @@ def test_mutants_raise_only_ckptfix_errors(mutants: list[tuple[bytes, Any]]) -> 
     assert not crashes, crashes[:3]
 
 
-@pytest.mark.parametrize("payload", [
-    pytest.param(PROTO + b"(}\x91.", id="FROZENSET of a dict"),
-    pytest.param(PROTO + b"\x8f(]\x90.", id="ADDITEMS of a list"),
-    pytest.param(PROTO + g("posix", "system") + b"(]\x91.", id="os.system then FROZENSET of a list"),
-])
+@pytest.mark.parametrize(
+    "payload",
+    [
+        pytest.param(PROTO + b"(}\x91.", id="FROZENSET of a dict"),
+        pytest.param(PROTO + b"\x8f(]\x90.", id="ADDITEMS of a list"),
+        pytest.param(PROTO + g("posix", "system") + b"(]\x91.", id="os.system then FROZENSET of a list"),
+    ],
+)
 def test_scan_of_unhashable_set_elements_is_not_an_internal_error(
     base_zip: Path, tmp_path: Path, payload: bytes
 ) -> None:
@@ -1357,6 +1584,7 @@ def test_scan_of_unhashable_set_elements_is_not_an_internal_error(
 
 
 # =========================================================================== 10. smaller ones
+
 
 def test_fifo_input_is_refused_not_waited_on(tmp_path: Path) -> None:
     fifo = tmp_path / "model.pth"
@@ -1446,8 +1674,16 @@ def _numpy_with_shape(path: Path, shape_ops: bytes) -> Path:
     data = data_pkl(path)
     empty = re.search(rb"c__builtin__\nbytes\n(q.)\)R", data)
     assert empty is not None and data.count(b"K\x00K\x03\x86") == 1
-    data = (data[:empty.start()] + g("_codecs", "encode") + empty.group(1) + b"(" + u("") + u("latin1") + b"tR"
-            + data[empty.end():]).replace(b"K\x00K\x03\x86", shape_ops + b"\x86")
+    data = (
+        data[: empty.start()]
+        + g("_codecs", "encode")
+        + empty.group(1)
+        + b"("
+        + u("")
+        + u("latin1")
+        + b"tR"
+        + data[empty.end() :]
+    ).replace(b"K\x00K\x03\x86", shape_ops + b"\x86")
     with zipfile.ZipFile(path) as z:
         records = [(info.filename, z.read(info)) for info in z.infolist()]
     with zipfile.ZipFile(path, "w") as z:
@@ -1456,11 +1692,14 @@ def _numpy_with_shape(path: Path, shape_ops: bytes) -> Path:
     return path
 
 
-@pytest.mark.parametrize("shape", [
-    pytest.param(n(2**32) + n(2**32), id="2**32 x 2**32"),  # np.prod wraps to 0: the empty data "fits"
-    pytest.param(n(2**64) + n(0), id="2**64 x 0"),
-    pytest.param(n(2**63 - 1) + n(2), id="2**63-1 x 2"),
-])
+@pytest.mark.parametrize(
+    "shape",
+    [
+        pytest.param(n(2**32) + n(2**32), id="2**32 x 2**32"),  # np.prod wraps to 0: the empty data "fits"
+        pytest.param(n(2**64) + n(0), id="2**64 x 0"),
+        pytest.param(n(2**63 - 1) + n(2), id="2**63-1 x 2"),
+    ],
+)
 def test_sanitize_of_an_overflowing_numpy_shape_is_refused(tmp_path: Path, shape: bytes) -> None:
     src = _numpy_with_shape(tmp_path / "np.pth", shape)
     out = tmp_path / "out.pth"

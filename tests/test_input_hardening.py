@@ -131,12 +131,15 @@ def _nested(depth: int) -> bytes:
 
 HOSTILE_SAFETENSORS: dict[str, tuple[bytes, str]] = {
     "duplicate tensor key": (
-        _st(b'{"a":' + json.dumps(_f32([1], 0, 4)).encode() + b',"a":' + json.dumps(_f32([1], 4, 8)).encode() + b"}",
-            bytes(8)),
+        _st(
+            b'{"a":' + json.dumps(_f32([1], 0, 4)).encode() + b',"a":' + json.dumps(_f32([1], 4, 8)).encode() + b"}",
+            bytes(8),
+        ),
         "appears twice",
     ),
     "duplicate field in an entry": (
-        _st(b'{"a":{"dtype":"F32","dtype":"I32","shape":[1],"data_offsets":[0,4]}}', bytes(4)), "appears twice",
+        _st(b'{"a":{"dtype":"F32","dtype":"I32","shape":[1],"data_offsets":[0,4]}}', bytes(4)),
+        "appears twice",
     ),
     "duplicate __metadata__": (_st(b'{"__metadata__":{"k":"1"},"__metadata__":{"k":"2"}}'), "appears twice"),
     "overlapping offsets": (_st({"a": _f32([2], 0, 8), "b": _f32([2], 4, 12)}, bytes(12)), "overlap"),
@@ -155,8 +158,10 @@ HOSTILE_SAFETENSORS: dict[str, tuple[bytes, str]] = {
     "NaN": (_st(b'{"a":{"dtype":"F32","shape":[0],"data_offsets":[0,0],"x":NaN}}'), "nan"),
     "nested 100000 deep": (_st(b'{"a":' * 100_000 + b"1" + b"}" * 100_000), "nested too deeply"),
     "nested 128 deep": (_st(_nested(128), bytes(4)), "invalid"),
-    "lone surrogate in a name": (_st(b'{"\\ud800":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', bytes(4)),
-                                 "unicode"),
+    "lone surrogate in a name": (
+        _st(b'{"\\ud800":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', bytes(4)),
+        "unicode",
+    ),
     "entry not an object": (_st(b'{"a": 5}'), "corrupt safetensors entry"),
     "entry null": (_st(b'{"a": null}'), "corrupt safetensors entry"),
     "missing shape": (_st(b'{"a":{"dtype":"F32","data_offsets":[0,0]}}'), "corrupt safetensors entry"),
@@ -169,8 +174,7 @@ HOSTILE_SAFETENSORS: dict[str, tuple[bytes, str]] = {
     "negative dimension": (_st({"a": _f32([-1], 0, 0)}), "shape"),
     "dimension beyond u64": (_st({"a": _f32([2**64, 0], 0, 0)}), "shape"),
     "float offsets": (_st(b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0.0,4]}}', bytes(4)), "data_offsets"),
-    "three offsets": (_st({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 4]}}, bytes(4)),
-                      "data_offsets"),
+    "three offsets": (_st({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 4]}}, bytes(4)), "data_offsets"),
     "__metadata__ with a number": (_st({"__metadata__": {"epoch": 3}}), "__metadata__"),
     "__metadata__ with null": (_st({"__metadata__": {"epoch": None}}), "__metadata__"),
     "__metadata__ a list": (_st({"__metadata__": []}), "__metadata__"),
@@ -205,8 +209,9 @@ ACCEPTED_SAFETENSORS: dict[str, bytes] = {
     "unknown field": _st({"a": _f32([1], 0, 4, extra={"note": [1, 2]})}, bytes(4)),
     "nested 127 deep": _st(_nested(127), bytes(4)),
     "whitespace around the header": _st(b'\n\t {"a":' + json.dumps(_f32([1], 0, 4)).encode() + b"}  ", bytes(4)),
-    "zero-size tensors at one offset": _st({"a": _f32([0], 0, 0), "b": _f32([0], 0, 0), "c": _f32([1], 0, 4)},
-                                           bytes(4)),
+    "zero-size tensors at one offset": _st(
+        {"a": _f32([0], 0, 0), "b": _f32([0], 0, 0), "c": _f32([1], 0, 4)}, bytes(4)
+    ),
     "huge dimensions after a zero": _st({"a": _f32([0, 2**40, 2**40], 0, 0)}),
     "entries out of offset order": _st({"b": _f32([1], 4, 8), "a": _f32([1], 0, 4)}, bytes(8)),
 }
@@ -228,8 +233,11 @@ def test_what_the_library_accepts_is_read(tmp_path: Path, case: str) -> None:
     ("header", "data", "library_sees"),
     [
         # the library keeps the last "a", an int32; a first-wins reader would see a float32
-        (b'{"a":' + json.dumps(_f32([1], 0, 4)).encode() + b',"a":{"dtype":"I32","shape":[1],"data_offsets":[0,4]}}',
-         b"\x01\x00\x00\x00", {"a": torch.int32}),
+        (
+            b'{"a":' + json.dumps(_f32([1], 0, 4)).encode() + b',"a":{"dtype":"I32","shape":[1],"data_offsets":[0,4]}}',
+            b"\x01\x00\x00\x00",
+            {"a": torch.int32},
+        ),
         # ... and the last value of a repeated __metadata__ key: a tie record could point anywhere
         (b'{"__metadata__":{"tied":"x","tied":"y"}}', b"", {}),
     ],
@@ -318,8 +326,10 @@ def test_index_naming_a_link_to_its_own_folder_terminates(tmp_path: Path) -> Non
 @pytest.mark.parametrize(
     ("document", "words"),
     [
-        (b'{"weight_map": {"a": "model-00001-of-00002.safetensors", "a": "model-00002-of-00002.safetensors"}}',
-         "appears twice"),
+        (
+            b'{"weight_map": {"a": "model-00001-of-00002.safetensors", "a": "model-00002-of-00002.safetensors"}}',
+            "appears twice",
+        ),
         (b'{"weight_map":' * 100_000 + b"{}" + b"}" * 100_000, "nested too deeply"),
         (b'{"metadata": 5, "weight_map": {"a": "model-00001-of-00002.safetensors"}}', "metadata"),
         (b'{"weight_map": ["model-00001-of-00002.safetensors"]}', "weight_map"),
@@ -410,8 +420,11 @@ def test_stride_zero_view_is_refused_before_writing(tmp_path: Path, target: str,
 
 @pytest.mark.parametrize(
     "command",
-    [["publish", "{src}", "{tmp}"], ["fit", "{src}", "{tmp}/fit.safetensors", "--reference", "{src}"],
-     ["add-module", "{src}", "{tmp}/s.safetensors"]],
+    [
+        ["publish", "{src}", "{tmp}"],
+        ["fit", "{src}", "{tmp}/fit.safetensors", "--reference", "{src}"],
+        ["add-module", "{src}", "{tmp}/s.safetensors"],
+    ],
 )
 def test_every_writing_command_has_the_budget(tmp_path: Path, command: list[str]) -> None:
     src = _expanded(tmp_path)

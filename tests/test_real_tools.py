@@ -32,8 +32,14 @@ def _lightning_checkpoint(path: Path) -> dict[str, torch.Tensor]:
 
     data = torch.utils.data.TensorDataset(torch.randn(8, 3, 8, 8), torch.randint(0, 2, (8,)))
     trainer = pl.Trainer(
-        max_epochs=1, limit_train_batches=2, accelerator="cpu", logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, default_root_dir=path.parent,
+        max_epochs=1,
+        limit_train_batches=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=path.parent,
     )
     module = Module()
     with warnings.catch_warnings():
@@ -91,8 +97,9 @@ def test_pth_to_dcp_folder_reads_back_with_torch(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = tmp_path / "dcp_out"
-    result = run_cli("convert", FIXTURES / "dataparallel_tinynet.pth", out, "--format", "dcp",
-                     "--strip-prefix", "module.")
+    result = run_cli(
+        "convert", FIXTURES / "dataparallel_tinynet.pth", out, "--format", "dcp", "--strip-prefix", "module."
+    )
     assert result.returncode == 0, result.stderr
     assert (out / ".metadata").is_file() and not list(tmp_path.glob(".*ckptfix-tmp"))
     with warnings.catch_warnings():

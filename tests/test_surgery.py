@@ -70,8 +70,18 @@ def test_rename_cli_dry_run_and_bad_rules(tmp_path: Path) -> None:
 
 
 def test_drop_and_keep(tmp_path: Path) -> None:
-    result = run_cli("convert", LIGHTNING, tmp_path / "a.ckpt", "--drop", "optimizer_states", "--drop", "lr_*",
-                     "--keep", "*conv1*", "--json")
+    result = run_cli(
+        "convert",
+        LIGHTNING,
+        tmp_path / "a.ckpt",
+        "--drop",
+        "optimizer_states",
+        "--drop",
+        "lr_*",
+        "--keep",
+        "*conv1*",
+        "--json",
+    )
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     out = torch.load(tmp_path / "a.ckpt", weights_only=True)
@@ -125,16 +135,18 @@ def test_diff_finds_a_single_flipped_bit(tmp_path: Path) -> None:
 
 def test_diff_equal_across_formats_and_after_a_fix(tmp_path: Path) -> None:
     ckptfix.convert(FIXTURES / "bare_tinynet.pth", tmp_path / "m.safetensors")
-    ckptfix.convert(FIXTURES / "bare_tinynet.pth", str(tmp_path / "shards") + "/",
-                    ckptfix.ConvertOptions(max_shard_size=300))
+    ckptfix.convert(
+        FIXTURES / "bare_tinynet.pth", str(tmp_path / "shards") + "/", ckptfix.ConvertOptions(max_shard_size=300)
+    )
     for other in (tmp_path / "m.safetensors", tmp_path / "shards", FIXTURES / "legacy_dataparallel_tinynet.pth"):
         args = ["--strip-prefix", "module."] if "legacy" in other.name else []
         result = run_cli("diff", other, FIXTURES / "bare_tinynet.pth", *args)
         assert result.returncode == 0 and result.stdout.startswith("equal"), (other, result.stdout)
     wrapped = run_cli("diff", DP, FIXTURES / "bare_tinynet.pth")
     assert wrapped.returncode == 1 and "only in A (9)" in wrapped.stdout
-    training = run_cli("diff", LIGHTNING, tmp_path / "m.safetensors", "--select", "state_dict",
-                       "--strip-prefix", "model.")
+    training = run_cli(
+        "diff", LIGHTNING, tmp_path / "m.safetensors", "--select", "state_dict", "--strip-prefix", "model."
+    )
     assert training.returncode == 0, training.stdout
 
 
@@ -150,10 +162,18 @@ def test_diff_tolerances_and_nan(tmp_path: Path) -> None:
     assert json.loads(mismatch.stdout)["mismatched"] == [{"path": "w", "a": "float32 [4]", "b": "float16 [4]"}]
 
 
-@pytest.mark.parametrize("fixture", [
-    "dataparallel_tinynet.pth", "dataparallel2_tinynet.pth", "ddp_cpu_tinynet.pth", "compiled_tinynet.pth",
-    "compile_ddp_tinynet.pth", "lightning_tinynet.ckpt", "legacy_dataparallel_tinynet.pth",
-])
+@pytest.mark.parametrize(
+    "fixture",
+    [
+        "dataparallel_tinynet.pth",
+        "dataparallel2_tinynet.pth",
+        "ddp_cpu_tinynet.pth",
+        "compiled_tinynet.pth",
+        "compile_ddp_tinynet.pth",
+        "lightning_tinynet.ckpt",
+        "legacy_dataparallel_tinynet.pth",
+    ],
+)
 def test_fit_wrapped_checkpoints_against_the_bare_model(tmp_path: Path, fixture: str) -> None:
     out = tmp_path / "fitted.pth"
     result = run_cli("fit", FIXTURES / fixture, out, "--reference", FIXTURES / "bare_tinynet.pth")
@@ -168,8 +188,15 @@ def test_fit_with_model_callable_and_common_prefix(tmp_path: Path) -> None:
     sd = {f"encoder.{k}": v for k, v in tiny_net().state_dict().items()}
     torch.save(sd, tmp_path / "enc.pth")
     # the current folder is never searched for --model: name the checkout explicitly
-    result = run_cli("fit", tmp_path / "enc.pth", tmp_path / "out.safetensors", "--model", "fixtures.models:TinyNet",
-                     "--model-path", ROOT)
+    result = run_cli(
+        "fit",
+        tmp_path / "enc.pth",
+        tmp_path / "out.safetensors",
+        "--model",
+        "fixtures.models:TinyNet",
+        "--model-path",
+        ROOT,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "strip 'encoder.'" in result.stdout
     from safetensors.torch import load_file

@@ -99,8 +99,12 @@ def _payloads(marker: Path) -> dict[str, object]:
         def __reduce__(self):
             return (__import__, ("os",))
 
-    return {"os.system": System(), "subprocess.Popen": Popen(), "builtins.exec": Exec(),
-            "builtins.__import__": Import()}
+    return {
+        "os.system": System(),
+        "subprocess.Popen": Popen(),
+        "builtins.exec": Exec(),
+        "builtins.__import__": Import(),
+    }
 
 
 @pytest.mark.parametrize("legacy", [False, True])
@@ -108,10 +112,17 @@ def test_hostile_pickles_never_run_in_any_command(tmp_path: Path, legacy: bool) 
     marker = tmp_path / "pwned"
     for name, payload in _payloads(marker).items():
         src = tmp_path / f"{name}.pth"
-        torch.save({"state_dict": {"module.w": torch.ones(1)}, "x": payload}, src,
-                   _use_new_zipfile_serialization=not legacy)
-        for args in (["inspect", src], ["strip-module", src, tmp_path / "o.pth"], ["convert", src, tmp_path / "o.pth"],
-                     ["verify", src], ["diff", src, src], ["fit", src, tmp_path / "o.pth", "--reference", src]):
+        torch.save(
+            {"state_dict": {"module.w": torch.ones(1)}, "x": payload}, src, _use_new_zipfile_serialization=not legacy
+        )
+        for args in (
+            ["inspect", src],
+            ["strip-module", src, tmp_path / "o.pth"],
+            ["convert", src, tmp_path / "o.pth"],
+            ["verify", src],
+            ["diff", src, src],
+            ["fit", src, tmp_path / "o.pth", "--reference", src],
+        ):
             result = run_cli(*args)
             assert result.returncode in (1, 3), (name, args[0], result.stderr)
             assert name in result.stderr or name.split(".")[1] in result.stderr or args[0] == "verify"
@@ -164,11 +175,11 @@ def _with_data_pkl(payload: bytes, dest: Path) -> None:
 @pytest.mark.parametrize(
     "payload",
     [
-        b"\x80\x02" + b"]" * 200_000 + b".",                       # 200 000 nested lists, never closed
-        b"\x80\x02" + b"(" * 200_000 + b"t" * 200_000 + b".",       # deeply nested tuples
-        b"\x80\x02X\xff\xff\xff\x7fabc.",                           # a 2 GB string in 3 bytes
-        b"\x80\x02\x8b\xff\xff\xff\x7f.",                           # a 2 GB integer
-        b"\x80\x02]q\x00(h\x00h\x00h\x00e" * 10 + b".",             # self-referencing lists
+        b"\x80\x02" + b"]" * 200_000 + b".",  # 200 000 nested lists, never closed
+        b"\x80\x02" + b"(" * 200_000 + b"t" * 200_000 + b".",  # deeply nested tuples
+        b"\x80\x02X\xff\xff\xff\x7fabc.",  # a 2 GB string in 3 bytes
+        b"\x80\x02\x8b\xff\xff\xff\x7f.",  # a 2 GB integer
+        b"\x80\x02]q\x00(h\x00h\x00h\x00e" * 10 + b".",  # self-referencing lists
     ],
 )
 def test_hostile_pickle_structures_fail_fast(tmp_path: Path, payload: bytes) -> None:

@@ -53,9 +53,12 @@ def test_in_place_verifies_by_default_and_keeps_the_original(tmp_path: Path, cor
 
 def test_verify_passes_on_honest_writes(tmp_path: Path) -> None:
     for name in ("a.pth", "a.safetensors"):
-        report = ckptfix.convert(FIXTURES / "lightning_tinynet.ckpt", tmp_path / name,
-                                 ckptfix.ConvertOptions(select="state_dict", strip_prefixes=["model."], verify=True))
+        report = ckptfix.convert(
+            FIXTURES / "lightning_tinynet.ckpt",
+            tmp_path / name,
+            ckptfix.ConvertOptions(select="state_dict", strip_prefixes=["model."], verify=True),
+        )
         assert report.written and report.verify_seconds is not None
     assert set(torch.load(tmp_path / "a.pth", weights_only=True)) == {
-        k[len("model."):] for k in torch.load(FIXTURES / "lightning_tinynet.ckpt", weights_only=True)["state_dict"]
+        k[len("model.") :] for k in torch.load(FIXTURES / "lightning_tinynet.ckpt", weights_only=True)["state_dict"]
     }

@@ -105,8 +105,12 @@ def test_big_endian_byteorder_is_kept(tmp_path: Path) -> None:
 def test_storage_shared_by_two_dtypes_views_and_offsets(tmp_path: Path) -> None:
     """Tied weights stay one storage; a slice keeps its offset into the shared storage."""
     base = torch.arange(24, dtype=torch.float32)
-    sd = {"module.emb.weight": base.view(4, 6), "module.head.weight": base.view(4, 6),
-          "module.part": base[5:11].view(2, 3), "module.t": base.view(4, 6).t()}
+    sd = {
+        "module.emb.weight": base.view(4, 6),
+        "module.head.weight": base.view(4, 6),
+        "module.part": base[5:11].view(2, 3),
+        "module.t": base.view(4, 6).t(),
+    }
     src, out = tmp_path / "tied.pth", tmp_path / "out.pth"
     torch.save(sd, src)
     ckptfix.fix_prefix(src, out)
@@ -138,8 +142,12 @@ def test_other_tensor_kinds_pass_through_unchanged(tmp_path: Path, kind: str) ->
     torch.save({f"module.{kind}": _exotic_cases()[kind], "module.plain": torch.ones(2)}, src)
     assert ckptfix.fix_prefix(src, out).written
     expected, got = torch.load(src, weights_only=True)[f"module.{kind}"], torch.load(out, weights_only=True)[kind]
-    assert (got.layout, got.dtype, got.shape, got.device) == (expected.layout, expected.dtype, expected.shape,
-                                                              expected.device)
+    assert (got.layout, got.dtype, got.shape, got.device) == (
+        expected.layout,
+        expected.dtype,
+        expected.shape,
+        expected.device,
+    )
     if kind == "quantized":
         assert torch.equal(got.int_repr(), expected.int_repr()) and got.q_scale() == expected.q_scale()
     elif kind != "meta":

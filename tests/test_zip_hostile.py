@@ -75,12 +75,20 @@ def _patch(data: bytes, *edits: tuple[int, str, int]) -> bytes:
     return bytes(out)
 
 
-def _rezip(data: bytes, *, add: tuple[tuple[str, bytes], ...] = (), replace: dict[str, bytes] | None = None,
-           compression: int = zipfile.ZIP_STORED) -> bytes:
+def _rezip(
+    data: bytes,
+    *,
+    add: tuple[tuple[str, bytes], ...] = (),
+    replace: dict[str, bytes] | None = None,
+    compression: int = zipfile.ZIP_STORED,
+) -> bytes:
     """The archive rewritten by Python's zipfile (sizes in local headers, no data descriptors)."""
     buf = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(data)) as z, zipfile.ZipFile(buf, "w", compression) as out, \
-            warnings.catch_warnings():
+    with (
+        zipfile.ZipFile(io.BytesIO(data)) as z,
+        zipfile.ZipFile(buf, "w", compression) as out,
+        warnings.catch_warnings(),
+    ):
         warnings.simplefilter("ignore")  # zipfile warns about the duplicate name we add on purpose
         for info in z.infolist():
             out.writestr(info.filename, (replace or {}).get(info.filename, z.read(info)))
@@ -199,8 +207,13 @@ def _zip64_fields(data: bytes) -> tuple[int, int]:
 
 def _set_counts(data: bytes, classic: int, zip64: int) -> bytes:
     eocd, eocd64 = _zip64_fields(data)
-    return _patch(data, (eocd + 8, "<H", classic), (eocd + 10, "<H", classic),
-                  (eocd64 + 24, "<Q", zip64), (eocd64 + 32, "<Q", zip64))
+    return _patch(
+        data,
+        (eocd + 8, "<H", classic),
+        (eocd + 10, "<H", classic),
+        (eocd64 + 24, "<Q", zip64),
+        (eocd64 + 32, "<Q", zip64),
+    )
 
 
 def _count_too_small(base: bytes) -> bytes:
@@ -292,7 +305,11 @@ def test_hostile_archive_is_refused_by_every_command(tmp_path: Path, base: bytes
     src.write_bytes(make(base))
     out_pth, out_st = tmp_path / "out.pth", tmp_path / "out.safetensors"
     inspect, strip, convert, verify, scan = _run_all(
-        ["inspect", src], ["strip-module", src, out_pth], ["convert", src, out_st], ["verify", src], ["scan", src],
+        ["inspect", src],
+        ["strip-module", src, out_pth],
+        ["convert", src, out_st],
+        ["verify", src],
+        ["scan", src],
     )
     for result in (inspect, strip, convert):
         assert result.returncode == 3, (result.args, result.stderr)
@@ -381,8 +398,9 @@ def _genuine(tmp_path: Path, kind: str) -> Path:
 def test_genuine_archives_still_work(tmp_path: Path, kind: str) -> None:
     src = _genuine(tmp_path, kind)
     out_pth, out_st = tmp_path / "out.pth", tmp_path / "out.safetensors"
-    results = _run_all(["inspect", src], ["strip-module", src, out_pth], ["convert", src, out_st], ["verify", src],
-                       ["scan", src])
+    results = _run_all(
+        ["inspect", src], ["strip-module", src, out_pth], ["convert", src, out_st], ["verify", src], ["scan", src]
+    )
     for result in results:
         assert result.returncode == 0, (result.args, result.stdout, result.stderr)
     stripped = torch.load(out_pth, weights_only=True, mmap=True)

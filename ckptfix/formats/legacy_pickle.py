@@ -75,8 +75,15 @@ def _read(path: str, data: mmap.mmap, file_size: int, globals_seen: set[str], al
             root = roots[key] = make_storage(storage_type, key, location, numel, None)
         if view is None:
             return root
-        if not (type(view) is tuple and len(view) == 3 and type(view[1]) is int and type(view[2]) is int
-                and type(view[0]) in (str, bytes) and view[1] >= 0 and view[2] >= 0):
+        if not (
+            type(view) is tuple
+            and len(view) == 3
+            and type(view[1]) is int
+            and type(view[2]) is int
+            and type(view[0]) in (str, bytes)
+            and view[1] >= 0
+            and view[2] >= 0
+        ):
             raise BadInputError(f"{path}: corrupt storage view in a persistent id")
         view_key = view[0] if type(view[0]) is str else view[0].decode("ascii", "replace")
         if view_key in roots:

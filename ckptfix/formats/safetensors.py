@@ -297,7 +297,9 @@ def plan_safetensors(
     for name, t in kept:
         size = t.nbytes
         header[name] = {
-            "dtype": DTYPE_TO_SAFETENSORS[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size],
+            "dtype": DTYPE_TO_SAFETENSORS[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + size],
         }
         offset += size
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
@@ -364,7 +366,10 @@ def check_torch_expand_budget(state_dict: Mapping[str, Any], budget: int) -> Non
 
 
 def write_safetensors_from_torch(
-    state_dict: Mapping[str, Any], out: BinaryIO, metadata: Mapping[str, str] | None, *,
+    state_dict: Mapping[str, Any],
+    out: BinaryIO,
+    metadata: Mapping[str, str] | None,
+    *,
     max_data_bytes: int | None = None,
 ) -> None:
     """For trees holding real tensors (``--unsafe-load`` input): the safetensors library itself.

@@ -173,11 +173,11 @@ def read_index(index_path: Path) -> tuple[dict[str, str], dict[str, Any]]:
     except strictjson.JSONError as exc:
         raise BadInputError(f"{index_path}: not a valid shard index ({exc})") from exc
     if not isinstance(document, dict) or not isinstance(document.get("weight_map"), dict):
-        raise BadInputError(f"{index_path}: not a valid shard index (no \"weight_map\" object)")
+        raise BadInputError(f'{index_path}: not a valid shard index (no "weight_map" object)')
     weight_map, metadata = document["weight_map"], document.get("metadata")
     metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict):
-        raise BadInputError(f"{index_path}: not a valid shard index (\"metadata\" must be an object)")
+        raise BadInputError(f'{index_path}: not a valid shard index ("metadata" must be an object)')
     if not all(isinstance(v, str) for v in weight_map.values()):
         raise BadInputError(f"{index_path}: weight_map must map names to shard file names")
     for shard in dict.fromkeys(weight_map.values()):
@@ -201,7 +201,9 @@ def _is_plain_name(name: str) -> bool:
 
 
 def merge_shards(
-    index_path: Path, weight_map: dict[str, str], metadata: Mapping[str, Any],
+    index_path: Path,
+    weight_map: dict[str, str],
+    metadata: Mapping[str, Any],
     read_shard: Callable[[Path], Mapping[str, Any]],
 ) -> dict[str, Any]:
     """Read every shard (lazily) and merge them, checking each against the index."""
