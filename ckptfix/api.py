@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import Checkpoint, read_checkpoint
 from .errors import UsageError
-from .fitting import best_fit, shapes_of
-from .transforms import add_prefix, strip_prefix
-from .tree import format_path, get_at, resolve_path
+from .formats.checkpoint import Checkpoint, read_checkpoint
+from .model.paths import format_path, get_at, resolve_path
+from .transforms.fit import best_fit, shapes_of
+from .transforms.prefix import add_prefix, strip_prefix
 
 
 def _materialize(ckpt: Checkpoint, root: Any, map_location: Any, mmap: bool) -> Any:

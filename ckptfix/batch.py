@@ -148,7 +148,7 @@ def output_path(relative: Path, out_dir: Path, out_format: str | None) -> Path:
 
 def process_one(command: str, in_path: str, out_path: str, options: Any, backup: str | None) -> FileResult:
     """Run one file (in a worker process); never raises, the failure goes in the result."""
-    from .ops import convert
+    from .pipeline import convert
 
     started = time.perf_counter()
     result = FileResult(in_path, out_path, "failed")

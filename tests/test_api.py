@@ -12,7 +12,7 @@ from models import TinyNet, tiny_net
 from safetensors.torch import save_file
 
 import ckptfix
-from ckptfix.tree import iter_storages
+from ckptfix.model.walk import iter_storages
 
 X = torch.randn(2, 3, 8, 8)
 

@@ -104,7 +104,7 @@ def test_missing_output_folder_is_exit_4(tmp_path: Path) -> None:
 
 def test_safetensors_whose_header_length_looks_like_a_pickle_header(tmp_path: Path) -> None:
     """0x0280 little-endian starts with 80 02, the bytes that open a protocol-2 pickle."""
-    from ckptfix.detect import sniff
+    from ckptfix.formats.detect import sniff
 
     head = (0x280).to_bytes(8, "little") + b"{" + b" " * 0x27F
     assert sniff(head + bytes(64), len(head) + 64).kind == "safetensors"

@@ -10,7 +10,7 @@ import torch
 from conftest import FIXTURES, assert_same_tree, reference_strip, run_cli
 
 import ckptfix
-from ckptfix.tree import iter_storages
+from ckptfix.model.walk import iter_storages
 
 
 def _many(folder: Path, count: int) -> list[Path]:

@@ -19,8 +19,13 @@ from conftest import FIXTURES, ROOT, no_temp_files, run_cli
 import ckptfix
 from ckptfix.cli import cli
 from ckptfix.errors import UsageError
-from ckptfix.fitting import reference_from_model
-from ckptfix.names import check_global_patterns, global_pattern_problem, is_dotted_identifier, is_global_pattern
+from ckptfix.pickling.names import (
+    check_global_patterns,
+    global_pattern_problem,
+    is_dotted_identifier,
+    is_global_pattern,
+)
+from ckptfix.transforms.fit import reference_from_model
 
 DP = FIXTURES / "dataparallel_tinynet.pth"
 

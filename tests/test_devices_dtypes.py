@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from strategies import flat_state_dicts
 
 import ckptfix
-from ckptfix.tree import iter_storages
+from ckptfix.model.walk import iter_storages, iter_tensors
 
 DP = FIXTURES / "dataparallel_tinynet.pth"
 FLOATS = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
@@ -24,7 +24,7 @@ MIXED = FLOATS + [torch.int64, torch.bool, torch.uint8, torch.complex64, torch.f
 def _retag(src: Path, dst: Path, tags: dict[str, str] | str) -> None:
     """Give storages device tags as a GPU save would (by key prefix, or all the same)."""
     ckpt = ckptfix.read_checkpoint(src)
-    for path, tensor in ckptfix.tree.iter_tensors(ckpt.root):
+    for path, tensor in iter_tensors(ckpt.root):
         name = ".".join(map(str, path))
         tensor.storage.location = (
             tags

@@ -11,7 +11,7 @@ from conftest import FIXTURES, assert_same_tree, reference_strip, run_cli
 from models import TinyNet, tiny_net
 
 import ckptfix
-from ckptfix.tree import iter_tensors
+from ckptfix.model.walk import iter_tensors
 
 
 def _load_strict(path: Path, key: str | None = None) -> TinyNet:

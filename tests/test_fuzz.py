@@ -148,11 +148,11 @@ def test_ten_thousand_mutations_read_scan_and_write_cleanly(tmp_path: Path) -> N
     allow-list (checked with pickletools, independently of ckptfix's own VM)."""
     import signal
 
-    from ckptfix.checkpoint import read_checkpoint
+    from ckptfix.analysis.scan import scan_path
     from ckptfix.errors import CkptfixError
+    from ckptfix.formats.checkpoint import read_checkpoint
     from ckptfix.formats.torchzip import write_torch_zip
-    from ckptfix.scan import scan_path
-    from ckptfix.unpickle import PYTHON_GLOBALS, TORCH_GLOBALS
+    from ckptfix.pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS
 
     allowed = TORCH_GLOBALS | PYTHON_GLOBALS
     rng = random.Random(20261123)

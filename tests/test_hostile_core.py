@@ -43,14 +43,14 @@ import pytest
 import torch
 from conftest import ROOT
 
+from ckptfix.analysis.scan import _plain, scan_path
 from ckptfix.cli import main as cli_main
 from ckptfix.errors import CkptfixError
-from ckptfix.pickle_vm import PickleVM
-from ckptfix.pickle_writer import dumps
-from ckptfix.recording import RecordingHooks
-from ckptfix.scan import _plain, scan_path
-from ckptfix.tree import make_storage
-from ckptfix.unpickle import PYTHON_GLOBALS, TORCH_GLOBALS, ReaderHooks
+from ckptfix.model.refs import make_storage
+from ckptfix.pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS, ReaderHooks
+from ckptfix.pickling.recording import RecordingHooks
+from ckptfix.pickling.vm import PickleVM
+from ckptfix.pickling.writer import dumps
 
 # =========================================================================== pickle assembly
 
@@ -1390,7 +1390,7 @@ def genuine(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
 def test_scan_and_inspect_report_the_same_globals_on_genuine_files(genuine: list[Path]) -> None:
     """One VM, two hook sets: on every genuine torch.save file the globals scan reports are exactly
     the ones the reader met (inspect's "globals"), and all of them are safe."""
-    from ckptfix.ops import inspect_checkpoint
+    from ckptfix.pipeline import inspect_checkpoint
 
     for path in genuine:
         scanned = scan_path(path)
@@ -1711,7 +1711,7 @@ def test_sanitize_of_an_overflowing_numpy_shape_is_refused(tmp_path: Path, shape
 def test_shape_sharing_never_turns_a_bool_or_float_into_an_int() -> None:
     """Checked shapes are shared between tensors (``_as_int_tuple``); ``(True,) == (1,)`` and
     ``(1.0,) == (1,)`` in Python, so a cached ``(1,)`` must not vouch for them."""
-    from ckptfix.unpickle import restricted_load
+    from ckptfix.pickling.reader import restricted_load
 
     def load_storage(storage_type: Any, key: str, location: str, numel: int, view: Any) -> Any:
         return make_storage(storage_type, key, location, numel, None)

@@ -11,7 +11,7 @@ from conftest import FIXTURES, run_cli
 from models import TinyNet
 from safetensors.torch import load_file
 
-from ckptfix.tree import iter_storages
+from ckptfix.model.walk import iter_storages
 
 
 def _retagged_lightning(tmp_path: Path) -> Path:

@@ -109,7 +109,7 @@ def test_allowlist_is_a_subset_of_torchs_weights_only_allowlist() -> None:
     """Whatever we accept, torch.load(weights_only=True) accepts too."""
     from torch._weights_only_unpickler import _get_allowed_globals
 
-    from ckptfix.unpickle import PYTHON_GLOBALS, TORCH_GLOBALS
+    from ckptfix.pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS
 
     torch_allowed = set(_get_allowed_globals())
     assert TORCH_GLOBALS - torch_allowed == set()

@@ -9,8 +9,8 @@ import torch
 from conftest import FIXTURES
 
 import ckptfix
-from ckptfix import output
-from ckptfix.ziparchive import read_directory
+from ckptfix.fileio import atomic as output
+from ckptfix.fileio.ziparchive import read_directory
 
 
 def _flip_tensor_byte(temp: Path) -> None:

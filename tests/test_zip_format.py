@@ -11,8 +11,8 @@ import torch
 from conftest import FIXTURES, assert_same_tree, reference_strip
 
 import ckptfix
+from ckptfix.fileio.atomic import atomic_output
 from ckptfix.formats.torchzip import write_torch_zip
-from ckptfix.output import atomic_output
 
 DP = FIXTURES / "dataparallel_tinynet.pth"
 

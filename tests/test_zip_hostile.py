@@ -25,7 +25,7 @@ from conftest import no_temp_files, run_cli, tensor_bytes
 from safetensors.torch import load_file
 
 from ckptfix.errors import BadInputError
-from ckptfix.sources import inflate_chunks
+from ckptfix.fileio.ranges import inflate_chunks
 
 _STATE = {"module.w": torch.arange(6.0).view(2, 3), "module.b": torch.ones(3), "module.n": torch.arange(5)}
 

@@ -24,9 +24,10 @@ from collections.abc import Sequence
 from typing import Any, BinaryIO
 
 from ..errors import BadInputError, UnsafeInputError
-from ..sources import FileRange
-from ..tree import Global, StorageRef, check_extents, make_storage
-from ..unpickle import restricted_load
+from ..fileio.ranges import FileRange
+from ..model.refs import Global, StorageRef, make_storage
+from ..model.walk import check_extents
+from ..pickling.reader import restricted_load
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001

@@ -26,11 +26,12 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
-from .. import strictjson
-from ..dtypes import DTYPE_ITEMSIZE, DTYPE_TO_SAFETENSORS, SAFETENSORS_DTYPES
 from ..errors import BadInputError, UsageError
-from ..sources import FileRange, OpenFiles, OutputStream, is_c_contiguous, is_plain_range, tensor_c_bytes
-from ..tree import Reduce, TensorRef, is_torch_tensor, tensor_from_range
+from ..fileio import strictjson
+from ..fileio.ranges import FileRange, OpenFiles, OutputStream, is_plain_range
+from ..model.data import is_c_contiguous, tensor_c_bytes
+from ..model.dtypes import DTYPE_ITEMSIZE, DTYPE_TO_SAFETENSORS, SAFETENSORS_DTYPES
+from ..model.refs import Reduce, TensorRef, is_torch_tensor, tensor_from_range
 
 #: the safetensors library refuses headers above 100 MB; so do we
 MAX_HEADER_BYTES = 100_000_000
@@ -232,7 +233,7 @@ def check_expand_budget(tensors: Iterable[tuple[str, Any]], budget: int) -> None
     tensor) pairs to be written, ties already counted once. The error names the largest
     tensor and ``--max-expand``, the option that raises the budget.
     """
-    from ..summary import format_size
+    from ..fileio.sizes import format_size
 
     total, largest, largest_name, largest_tensor = 0, -1, "", None
     for name, t in tensors:

@@ -17,17 +17,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .. import strictjson
-from ..detect import open_input
-from ..errors import BadInputError, CannotWriteError, UsageError
-from ..output import atomic_output
-from ..tree import TensorRef
+from ..errors import BadInputError, CannotWriteError
+from ..fileio import strictjson
+from ..fileio.atomic import atomic_output
+from ..model.refs import TensorRef
+from .detect import open_input
 from .safetensors import plan_safetensors, write_safetensors
 from .torchzip import write_torch_zip
 
@@ -35,17 +34,6 @@ INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 SINGLE_NAMES = ("model.safetensors", "pytorch_model.bin")
 #: an index is a few MB even for the largest models; a bigger one is not an index
 MAX_INDEX_BYTES = 100_000_000
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(I?B)?\s*$", re.IGNORECASE)
-
-
-def parse_size(text: str) -> int:
-    """``2GB`` = 2e9 bytes, ``2GiB`` = 2 * 2**30 (the hub's convention); a bare number is bytes."""
-    match = _SIZE.match(text)
-    if not match:
-        raise UsageError(f"invalid size {text!r}: write e.g. 500MB, 2GB or 5GiB")
-    number, unit, suffix = float(match.group(1)), match.group(2).upper(), (match.group(3) or "").upper()
-    base = 1024 if suffix == "IB" else 1000
-    return int(number * base ** " KMGT".index(unit or " "))
 
 
 def plan_shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:

@@ -22,14 +22,15 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
-from ..compaction import compact_storages
 from ..errors import BadInputError, UnsafeInputError
-from ..pickle_vm import Budgets
-from ..pickle_writer import dumps
-from ..sources import OpenFiles
-from ..tree import Global, StorageRef, check_extents, make_storage
-from ..unpickle import restricted_load
-from ..ziparchive import STORED, ZipDirectory, ZipRecord, ZipWriter, read_directory, read_record_bytes
+from ..fileio.ranges import OpenFiles
+from ..fileio.ziparchive import STORED, ZipDirectory, ZipRecord, ZipWriter, read_directory, read_record_bytes
+from ..model.refs import Global, StorageRef, make_storage
+from ..model.walk import check_extents
+from ..pickling.reader import restricted_load
+from ..pickling.vm import Budgets
+from ..pickling.writer import dumps
+from .compact import compact_storages
 
 #: data.pkl holds only structure (no tensor data); anything larger is hostile or not ours
 MAX_PICKLE_BYTES = 1 << 30

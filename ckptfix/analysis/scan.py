@@ -24,12 +24,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .detect import open_input, sniff
-from .errors import CkptfixError
-from .formats.torchzip import MAX_PICKLE_BYTES, read_checked_directory
-from .recording import record_globals
-from .unpickle import PYTHON_GLOBALS, TORCH_GLOBALS
-from .ziparchive import read_record_bytes
+from ..errors import CkptfixError
+from ..fileio.ziparchive import read_record_bytes
+from ..formats.detect import open_input, sniff
+from ..formats.torchzip import MAX_PICKLE_BYTES, read_checked_directory
+from ..pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS
+from ..pickling.recording import record_globals
 
 BENIGN = (
     {

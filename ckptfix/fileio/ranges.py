@@ -17,8 +17,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from .dtypes import DTYPE_ITEMSIZE
-from .errors import BadInputError
+from ..errors import BadInputError
 
 _CHUNK = 1 << 22
 #: records up to this size are copied through the output buffer rather than by the kernel
@@ -151,8 +150,6 @@ class OutputStream:
                 return None
             return source.crc if source.crc is not None else zlib.crc32(data)
         if is_plain_range(source) and not (want_crc and source.crc is None):
-            from .ziparchive import copy_range
-
             self._out.flush()
             copy_range(files.file(source.path).fileno(), source.offset, self._fd, self.offset, source.size)
             self.offset += source.size
@@ -240,77 +237,28 @@ def crc_of(source: FileRange, files: OpenFiles) -> int:
     return crc
 
 
-def is_c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
-    """True if the view's elements are consecutive in row-major order (size-1 dims ignored)."""
-    expected = 1
-    for size, step in zip(reversed(shape), reversed(stride)):
-        if size == 0:
-            return True
-        if size != 1 and step != expected:
-            return False
-        expected *= size
-    return True
+def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> None:
+    """Copy ``count`` bytes between files without passing them through Python.
 
-
-def gather_c_order(
-    buffer: bytes | mmap.mmap,
-    base: int,
-    itemsize: int,
-    shape: tuple[int, ...],
-    stride: tuple[int, ...],
-    swap_unit: int = 0,
-) -> bytes:
-    """Copy a strided view (element strides) starting at byte ``base`` into C-order bytes.
-
-    ``swap_unit`` > 1 reverses each group of that many bytes (big-endian sources into
-    little-endian output: the element size, or half of it for complex numbers).
+    Uses ``copy_file_range`` (in-kernel, may share extents on CoW filesystems), and a
+    bounded ``pread``/``pwrite`` loop where the kernel or filesystem cannot do that.
     """
-    import numpy as np
-
-    numel = 1
-    for s in shape:
-        numel *= s
-    if numel == 0:
-        return b""
-    raw = np.frombuffer(buffer, dtype=np.uint8)
-    view = np.lib.stride_tricks.as_strided(
-        raw[base:], shape=(*shape, itemsize), strides=(*(s * itemsize for s in stride), 1), writeable=False
-    )
-    data = np.ascontiguousarray(view)
-    if swap_unit > 1:
-        data = data.reshape(-1, swap_unit)[:, ::-1]
-    return np.ascontiguousarray(data).tobytes()
-
-
-def swap_unit_for(dtype: str) -> int:
-    """Bytes per byte-swapped unit: the element size, or a half for complex numbers."""
-    size = DTYPE_ITEMSIZE.get(dtype, 1)
-    return size // 2 if dtype.startswith("complex") else size
-
-
-def tensor_c_bytes(t: object, files: OpenFiles) -> bytes:
-    """One tensor's elements in C order, little-endian: the bytes safetensors would store.
-
-    Works for :class:`~ckptfix.tree.TensorRef` (read from its storage's source: a range read
-    when the view is contiguous, a gather otherwise) and for real torch tensors.
-    """
-    from .tree import TensorRef
-
-    if not isinstance(t, TensorRef):
-        import torch
-
-        flat = t.detach().cpu().contiguous().reshape(-1)  # type: ignore[attr-defined]
-        if flat.is_quantized:
-            flat = flat.int_repr()
-        return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-    source = t.storage.source
-    itemsize = DTYPE_ITEMSIZE[t.dtype]
-    start = t.storage_offset * itemsize
-    swap = swap_unit_for(t.dtype) if t.storage.byteorder == "big" else 0
-    if is_plain_range(source):
-        if swap <= 1 and is_c_contiguous(t.shape, t.stride):
-            return read_all(source.sub(start, t.nbytes), files)
-        buffer, base = files.map(source.path), source.offset + start
-    else:  # compressed or computed: this one storage in memory
-        buffer, base = read_all(source, files), start
-    return gather_c_order(buffer, base, itemsize, t.shape, t.stride, swap)
+    done = 0
+    copier = getattr(os, "copy_file_range", None)
+    while done < count and copier is not None:
+        try:
+            n = copier(src_fd, dst_fd, count - done, src_offset + done, dst_offset + done)
+        except OSError as exc:
+            if exc.errno in (18, 22, 38, 95):  # EXDEV, EINVAL, ENOSYS, EOPNOTSUPP: try another way
+                copier = None
+                break
+            raise
+        if n == 0:
+            raise BadInputError("the input file ended while its data was being copied (truncated?)")
+        done += n
+    while done < count:
+        chunk = os.pread(src_fd, min(count - done, 1 << 20), src_offset + done)
+        if not chunk:
+            raise BadInputError("the input file ended while its data was being copied (truncated?)")
+        os.pwrite(dst_fd, chunk, dst_offset + done)
+        done += len(chunk)

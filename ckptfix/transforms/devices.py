@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from .errors import UsageError
-from .tree import iter_storages, iter_tensors, substitute
+from ..errors import UsageError
+from ..model.walk import iter_storages, iter_tensors, substitute
 
 _DEVICE = re.compile(r"^(cpu|meta|mps|cuda|xpu|hpu|npu|mtia|xla|privateuseone)(:(\d+))?$")
 _INDEXED = ("cuda", "xpu", "hpu", "npu", "mtia", "xla", "privateuseone")

@@ -20,9 +20,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .checkpoint import Checkpoint, read_checkpoint
-from .devices import parse_map_location, remap_devices
+from .analysis.inspect import describe_tree, summarize
 from .errors import BadInputError, CannotWriteError, CheckFailedError, UsageError
+from .fileio.atomic import atomic_output, check_destination
+from .fileio.sizes import parse_size
+from .formats.checkpoint import Checkpoint, read_checkpoint
 from .formats.safetensors import (
     check_torch_expand_budget,
     default_expand_budget,
@@ -30,18 +32,20 @@ from .formats.safetensors import (
     write_safetensors,
     write_safetensors_from_torch,
 )
-from .formats.sharded import parse_size, write_sharded
-from .names import check_global_patterns
-from .output import atomic_output, check_destination
-from .pickle_vm import collector_paused
-from .selection import filter_tree, prune_patterns
-from .summary import describe_tree, summarize
-from .transforms import add_prefix, normalize_prefix, parse_rule, rename_keys, strip_prefix
-from .tree import find_state_dicts, format_path, get_at, is_tensor_like, iter_tensors, resolve_path, walk
+from .formats.sharded import write_sharded
+from .model.paths import format_path, get_at, resolve_path
+from .model.refs import is_tensor_like
+from .model.statedicts import find_state_dicts
+from .model.walk import iter_tensors, walk
+from .pickling.names import check_global_patterns
+from .pickling.vm import collector_paused
+from .transforms.devices import parse_map_location, remap_devices
+from .transforms.prefix import add_prefix, normalize_prefix, parse_rule, rename_keys, strip_prefix
+from .transforms.select import filter_tree, prune_patterns
 
 if TYPE_CHECKING:
-    from .diffing import DiffReport
-    from .fitting import FitPlan
+    from .analysis.diff import DiffReport
+    from .transforms.fit import FitPlan
 
 PTH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".tar", ".pkl", ".model")
 OUTPUT_FORMATS = ("pth", "safetensors", "dcp")
@@ -199,9 +203,9 @@ def flat_state_dict(root: Any, original: Any, keep_metadata: bool) -> tuple[dict
 def verify_output(temp: Path, planned: Any, file_format: str, report: Report) -> None:
     """Re-open a written file and require it to hold exactly the planned tree: keys, dtypes,
     shapes and every tensor's bytes (and, for .pth, device tags and which tensors share storage)."""
-    from .diffing import diff_trees
-    from .diffing import render as render_diff
-    from .tree import iter_storages
+    from .analysis.diff import diff_trees
+    from .analysis.diff import render as render_diff
+    from .model.walk import iter_storages
 
     started = time.perf_counter()
     written = read_checkpoint(temp)
@@ -235,7 +239,7 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> 
     """Run the transform steps of the pipeline on ``ckpt``'s tree; record them in ``report``."""
     root = _select(ckpt, opts.select) if opts.select else ckpt.root
     if opts.sanitize:
-        from .sanitize import sanitize
+        from .transforms.sanitize import sanitize
 
         root, cleaned = sanitize(root)
         report.sanitized = cleaned.replaced
@@ -264,7 +268,7 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> 
     if opts.dtype:
         if not ckpt.lazy:
             raise UsageError(f"--dtype cannot be applied to a {ckpt.format} file read through torch")
-        from .casting import cast_floats
+        from .transforms.cast import cast_floats
 
         root, cast = cast_floats(root, opts.dtype, opts.dtype_keep, opts.keys)
         report.cast = asdict(cast)
@@ -311,7 +315,7 @@ def convert(
         check_destination(in_path, out_path, overwrite=opts.force, in_place=opts.in_place)
     started = time.perf_counter()
     if opts.sanitize:
-        from .sanitize import SANITIZABLE
+        from .transforms.sanitize import SANITIZABLE
     allow = [*opts.allow_globals, *(SANITIZABLE if opts.sanitize else ())]
     ckpt = read_checkpoint(in_path, unsafe_load=opts.unsafe_load, allow_globals=allow)
     report = Report(
@@ -549,7 +553,7 @@ def diff_checkpoints(
 ) -> DiffReport:
     """Compare two checkpoints of any formats; ``options`` transforms A first (e.g. strip
     ``module.``) so a fix can be checked against a reference. Tensors are read one at a time."""
-    from .diffing import diff_trees
+    from .analysis.diff import diff_trees
 
     opts = options or ConvertOptions()
     check_global_patterns(opts.allow_globals)
@@ -587,7 +591,7 @@ def fit_checkpoint(
     the file).
     Returns the plan and the write report (None when nothing was written).
     """
-    from .fitting import best_fit, reference_from_model, shapes_of
+    from .transforms.fit import best_fit, reference_from_model, shapes_of
 
     if (reference is None) == (model is None):
         raise UsageError("give exactly one of --reference FILE or --model package.module:callable")
@@ -652,7 +656,7 @@ def publish(
     ``torch.hub.load_state_dict_from_url(check_hash=True)``, timm and mmdet check."""
     import hashlib
 
-    from .fitting import wrapper_chain
+    from .transforms.fit import wrapper_chain
 
     if out_format not in ("pth", "safetensors"):
         raise UsageError(f"publish writes pth or safetensors, not {out_format!r}")

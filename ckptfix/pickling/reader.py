@@ -32,23 +32,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from .dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS_NAMES
-from .errors import BadInputError, UnsafeInputError
+from ..errors import BadInputError, UnsafeInputError
+from ..model.dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS_NAMES
+from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef
+from ..model.walk import check_nesting, walk
 from .names import is_dotted_identifier
-from .pickle_vm import Budgets, Hooks, PickleVM, collector_paused
 from .recording import looks_like_pickle, protocol2_bytes, record_globals
-from .tree import (
-    ABSENT,
-    EMPTY_HOOKS,
-    Global,
-    OpaqueObject,
-    ParamInfo,
-    Reduce,
-    StorageRef,
-    TensorRef,
-    check_nesting,
-    walk,
-)
+from .vm import Budgets, Hooks, PickleVM, collector_paused
 
 _REBUILD_FUNCTIONS = (
     "_rebuild_tensor",

@@ -15,9 +15,12 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .dtypes import DTYPE_ITEMSIZE
-from .sources import OpenFiles, tensor_c_bytes
-from .tree import ATTRS, Reduce, TensorRef, format_path, is_tensor_like, is_torch_tensor, walk
+from ..fileio.ranges import OpenFiles
+from ..model.data import tensor_c_bytes
+from ..model.dtypes import DTYPE_ITEMSIZE
+from ..model.paths import format_path
+from ..model.refs import Reduce, TensorRef, is_tensor_like, is_torch_tensor
+from ..model.walk import ATTRS, walk
 
 _MAX_LISTED = 50
 
@@ -204,7 +207,7 @@ def render(report: DiffReport) -> str:
 
 def _prefix_hint(only_a: list[str], only_b: list[str]) -> str:
     """When the one-sided keys differ by a prefix, say which transform of A would match them."""
-    from .fitting import plan_fit
+    from ..transforms.fit import plan_fit
 
     plan = plan_fit((), dict.fromkeys(only_a, ()), dict.fromkeys(only_b, ()))
     if not plan.matched or not (plan.strips or plan.add):

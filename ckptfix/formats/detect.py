@@ -17,7 +17,7 @@ import struct
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from .errors import BadInputError
+from ..errors import BadInputError
 
 #: torch's legacy format begins with a pickled magic number (LONG1 0x1950a86a20f9469cfc6c)
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"

@@ -22,9 +22,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import UsageError
-from .summary import WRAPPER_PREFIXES
-from .tree import Path, TensorRef, find_state_dicts, format_path, is_torch_tensor
+from ..errors import UsageError
+from ..model.paths import Path, format_path
+from ..model.refs import TensorRef, is_torch_tensor
+from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts
 
 Shapes = dict[str, tuple[int, ...]]
 

@@ -14,9 +14,10 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from .dtypes import DTYPE_ITEMSIZE
-from .sources import ComputedSource, OpenFiles, is_plain_range, read_all
-from .tree import StorageRef, TensorRef, substitute, walk
+from ..fileio.ranges import ComputedSource, OpenFiles, is_plain_range, read_all
+from ..model.dtypes import DTYPE_ITEMSIZE
+from ..model.refs import StorageRef, TensorRef
+from ..model.walk import substitute, walk
 
 
 def _extent(t: TensorRef) -> int:

@@ -19,10 +19,10 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
-from .errors import BadInputError
+from ..errors import BadInputError
+from ..model.walk import walk
 from .names import is_dotted_identifier
-from .pickle_vm import Hooks, PickleVM
-from .tree import walk
+from .vm import Hooks, PickleVM
 
 #: how many pickles-inside-bytes deep the recording goes
 MAX_NESTED = 8

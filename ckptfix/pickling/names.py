@@ -16,7 +16,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from .errors import UsageError
+from ..errors import UsageError
 
 #: one ``[...]`` set of a pattern part: identifier characters and ranges, optionally negated
 #: with ``!`` (fnmatch's spelling); nothing that could stand for a dot, a space or a newline

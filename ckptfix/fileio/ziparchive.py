@@ -13,7 +13,6 @@ Why our own zip code instead of :mod:`zipfile`:
 
 from __future__ import annotations
 
-import os
 import re
 import struct
 import zlib
@@ -22,8 +21,8 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple
 
-from .errors import BadInputError
-from .sources import SMALL_COPY, FileRange, OpenFiles, OutputStream, WindowedReader, inflate_chunks, is_plain_range
+from ..errors import BadInputError
+from .ranges import SMALL_COPY, FileRange, OpenFiles, OutputStream, WindowedReader, inflate_chunks, is_plain_range
 
 _LOCAL_SIG = b"PK\x03\x04"
 _CENTRAL_SIG = b"PK\x01\x02"
@@ -638,30 +637,3 @@ class ZipWriter:
             )
         )
         self._stream.flush()
-
-
-def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> None:
-    """Copy ``count`` bytes between files without passing them through Python.
-
-    Uses ``copy_file_range`` (in-kernel, may share extents on CoW filesystems), and a
-    bounded ``pread``/``pwrite`` loop where the kernel or filesystem cannot do that.
-    """
-    done = 0
-    copier = getattr(os, "copy_file_range", None)
-    while done < count and copier is not None:
-        try:
-            n = copier(src_fd, dst_fd, count - done, src_offset + done, dst_offset + done)
-        except OSError as exc:
-            if exc.errno in (18, 22, 38, 95):  # EXDEV, EINVAL, ENOSYS, EOPNOTSUPP: try another way
-                copier = None
-                break
-            raise
-        if n == 0:
-            raise BadInputError("the input file ended while its data was being copied (truncated?)")
-        done += n
-    while done < count:
-        chunk = os.pread(src_fd, min(count - done, 1 << 20), src_offset + done)
-        if not chunk:
-            raise BadInputError("the input file ended while its data was being copied (truncated?)")
-        os.pwrite(dst_fd, chunk, dst_offset + done)
-        done += len(chunk)

@@ -16,17 +16,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import CheckFailedError, UsageError
-from .tree import (
-    Path,
-    copy_mapping,
-    find_state_dicts,
-    format_path,
-    get_at,
-    is_tensor_like,
-    resolve_path,
-    substitute,
-)
+from ..errors import CheckFailedError, UsageError
+from ..model.paths import Path, format_path, get_at, resolve_path
+from ..model.refs import is_tensor_like
+from ..model.statedicts import find_state_dicts
+from ..model.walk import copy_mapping, substitute
 
 
 @dataclass

@@ -21,9 +21,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import BadInputError, UsageError
-from .sources import ComputedSource
-from .tree import OpaqueObject, format_path, substitute, tensor_from_range, walk
+from ..errors import BadInputError, UsageError
+from ..fileio.ranges import ComputedSource
+from ..model.paths import format_path
+from ..model.refs import OpaqueObject, tensor_from_range
+from ..model.walk import substitute, walk
 
 _NUMPY = ("numpy.core.multiarray", "numpy._core.multiarray")
 SANITIZABLE = (

@@ -1,231 +1,30 @@
-"""The checkpoint tree: plain Python containers whose leaves are lazy references.
+"""THE walk over a checkpoint tree, and the few operations built on it.
 
-A checkpoint read by ckptfix is the object ``torch.load`` would return, except that
-
-* every tensor is a :class:`TensorRef` -- dtype, shape, stride, offset and the
-  :class:`StorageRef` holding its bytes, which stay in the file;
-* every other torch object the pickle builds (``torch.Size``, ``torch.device``, sparse or
-  quantized tensors) is a :class:`Reduce` record of the allow-listed call, kept as data and
-  written back unchanged, never executed.
-
-Containers (dict, OrderedDict with its ``_metadata``, list, tuple, set) are real Python
-objects, so transforms are ordinary Python code and Python users can walk the tree.
+A tree is plain Python containers (dict, OrderedDict with its ``_metadata``, list, tuple, set)
+whose leaves are the records of :mod:`ckptfix.model.refs`. :func:`walk` is the only traversal:
+iterative, each container entered once, cycle-safe, depth-limited by :data:`MAX_NESTING` (the
+reader's own limit). :func:`substitute` rebuilds a tree with some nodes replaced, keeping
+sharing and cycles; :func:`check_extents` checks every tensor against its storage once the tree
+is final.
 """
 
 from __future__ import annotations
 
-import sys
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass, field
 from itertools import chain
 from typing import Any
 
-from .dtypes import DTYPE_ITEMSIZE, DTYPE_STORAGE, STORAGE_DTYPE
-from .errors import BadInputError
-from .pickle_vm import MAX_NESTING
+from ..errors import BadInputError
+from .dtypes import DTYPE_ITEMSIZE
+from .paths import Path, format_path
+from .refs import ABSENT, Global, OpaqueObject, Reduce, StorageRef, TensorRef, _EmptyHooks
+
+#: containers nested deeper than this are refused: real checkpoints nest a few levels; a hostile
+#: pickle nests 10**5 deep to crash recursive code. The reader, the walk and the writer share it.
+MAX_NESTING = 1000
 
 #: marks an optional positional argument that the pickle did not pass
-ABSENT: Any = type("Absent", (), {"__repr__": lambda self: "ABSENT"})()
-
-
-class _EmptyHooks:
-    """The empty ``OrderedDict()`` torch.save pickles as every tensor's backward hooks.
-
-    One shared, falsy, immutable marker instead of an OrderedDict per tensor (136 bytes each,
-    200 000 in a training checkpoint); the writer spells it ``OrderedDict()`` again.
-    """
-
-    __slots__ = ()
-
-    def __bool__(self) -> bool:
-        return False
-
-    def __repr__(self) -> str:
-        return "OrderedDict()"
-
-
-EMPTY_HOOKS: Any = _EmptyHooks()
-
-
-@dataclass(frozen=True, slots=True)
-class Global:
-    """A module-level name the pickle refers to (``torch._utils._rebuild_tensor_v2``).
-
-    Frozen, no ``__dict__`` and no ``__setstate__``: a pickle that fetches an allowed global
-    cannot turn it into another one (the VM refuses BUILD on it, and nothing else writes it).
-    """
-
-    module: str
-    name: str
-    #: ``module.name``, computed once (writers and checks ask for it per tensor)
-    full: str = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "full", f"{self.module}.{self.name}")
-
-    def __repr__(self) -> str:
-        return self.full
-
-
-class Reduce:
-    """An allow-listed call recorded as data: ``func(*args)`` (``torch.Size``, sparse tensors...).
-
-    Made once by the reader, never changed: the VM refuses BUILD on it, as torch does.
-    ``state`` is ABSENT for everything the reader makes; it exists for trees built in code.
-    """
-
-    __slots__ = ("args", "func", "state")
-
-    def __init__(self, func: Global, args: tuple, state: Any = ABSENT) -> None:
-        self.func, self.args, self.state = func, args, state
-
-    def __repr__(self) -> str:
-        if self.func.full == "torch.Size" and self.args and isinstance(self.args[0], (tuple, list)):
-            return f"torch.Size({list(self.args[0])[:16]})"
-        if self.func.full == "torch.device":
-            return f"device({', '.join(repr(a)[:40] for a in self.args[:2])})"
-        return f"{self.func.full}(...)"
-
-
-class OpaqueObject:
-    """An object of a global the user allowed by name (``--allow-global``): recorded, never built.
-
-    The pickle's construction is kept as data and written back exactly: ``kind`` is
-    ``"reduce"`` (``cls(*args)``), ``"newobj"`` (``cls.__new__(cls, *args)``) or ``"newobj_ex"``
-    (with ``kwargs``); ``items``/``dictitems`` are what APPENDS/SETITEMS added; ``state`` is what
-    BUILD gave. The VM fills ``items``, ``dictitems`` and ``state`` while reading (``state`` only
-    once); ``global_`` and ``kind`` never change.
-    """
-
-    __slots__ = ("args", "dictitems", "global_", "items", "kind", "kwargs", "state")
-
-    def __init__(self, global_: Global, args: tuple, kind: str = "reduce", kwargs: dict | None = None) -> None:
-        self.global_, self.args, self.kind, self.kwargs = global_, args, kind, kwargs
-        self.items: list[Any] = []
-        self.dictitems: list[tuple[Any, Any]] = []
-        self.state: Any = ABSENT
-
-    @property
-    def name(self) -> str:
-        return self.global_.full
-
-    def __repr__(self) -> str:
-        return f"<{self.global_.full} (kept as is)>"
-
-
-@dataclass(eq=False, slots=True)
-class StorageRef:
-    """One storage record: ``data/<key>`` in the archive, with its dtype and device tag.
-
-    No ``__dict__`` and no ``__setstate__``; the VM refuses BUILD/SETITEMS on it. Readers set
-    ``source`` once, when they learn where the bytes are (the legacy format lists them after
-    the pickle); :func:`check_extents` then checks every tensor against it.
-    """
-
-    key: str
-    storage_type: Global
-    location: str
-    numel: int
-    itemsize: int
-    dtype: str
-    #: where the bytes are: a :class:`~ckptfix.sources.FileRange`
-    source: Any = field(repr=False, default=None)
-    #: byte order of the stored elements ("big" only for files saved on big-endian machines)
-    byteorder: str = "little"
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * self.itemsize
-
-
-@dataclass(frozen=True, slots=True)
-class ParamInfo:
-    """What ``_rebuild_parameter(_with_state)`` adds on top of the tensor."""
-
-    requires_grad: Any
-    hooks: Any
-    state: Any = ABSENT
-
-
-@dataclass(eq=False, slots=True)
-class TensorRef:
-    """A tensor without its data: a view (offset, shape, stride) into a :class:`StorageRef`.
-
-    Built by the reader from ``_rebuild_tensor*`` calls and never changed afterwards (transforms
-    make new ones with :func:`dataclasses.replace`). Its extent is checked against the storage
-    once the whole pickle is read (:func:`check_extents`), not while building it.
-    """
-
-    storage: StorageRef
-    storage_offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: str
-    requires_grad: Any = False
-    hooks: Any = EMPTY_HOOKS
-    #: "v2" (dtype from the storage class) or "v3" (untyped storage + dtype global)
-    rebuild: str = "v2"
-    dtype_global: Global | None = None
-    metadata: Any = ABSENT
-    param: ParamInfo | None = None
-
-    @property
-    def device(self) -> str:
-        return self.storage.location
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for s in self.shape:
-            n *= s
-        return n
-
-    @property
-    def nbytes(self) -> int:
-        return self.numel * DTYPE_ITEMSIZE.get(self.dtype, 1)
-
-
-def make_storage(
-    storage_type: Global, key: str, location: str, numel: int, source: Any, byteorder: str = "little"
-) -> StorageRef:
-    """Build the :class:`StorageRef` for a persistent id ``('storage', type, key, loc, numel)``."""
-    dtype = STORAGE_DTYPE.get(storage_type.name)
-    if dtype is None:
-        raise BadInputError(f"corrupt checkpoint: unknown storage type {storage_type.full}")
-    return StorageRef(key, storage_type, location, numel, DTYPE_ITEMSIZE[dtype], dtype, source, byteorder)
-
-
-def tensor_from_range(dtype: str, shape: tuple[int, ...], source: Any, location: str = "cpu") -> TensorRef:
-    """A contiguous tensor whose bytes are ``source`` (as safetensors stores them), pickled as
-    torch.save would pickle it: a typed storage for classic dtypes, untyped + dtype otherwise."""
-    itemsize = DTYPE_ITEMSIZE[dtype]
-    numel = source.size // itemsize
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= size
-    storage_name = DTYPE_STORAGE.get(dtype)
-    if storage_name:
-        storage = StorageRef("0", Global("torch", storage_name), location, numel, itemsize, dtype, source)
-        return TensorRef(storage, 0, shape, tuple(reversed(stride)), dtype, False, EMPTY_HOOKS)
-    storage = StorageRef("0", Global("torch.storage", "UntypedStorage"), location, source.size, 1, "uint8", source)
-    return TensorRef(
-        storage,
-        0,
-        shape,
-        tuple(reversed(stride)),
-        dtype,
-        False,
-        EMPTY_HOOKS,
-        rebuild="v3",
-        dtype_global=Global("torch", dtype),
-    )
-
-
-# --------------------------------------------------------------------------- the walk
-
-Path = tuple[Any, ...]
 
 #: path element for an OrderedDict's attributes (``Module.state_dict()``'s ``_metadata``)
 ATTRS = "__dict__"
@@ -453,27 +252,6 @@ def _check_storage(storage: StorageRef, prefix: str) -> None:
         )
 
 
-def format_path(path: Path) -> str:
-    """Dotted form of a container path, as ``--key`` accepts it ("" is the root)."""
-    return ".".join(str(p) for p in path)
-
-
-def is_torch_tensor(value: Any) -> bool:
-    """True for a real ``torch.Tensor`` (from the torch fallback loader), without importing torch."""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor)
-
-
-def is_tensor_like(value: Any) -> bool:
-    """A leaf that holds tensor data: a :class:`TensorRef`, a rebuilt torch tensor kind, or a real tensor."""
-    if isinstance(value, TensorRef):
-        return True
-    if isinstance(value, Reduce):
-        name = value.func.full
-        return name.startswith("torch._utils._rebuild") or name == "torch._tensor._rebuild_from_type_v2"
-    return is_torch_tensor(value)
-
-
 def children(value: Any) -> Iterator[tuple[Any, Any]]:
     """(key, child) pairs of a container, in order; nothing for leaves."""
     if isinstance(value, Mapping):
@@ -501,96 +279,6 @@ def iter_storages(root: Any) -> Iterator[StorageRef]:
         if isinstance(storage, StorageRef) and id(storage) not in seen:
             seen.add(id(storage))
             yield storage
-
-
-def is_optimizer_state(value: Any) -> bool:
-    """``Optimizer.state_dict()`` output: its keys are parameter ids and must never be renamed."""
-    return isinstance(value, Mapping) and "state" in value and "param_groups" in value
-
-
-def looks_like_state_dict(value: Any) -> bool:
-    """A ``Module.state_dict()``-shaped mapping: string keys, every value a tensor.
-
-    Values under keys ending in ``_extra_state`` may be anything (``get_extra_state``).
-    """
-    if not isinstance(value, Mapping) or not value:
-        return False
-    has_tensor = False
-    for key, item in value.items():
-        if not isinstance(key, str):
-            return False
-        if is_tensor_like(item):
-            has_tensor = True
-        elif not key.endswith("_extra_state"):
-            return False
-    return has_tensor
-
-
-def find_state_dicts(root: Any) -> list[tuple[Path, Mapping]]:
-    """All state-dict-like mappings in the tree, outermost first, with their paths.
-
-    Optimizer states and mappings with non-string keys are not searched: their inner dicts
-    (``{"exp_avg": ..., "exp_avg_sq": ...}``) look like state dicts but are not.
-    """
-    found: list[tuple[Path, Mapping]] = []
-
-    def descend(path: Path, value: Any) -> bool:
-        if not isinstance(value, (Mapping, list, tuple)) or is_tensor_like(value):
-            return False
-        if looks_like_state_dict(value):
-            found.append((path, value))
-            return False
-        if is_optimizer_state(value):
-            return False
-        return not (isinstance(value, Mapping) and not all(isinstance(k, str) for k in value))
-
-    for _ in walk(root, descend):
-        pass
-    return [(p, v) for p, v in found if ATTRS not in p]
-
-
-_MISSING = object()
-
-
-def _lookup_key(container: Any, text: str) -> Any:
-    if isinstance(container, Mapping):
-        if text in container:
-            return text
-        if text.lstrip("-").isdigit() and len(text) < 20 and int(text) in container:
-            return int(text)
-    elif isinstance(container, (list, tuple)) and text.isdigit() and len(text) < 20 and int(text) < len(container):
-        return int(text)
-    return _MISSING
-
-
-def resolve_path(root: Any, dotted: str) -> Path | None:
-    """Turn a dotted path (``state_dict``, ``optimizer_states.0``) into a container path.
-
-    Keys may themselves contain dots, so the longest matching key wins at each level.
-    Returns None when nothing matches.
-    """
-    parts = dotted.split(".") if dotted else []
-    path: list[Any] = []
-    value, i = root, 0
-    while i < len(parts):
-        for j in range(len(parts), i, -1):
-            key = _lookup_key(value, ".".join(parts[i:j]))
-            if key is not _MISSING:
-                path.append(key)
-                value = value[key]
-                i = j
-                break
-        else:
-            return None
-    return tuple(path)
-
-
-def get_at(root: Any, path: Path) -> Any:
-    """The value at ``path`` (a tuple of keys/indices)."""
-    value = root
-    for key in path:
-        value = value[key]
-    return value
 
 
 #: containers a substitution creates empty and fills afterwards, so cycles through them close

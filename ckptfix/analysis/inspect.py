@@ -6,24 +6,14 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
-from .checkpoint import Checkpoint
-from .tree import (
-    Global,
-    Path,
-    Reduce,
-    TensorRef,
-    find_state_dicts,
-    format_path,
-    is_optimizer_state,
-    is_tensor_like,
-    is_torch_tensor,
-    iter_tensors,
-    looks_like_state_dict,
-    walk,
-)
+from ..fileio.sizes import format_size
+from ..formats.checkpoint import Checkpoint
+from ..model.paths import Path, format_path
+from ..model.refs import Global, Reduce, TensorRef, is_tensor_like, is_torch_tensor
+from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts, is_optimizer_state, looks_like_state_dict
+from ..model.walk import iter_tensors, walk
 
 #: prefixes that wrappers add, in the order people meet them
-WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.", "_forward_module.")
 _MAX_TREE_LINES = 60
 _MAX_DEPTH = 4
 
@@ -213,15 +203,6 @@ def _warnings(devices: Counter[str]) -> list[str]:
         f"tensors on several devices ({listed}): loading needs every one of them, or a map_location; "
         "to move them all: ckptfix remap IN OUT --map-location cpu"
     ]
-
-
-def format_size(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
 
 
 def render(summary: dict[str, Any]) -> str:

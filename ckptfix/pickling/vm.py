@@ -37,11 +37,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import BadInputError
-
-#: containers nested deeper than this are refused: real checkpoints nest a few levels; a hostile
-#: pickle nests 10**5 deep to crash recursive code. The reader, the walk and the writer share it.
-MAX_NESTING = 1000
+from ..errors import BadInputError
+from ..model.walk import MAX_NESTING
 
 
 @dataclass(frozen=True)

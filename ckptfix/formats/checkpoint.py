@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from ..errors import BadInputError, UnsafeInputError
+from .dcp import is_dcp_folder, read_dcp
 from .detect import check_input, open_input, sniff
-from .errors import BadInputError, UnsafeInputError
-from .formats.dcp import is_dcp_folder, read_dcp
-from .formats.legacy import load_with_torch, save_with_torch
-from .formats.legacy_pickle import read_legacy
-from .formats.safetensors import read_safetensors
-from .formats.sharded import find_index, merge_shards, read_index
-from .formats.torchzip import TorchZipArchive, read_torch_zip, write_torch_zip
+from .legacy import load_with_torch, save_with_torch
+from .legacy_pickle import read_legacy
+from .safetensors import read_safetensors
+from .sharded import find_index, merge_shards, read_index
+from .torchzip import TorchZipArchive, read_torch_zip, write_torch_zip
 
 FORMAT_TORCH_ZIP = "torch-zip"
 FORMAT_TORCH_LEGACY = "torch-legacy"

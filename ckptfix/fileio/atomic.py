@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import BinaryIO
 
-from .errors import CannotWriteError, UsageError
+from ..errors import CannotWriteError, UsageError
 
 TEMP_SUFFIX = ".ckptfix-tmp"
 

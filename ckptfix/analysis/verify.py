@@ -16,13 +16,13 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .checkpoint import read_checkpoint
-from .devices import normalize_device
-from .errors import CkptfixError
-from .sources import OpenFiles, crc_of, iter_chunks
-from .summary import WRAPPER_PREFIXES
-from .transforms import normalize_prefix
-from .tree import find_state_dicts, iter_storages
+from ..errors import CkptfixError
+from ..fileio.ranges import OpenFiles, crc_of, iter_chunks
+from ..formats.checkpoint import read_checkpoint
+from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts
+from ..model.walk import iter_storages
+from ..transforms.devices import normalize_device
+from ..transforms.prefix import normalize_prefix
 
 
 @dataclass

@@ -19,11 +19,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .dtypes import DTYPE_ITEMSIZE, DTYPE_STORAGE
-from .errors import UsageError
-from .sources import ComputedSource, OpenFiles, read_all, swap_unit_for
-from .transforms import select_state_dicts
-from .tree import Global, StorageRef, TensorRef, format_path, iter_tensors, substitute
+from ..errors import UsageError
+from ..fileio.ranges import ComputedSource, OpenFiles, read_all
+from ..model.data import swap_unit_for
+from ..model.dtypes import DTYPE_ITEMSIZE, DTYPE_STORAGE
+from ..model.paths import format_path
+from ..model.refs import Global, StorageRef, TensorRef
+from ..model.walk import iter_tensors, substitute
+from .prefix import select_state_dicts
 
 CASTABLE = ("float16", "bfloat16", "float32", "float64")
 

@@ -12,8 +12,8 @@ from typing import Any
 
 import click
 
-from . import __version__
-from .errors import CkptfixError, one_line
+from .. import __version__
+from ..errors import CkptfixError, one_line
 
 EXIT_INTERNAL = 5
 EXIT_INTERRUPTED = 130
@@ -111,7 +111,7 @@ def _global_patterns(ctx: click.Context, param: click.Parameter, value: tuple[st
     """Check --allow-global patterns while parsing: a pattern that is not a dotted name (a newline,
     a space, NUL, an empty part) could match, and so carry into the output, a global name holding
     pickle opcodes. Raises ckptfix's UsageError so the message is one line (exit 2)."""
-    from .names import check_global_patterns
+    from ..pickling.names import check_global_patterns
 
     check_global_patterns(value)
     return value
@@ -277,7 +277,7 @@ _PREFIX_COMMAND = _apply(
 
 def _run(command: str, paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
     """Build the options and run one file (IN OUT) or a batch (-o DIR, --in-place, folders)."""
-    from .ops import ConvertOptions
+    from ..pipeline import ConvertOptions
 
     batch = {k: kw.pop(k) for k in ("output_dir", "recursive", "jobs", "continue_on_error", "backup", "quiet")}
     prefix, strict, kw_rules = kw.pop("prefix", None), kw.pop("strict", False), kw.pop("rules", ())
@@ -311,7 +311,7 @@ def _run(command: str, paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
 
 
 def _run_single(command: str, in_path: str, out_path: str, opts: Any, as_json: bool) -> int:
-    from .ops import convert
+    from ..pipeline import convert
 
     progress, close = (None, lambda ok: None) if (as_json or opts.dry_run) else _progress_for(in_path)
     ok = False
@@ -350,7 +350,7 @@ def _run_batch(
 ) -> int:
     from pathlib import Path
 
-    from .batch import expand_inputs, plan_outputs, run_batch
+    from ..batch import expand_inputs, plan_outputs, run_batch
 
     if output_dir is not None and opts.in_place:
         raise click.UsageError("give either -o DIR or --in-place, not both")
@@ -572,7 +572,7 @@ def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
       ckptfix fit train.ckpt weights.safetensors --model models:build --model-path ./src
       ckptfix fit pretrained.pth init.pth --reference new_head.pth --allow-partial
     """
-    from .ops import fit_checkpoint
+    from ..pipeline import fit_checkpoint
 
     plan, report = fit_checkpoint(in_path, out_path, **kw)
     if as_json:
@@ -639,8 +639,8 @@ def diff_command(
       ckptfix diff train.ckpt weights.safetensors --select state_dict --strip-prefix model. --json
       ckptfix diff a.pth b.pth --rtol 1e-3 --atol 1e-5
     """
-    from .diffing import render
-    from .ops import ConvertOptions, diff_checkpoints
+    from ..analysis.diff import render
+    from ..pipeline import ConvertOptions, diff_checkpoints
 
     report = diff_checkpoints(a_path, b_path, ConvertOptions(**kw), select_b=select_b, rtol=rtol, atol=atol)
     if as_json:
@@ -680,8 +680,8 @@ def verify(
       ckptfix verify checkpoints/ --recursive
       ckptfix verify release/*.safetensors --expect-prefix none --expect-device cpu --json
     """
-    from .batch import expand_inputs
-    from .verify import verify_path
+    from ..analysis.verify import verify_path
+    from ..batch import expand_inputs
 
     results = [
         verify_path(p, expect_prefix=expect_prefix, expect_device=expect_device)
@@ -735,7 +735,7 @@ def publish_command(in_path: str, out_dir: str, as_json: bool, **kw: Any) -> int
       ckptfix publish train.ckpt release/ --name resnet50
       ckptfix publish ddp.pth release/ --format pth
     """
-    from .ops import publish
+    from ..pipeline import publish
 
     result = publish(in_path, out_dir, **kw)
     if as_json:
@@ -762,8 +762,8 @@ def scan(paths: tuple[str, ...], recursive: bool, as_json: bool) -> int:
       ckptfix scan downloaded.pth
       ckptfix scan models/ --recursive --json
     """
-    from .batch import expand_inputs
-    from .scan import scan_path
+    from ..analysis.scan import scan_path
+    from ..batch import expand_inputs
 
     results = [scan_path(p) for p, _ in expand_inputs(paths, recursive)]
     if as_json:
@@ -809,8 +809,8 @@ def inspect_command(path: str, as_json: bool, unsafe_load: bool, allow_globals: 
       ckptfix inspect model.pth
       ckptfix inspect model.pth --json | jq .devices
     """
-    from .ops import inspect_checkpoint
-    from .summary import render
+    from ..analysis.inspect import render
+    from ..pipeline import inspect_checkpoint
 
     summary = inspect_checkpoint(path, unsafe_load=unsafe_load, allow_globals=allow_globals)
     if as_json:

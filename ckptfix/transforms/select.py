@@ -19,16 +19,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .tree import (
-    copy_mapping,
-    find_state_dicts,
-    format_path,
-    is_optimizer_state,
-    is_tensor_like,
-    iter_storages,
-    substitute,
-    walk,
-)
+from ..model.paths import format_path
+from ..model.refs import is_tensor_like
+from ..model.statedicts import find_state_dicts, is_optimizer_state
+from ..model.walk import copy_mapping, iter_storages, substitute, walk
 
 #: entries a training loop saves besides the weights (Lightning, plain PyTorch, timm, mmengine...)
 TRAINING_STATE = (

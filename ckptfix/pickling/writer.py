@@ -27,9 +27,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import BadInputError
+from ..errors import BadInputError
+from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, Reduce, StorageRef, TensorRef
+from ..model.walk import walk
 from .names import is_dotted_identifier
-from .tree import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, Reduce, StorageRef, TensorRef, walk
 
 _MARK, _TUPLE, _EMPTY_TUPLE = b"(", b"t", b")"
 _TUPLE_N = (b")", b"\x85", b"\x86", b"\x87")

@@ -1,0 +1,61 @@
+"""Dotted paths into a tree: ``Path`` (a tuple of keys), ``format_path`` and the
+``--key``/``--select`` resolution (``resolve_path``, ``get_at``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+#: marks an optional positional argument that the pickle did not pass
+
+
+Path = tuple[Any, ...]
+
+
+def format_path(path: Path) -> str:
+    """Dotted form of a container path, as ``--key`` accepts it ("" is the root)."""
+    return ".".join(str(p) for p in path)
+
+
+_MISSING = object()
+
+
+def _lookup_key(container: Any, text: str) -> Any:
+    if isinstance(container, Mapping):
+        if text in container:
+            return text
+        if text.lstrip("-").isdigit() and len(text) < 20 and int(text) in container:
+            return int(text)
+    elif isinstance(container, (list, tuple)) and text.isdigit() and len(text) < 20 and int(text) < len(container):
+        return int(text)
+    return _MISSING
+
+
+def resolve_path(root: Any, dotted: str) -> Path | None:
+    """Turn a dotted path (``state_dict``, ``optimizer_states.0``) into a container path.
+
+    Keys may themselves contain dots, so the longest matching key wins at each level.
+    Returns None when nothing matches.
+    """
+    parts = dotted.split(".") if dotted else []
+    path: list[Any] = []
+    value, i = root, 0
+    while i < len(parts):
+        for j in range(len(parts), i, -1):
+            key = _lookup_key(value, ".".join(parts[i:j]))
+            if key is not _MISSING:
+                path.append(key)
+                value = value[key]
+                i = j
+                break
+        else:
+            return None
+    return tuple(path)
+
+
+def get_at(root: Any, path: Path) -> Any:
+    """The value at ``path`` (a tuple of keys/indices)."""
+    value = root
+    for key in path:
+        value = value[key]
+    return value

@@ -1,0 +1,62 @@
+"""What a state dict and an optimizer state look like, where they are in a tree, and the
+wrapper prefixes (``module.``, ``_orig_mod.``, ``model.``) people meet on their keys."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .paths import Path
+from .refs import is_tensor_like
+from .walk import ATTRS, walk
+
+#: marks an optional positional argument that the pickle did not pass
+
+
+def is_optimizer_state(value: Any) -> bool:
+    """``Optimizer.state_dict()`` output: its keys are parameter ids and must never be renamed."""
+    return isinstance(value, Mapping) and "state" in value and "param_groups" in value
+
+
+def looks_like_state_dict(value: Any) -> bool:
+    """A ``Module.state_dict()``-shaped mapping: string keys, every value a tensor.
+
+    Values under keys ending in ``_extra_state`` may be anything (``get_extra_state``).
+    """
+    if not isinstance(value, Mapping) or not value:
+        return False
+    has_tensor = False
+    for key, item in value.items():
+        if not isinstance(key, str):
+            return False
+        if is_tensor_like(item):
+            has_tensor = True
+        elif not key.endswith("_extra_state"):
+            return False
+    return has_tensor
+
+
+def find_state_dicts(root: Any) -> list[tuple[Path, Mapping]]:
+    """All state-dict-like mappings in the tree, outermost first, with their paths.
+
+    Optimizer states and mappings with non-string keys are not searched: their inner dicts
+    (``{"exp_avg": ..., "exp_avg_sq": ...}``) look like state dicts but are not.
+    """
+    found: list[tuple[Path, Mapping]] = []
+
+    def descend(path: Path, value: Any) -> bool:
+        if not isinstance(value, (Mapping, list, tuple)) or is_tensor_like(value):
+            return False
+        if looks_like_state_dict(value):
+            found.append((path, value))
+            return False
+        if is_optimizer_state(value):
+            return False
+        return not (isinstance(value, Mapping) and not all(isinstance(k, str) for k in value))
+
+    for _ in walk(root, descend):
+        pass
+    return [(p, v) for p, v in found if ATTRS not in p]
+
+
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.", "_forward_module.")
