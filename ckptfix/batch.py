@@ -19,11 +19,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import EXIT_CANNOT_WRITE, BadInputError, CannotWriteError, CkptfixError, UsageError
+from .errors import BadInputError, CannotWriteError, CkptfixError, ExitCode, UsageError
+from .formats.detect import CHECKPOINT_SUFFIXES, FILE_FORMATS
 from .formats.sharded import INDEX_NAMES, find_index
 
 #: file names a folder scan treats as checkpoints
-CHECKPOINT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".tar", ".safetensors", ".pkl", ".model")
 
 
 @dataclass
@@ -146,8 +146,18 @@ def output_path(relative: Path, out_dir: Path, out_format: str | None) -> Path:
     return target
 
 
-def process_one(command: str, in_path: str, out_path: str, options: Any, backup: str | None) -> FileResult:
-    """Run one file (in a worker process); never raises, the failure goes in the result."""
+def process_one(
+    command: str,
+    in_path: str,
+    out_path: str,
+    options: Any,
+    backup: str | None,
+    progress: Callable[[int], None] | None = None,
+    raise_bugs: bool = False,
+) -> FileResult:
+    """Run one file (in a worker process); the failure goes in the result. Only a bug (an
+    exception that is neither ckptfix's nor the OS's) is raised, with ``raise_bugs``: then the
+    CLI shows it as an internal error, with ``--debug``'s traceback."""
     from .pipeline import convert
 
     started = time.perf_counter()
@@ -161,9 +171,7 @@ def process_one(command: str, in_path: str, out_path: str, options: Any, backup:
                 raise CannotWriteError(f"{backup_path}: backup already exists", hint="pass --force to replace it")
             backup_path.unlink(missing_ok=True)
             _back_up(Path(in_path), backup_path)
-        if out_path != in_path:
-            Path(out_path).parent.mkdir(parents=True, exist_ok=True)
-        report = convert(in_path, out_path, options, command=command)
+        report = convert(in_path, out_path, options, command=command, progress=progress)
         result.report = report.to_dict()
         result.message = report.message
         result.status = "written" if report.written else "unchanged"
@@ -173,9 +181,11 @@ def process_one(command: str, in_path: str, out_path: str, options: Any, backup:
     except CkptfixError as exc:
         result.message, result.exit_code = str(exc), exc.exit_code
     except OSError as exc:
-        result.message, result.exit_code = f"{in_path}: {exc.strerror or exc}", EXIT_CANNOT_WRITE
+        result.message, result.exit_code = f"{in_path}: {exc.strerror or exc}", ExitCode.CANNOT_WRITE
     except Exception as exc:  # a bug: report it for this file, keep the batch's report intact
-        result.message, result.exit_code = f"internal error: {type(exc).__name__}: {exc}", 5
+        if raise_bugs:
+            raise
+        result.message, result.exit_code = f"internal error: {type(exc).__name__}: {exc}", ExitCode.INTERNAL
     if result.status == "failed" and backup_path is not None and backup_path.exists() and not Path(in_path).exists():
         os.replace(backup_path, os.path.realpath(in_path))  # through a symlink, as --in-place writes
     result.seconds = round(time.perf_counter() - started, 4)
@@ -215,14 +225,19 @@ def run_batch(
     continue_on_error: bool,
     backup: str | None = None,
     on_result: Callable[[FileResult], None] | None = None,
+    progress: Callable[[int], None] | None = None,
+    raise_bugs: bool = False,
 ) -> BatchReport:
-    """Process ``(input, output)`` pairs with ``jobs`` workers; results in input order."""
+    """Process ``(input, output)`` pairs with ``jobs`` workers; results in input order.
+
+    One file (``IN OUT`` is a batch of one) or ``jobs=1`` runs here, in this process, where
+    ``progress`` (bytes) and ``raise_bugs`` (see :func:`process_one`) apply."""
     started = time.perf_counter()
     report = BatchReport(command)
     results: dict[int, FileResult] = {}
     if jobs <= 1 or len(jobs_list) == 1:
         for index, (src, dst) in enumerate(jobs_list):
-            results[index] = process_one(command, src, dst, options, backup)
+            results[index] = process_one(command, src, dst, options, backup, progress, raise_bugs)
             if on_result:
                 on_result(results[index])
             if results[index].status == "failed" and not continue_on_error:
@@ -265,6 +280,6 @@ def plan_outputs(
         if key in seen:
             raise UsageError(f"{seen[key]} and {src} would both be written to {dst}")
         seen[key] = str(src)
-        is_folder_output = src.is_dir() and out_format not in ("pth", "safetensors")
+        is_folder_output = src.is_dir() and out_format not in FILE_FORMATS
         pairs.append((str(src), str(dst) + ("/" if is_folder_output else "")))
     return pairs

@@ -6,11 +6,25 @@ a documented code instead of a traceback. Library users catch :class:`CkptfixErr
 
 from __future__ import annotations
 
-EXIT_OK = 0
-EXIT_CHECK_FAILED = 1
-EXIT_USAGE = 2
-EXIT_BAD_INPUT = 3
-EXIT_CANNOT_WRITE = 4
+from enum import IntEnum
+
+
+class ExitCode(IntEnum):
+    """Every exit status the CLI returns (the README's table is generated from the same list)."""
+
+    OK = 0
+    #: a requested check did not hold (verify, diff, fit, --strict, scan found something dangerous)
+    CHECK_FAILED = 1
+    #: the command line asks for something impossible
+    USAGE = 2
+    #: the input is unreadable, corrupt, hostile or unsafe; nothing from it was run
+    BAD_INPUT = 3
+    #: the output cannot be written (exists, no space, no permission, failed verification)
+    CANNOT_WRITE = 4
+    #: a bug in ckptfix: please report it (run with --debug for the traceback)
+    INTERNAL = 5
+    #: interrupted (Ctrl-C or SIGTERM); no partial output is left
+    INTERRUPTED = 130
 
 
 def one_line(text: str) -> str:
@@ -22,7 +36,7 @@ def one_line(text: str) -> str:
 class CkptfixError(Exception):
     """Base class: a message for the user and the exit code the CLI returns."""
 
-    exit_code = EXIT_BAD_INPUT
+    exit_code: ExitCode = ExitCode.BAD_INPUT
 
     def __init__(self, message: str, *, hint: str | None = None) -> None:
         super().__init__(message)
@@ -36,13 +50,13 @@ class CkptfixError(Exception):
 class UsageError(CkptfixError):
     """The command line asks for something impossible (exit 2)."""
 
-    exit_code = EXIT_USAGE
+    exit_code = ExitCode.USAGE
 
 
 class BadInputError(CkptfixError):
     """The input is not a readable checkpoint: empty, truncated, corrupt, wrong kind (exit 3)."""
 
-    exit_code = EXIT_BAD_INPUT
+    exit_code = ExitCode.BAD_INPUT
 
 
 class UnsafeInputError(BadInputError):
@@ -62,10 +76,10 @@ class UnsafeInputError(BadInputError):
 class CheckFailedError(CkptfixError):
     """A requested check did not hold, e.g. --strict and nothing to change (exit 1)."""
 
-    exit_code = EXIT_CHECK_FAILED
+    exit_code = ExitCode.CHECK_FAILED
 
 
 class CannotWriteError(CkptfixError):
     """The output cannot be written: exists, same as input, no space, no permission (exit 4)."""
 
-    exit_code = EXIT_CANNOT_WRITE
+    exit_code = ExitCode.CANNOT_WRITE

@@ -25,6 +25,7 @@ from .errors import BadInputError, CannotWriteError, CheckFailedError, UsageErro
 from .fileio.atomic import atomic_output, check_destination
 from .fileio.sizes import parse_size
 from .formats.checkpoint import Checkpoint, read_checkpoint
+from .formats.detect import FILE_FORMATS, OUTPUT_FORMATS, PTH_SUFFIXES
 from .formats.safetensors import (
     check_torch_expand_budget,
     default_expand_budget,
@@ -47,16 +48,17 @@ if TYPE_CHECKING:
     from .analysis.diff import DiffReport
     from .transforms.fit import FitPlan
 
-PTH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".tar", ".pkl", ".model")
-OUTPUT_FORMATS = ("pth", "safetensors", "dcp")
 DEFAULT_SHARD_SIZE = "5GB"
 #: --keep-metadata keeps values whose JSON form is at most this long
 _MAX_METADATA_VALUE = 1024
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConvertOptions:
-    """Everything a writing command can be asked to do; the defaults change nothing."""
+    """Everything a writing command can be asked to do; the defaults change nothing.
+
+    Frozen: a command's preset makes a new one with :func:`dataclasses.replace`, so what a
+    worker process runs is exactly what the command built."""
 
     select: str | None = None
     drop: Sequence[str] = ()
@@ -496,11 +498,8 @@ def fix_prefix(
     if mode not in ("strip", "add"):
         raise UsageError(f"unknown mode {mode!r}")
     progress = options.pop("progress", None)
-    opts = ConvertOptions(require_change=True, **options)
-    if mode == "strip":
-        opts.strip_prefixes = [prefix]
-    else:
-        opts.add_prefix = prefix
+    step = {"strip_prefixes": (prefix,)} if mode == "strip" else {"add_prefix": prefix}
+    opts = ConvertOptions(require_change=True, **step, **options)
     return convert(in_path, out_path, opts, command=f"{mode}-module", progress=progress)
 
 
@@ -658,7 +657,7 @@ def publish(
 
     from .transforms.fit import wrapper_chain
 
-    if out_format not in ("pth", "safetensors"):
+    if out_format not in FILE_FORMATS:
         raise UsageError(f"publish writes pth or safetensors, not {out_format!r}")
     check_global_patterns(allow_globals)
     out_dir = Path(out_dir)

@@ -19,6 +19,18 @@ from typing import BinaryIO
 
 from ..errors import BadInputError
 
+# The one registry of format names and file suffixes: the CLI's choices, output naming, folder
+# scans and the reader's messages all take them from here.
+
+#: names of the torch.save family (torch zip, legacy, tar), by suffix; OUT with one of these is .pth
+PTH_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".tar", ".pkl", ".model")
+#: what a folder scan treats as a checkpoint file
+CHECKPOINT_SUFFIXES = (*PTH_SUFFIXES, ".safetensors")
+#: single-file output formats (``fit``, ``publish``)
+FILE_FORMATS = ("pth", "safetensors")
+#: every ``--format`` of the writing commands (dcp: a torch.distributed.checkpoint folder)
+OUTPUT_FORMATS = (*FILE_FORMATS, "dcp")
+
 #: torch's legacy format begins with a pickled magic number (LONG1 0x1950a86a20f9469cfc6c)
 _LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
 _ARCHIVES = {

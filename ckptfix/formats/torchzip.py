@@ -31,6 +31,7 @@ from ..pickling.reader import restricted_load
 from ..pickling.vm import Budgets
 from ..pickling.writer import dumps
 from .compact import compact_storages
+from .detect import CHECKPOINT_SUFFIXES
 
 #: data.pkl holds only structure (no tensor data); anything larger is hostile or not ours
 MAX_PICKLE_BYTES = 1 << 30
@@ -79,7 +80,7 @@ class TorchZipArchive:
 
 def _refuse_wrapped(records: Mapping[str, ZipRecord], path: str) -> None:
     """A zip that carries a checkpoint file (a download bundle) rather than being one."""
-    inside = [n for n in records if n.lower().endswith((".pth", ".pt", ".bin", ".ckpt", ".safetensors"))]
+    inside = [n for n in records if n.lower().endswith(CHECKPOINT_SUFFIXES)]
     if inside:
         raise BadInputError(f"{path}: a zip archive containing {inside[0]}: extract the checkpoint from it first")
 

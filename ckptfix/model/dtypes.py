@@ -115,3 +115,6 @@ DTYPE_TO_SAFETENSORS: dict[str, str] = {v: k for k, v in SAFETENSORS_DTYPES.item
 
 #: dtype -> storage class torch.save uses for it (the rest use UntypedStorage + _rebuild_tensor_v3)
 DTYPE_STORAGE: dict[str, str] = {v: k for k, v in STORAGE_DTYPE.items() if k != "UntypedStorage"}
+
+#: the floating-point dtypes --dtype casts to
+CASTABLE = ("float16", "bfloat16", "float32", "float64")

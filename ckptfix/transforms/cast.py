@@ -22,13 +22,11 @@ from typing import Any
 from ..errors import UsageError
 from ..fileio.ranges import ComputedSource, OpenFiles, read_all
 from ..model.data import swap_unit_for
-from ..model.dtypes import DTYPE_ITEMSIZE, DTYPE_STORAGE
+from ..model.dtypes import CASTABLE, DTYPE_ITEMSIZE, DTYPE_STORAGE
 from ..model.paths import format_path
 from ..model.refs import Global, StorageRef, TensorRef
 from ..model.walk import iter_tensors, substitute
 from .prefix import select_state_dicts
-
-CASTABLE = ("float16", "bfloat16", "float32", "float64")
 
 
 @dataclass

@@ -1,0 +1,575 @@
+"""The commands, as data where they share a shape: every writing command is one row of
+:data:`WRITE_COMMANDS` (its own options, how they preset the pipeline, its help), built into a
+click command by :func:`_write_command` and run by :func:`run_write` -- one file (``IN OUT``,
+a batch of one) or many (``-o DIR``, ``--in-place``, folders) through the same runner, so ``-q``,
+``--json`` and ``--verify`` mean the same in both forms. Adding a writing command is one row.
+
+The six other commands (fit, diff, verify, publish, scan, inspect) each have their own shape
+and are written out below. No command holds logic: it parses, calls the library, renders.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+import click
+from click.core import ParameterSource
+
+from .. import __version__
+from ..errors import ExitCode, UsageError
+from ..formats.detect import FILE_FORMATS
+from ..pipeline import ConvertOptions
+from . import render
+from .options import BATCH_OPTIONS, IN_OUT, INPUTS, MAX_EXPAND, PIPELINE, PREFIX, Decorator, apply, global_patterns
+from .render import emit_json, printable, say
+
+CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
+
+
+@click.group(context_settings=CONTEXT)
+@click.version_option(__version__, "-V", "--version", prog_name="ckptfix")
+@click.option("--debug", is_flag=True, help="Show a traceback on errors (for bug reports).")
+def cli(debug: bool) -> None:
+    """Repair and convert PyTorch checkpoints without running code from them.
+
+    \b
+    Examples:
+      ckptfix inspect model.pth
+      ckptfix strip-module ddp.pth bare.pth
+      ckptfix strip-module compiled.pth bare.pth --prefix _orig_mod.
+      ckptfix add-module bare.pth ddp.pth
+      ckptfix remap gpu.pth cpu.pth --map-location cpu
+      ckptfix convert model.pth model.safetensors
+
+    Exit codes: 0 ok, 1 a check failed, 2 usage error, 3 bad or unsafe input,
+    4 cannot write the output, 5 internal error.
+    """
+
+
+# ----------------------------------------------------------------------------- writing commands
+
+
+@dataclass(frozen=True)
+class WriteCommand:
+    """One writing command: the pipeline with a preset.
+
+    ``preset(options, own)`` returns the :class:`ConvertOptions` to run, given the pipeline
+    options from the command line and the command's ``own`` options (those in ``options``
+    that are not :class:`ConvertOptions` fields); it raises :class:`UsageError` for a
+    combination that cannot work. ``require_change``: write nothing when no step changed anything.
+    """
+
+    name: str
+    help: str
+    options: tuple[Decorator, ...] = ()
+    preset: Callable[[ConvertOptions, dict[str, Any]], ConvertOptions] = lambda opts, own: opts
+    require_change: bool = True
+
+
+def _strict(what: str) -> Decorator:
+    return click.option("--strict", is_flag=True, help=f"Exit 1 when {what}.")
+
+
+def _needs_rules(opts: ConvertOptions, own: dict[str, Any]) -> ConvertOptions:
+    rules = (*own["rules"], *opts.rename)
+    if not rules:
+        raise UsageError("rename needs at least one --rule 'REGEX=>REPLACEMENT'")
+    return replace(opts, rename=rules)
+
+
+def _needs_map_location(opts: ConvertOptions, own: dict[str, Any]) -> ConvertOptions:
+    if not opts.map_location:
+        raise UsageError("remap needs --map-location, e.g. --map-location cpu")
+    return opts
+
+
+WRITE_COMMANDS = (
+    WriteCommand(
+        "convert",
+        """Convert between .pth, safetensors and HF-style shards, applying any fixes on the way.
+
+    The output format follows OUT: .safetensors; .pth/.pt/.bin/.ckpt/.tar are torch's zip
+    format; a folder (ending in /) or --max-shard-size writes shards plus an *.index.json.
+    IN may be a .pth (any torch zip), legacy torch file, .safetensors, shard index or folder.
+    Tensor bytes stream from file to file; tied weights are stored once in safetensors and
+    restored when converting back.
+
+    \b
+    Examples:
+      ckptfix convert model.pth model.safetensors
+      ckptfix convert model.safetensors model.pth
+      ckptfix convert ckpt.pth out_dir/ --max-shard-size 2GB
+      ckptfix convert out_dir/model.safetensors.index.json merged.pth
+      ckptfix convert train.ckpt weights.safetensors --select state_dict --strip-prefix model.
+      ckptfix convert model.pth model_fp16.safetensors --dtype float16 --dtype-keep '*norm*'
+      ckptfix convert model.pth dcp_dir/ --format dcp
+      ckptfix convert dcp_dir/ model.pth --unsafe-load    # DCP metadata is a plain pickle
+      ckptfix convert ckpts/ -o dist/ --recursive --format safetensors --select state_dict
+    """,
+        require_change=False,
+    ),
+    WriteCommand(
+        "strip-module",
+        """Strip a wrapper prefix (default 'module.') from every state-dict key.
+
+    Fixes "Missing key(s) ... Unexpected key(s) ... module.xxx" when a checkpoint saved from
+    nn.DataParallel / DistributedDataParallel is loaded into the bare model. Repeated
+    prefixes are stripped too (module.module.x -> x). Optimizer state is never renamed.
+    Tensor bytes are copied, not loaded; torch is not imported for zip checkpoints.
+    Same as `convert --strip-prefix module.`, but writes nothing when no key has the prefix.
+
+    \b
+    Examples:
+      ckptfix strip-module ddp.pth bare.pth
+      ckptfix strip-module compiled.pth bare.pth --prefix _orig_mod.
+      ckptfix strip-module train.ckpt fixed.ckpt --key state_dict --dry-run
+      ckptfix strip-module ddp.pth bare.safetensors --map-location cpu
+      ckptfix strip-module model.pth --in-place --backup .orig
+      ckptfix strip-module ckpts/*.pth -o fixed/ --jobs 4 --continue-on-error --json
+    """,
+        (PREFIX,),
+        lambda opts, own: replace(opts, strip_prefixes=(own["prefix"], *opts.strip_prefixes)),
+    ),
+    WriteCommand(
+        "add-module",
+        """Add a wrapper prefix (default 'module.') to every state-dict key lacking it.
+
+    For loading a bare model's weights into a DataParallel/DDP-wrapped model with strict=True.
+    Keys that already have the prefix are left alone.
+
+    \b
+    Examples:
+      ckptfix add-module bare.pth ddp.pth
+      ckptfix add-module bare.pth compiled.pth --prefix _orig_mod.
+    """,
+        (PREFIX,),
+        lambda opts, own: replace(opts, add_prefix=own["prefix"]),
+    ),
+    WriteCommand(
+        "remap",
+        """Rewrite the device tags of a checkpoint's storages (no GPU needed, no data decoded).
+
+    Fixes "Attempting to deserialize object on a CUDA device but torch.cuda.is_available()
+    is False" and "... on CUDA device 2 but torch.cuda.device_count() is 1": the output loads
+    with plain torch.load(path) where the target device exists, no map_location needed.
+    SPEC is one device for every storage, or FROM=TO pairs for some (FROM 'cuda' = any cuda:N).
+
+    \b
+    Examples:
+      ckptfix remap gpu.pth cpu.pth --map-location cpu
+      ckptfix remap 8gpu.pth one_gpu.pth --map-location cuda=cuda:0
+      ckptfix remap model.pth --in-place --map-location cuda:1=cuda:0,cuda:2=cuda:0
+    """,
+        (_strict("no device tag changes"),),
+        _needs_map_location,
+    ),
+    WriteCommand(
+        "rename",
+        """Rename state-dict keys with regular expressions (like mmengine's revise_keys).
+
+    Rules apply in order to every state-dict key (or those under --key). A rename that would
+    give two keys the same name is an error naming both; --dry-run prints old -> new.
+
+    \b
+    Examples:
+      ckptfix rename in.pth out.pth --rule '^backbone\\.=>encoder.'
+      ckptfix rename in.pth out.pth --rule '^(\\w+)\\.conv(\\d)=>\\1.convs.\\2' --dry-run
+    """,
+        (
+            click.option(
+                "--rule",
+                "rules",
+                multiple=True,
+                metavar="RULE",
+                help="'REGEX=>REPLACEMENT', Python re syntax with backrefs; repeatable, applied in order.",
+            ),
+            _strict("no key matches"),
+        ),
+        _needs_rules,
+    ),
+    WriteCommand(
+        "prune",
+        """Keep only the weights: drop optimizer, scheduler, loop, callback, AMP and RNG state.
+
+    State dicts (EMA copies included) and small values (epoch, config) stay; the report says
+    how many bytes of tensors were dropped. Combine with --select state_dict to keep just the
+    weights, or --drop for more.
+
+    \b
+    Examples:
+      ckptfix prune train.ckpt weights.ckpt
+      ckptfix prune train.pth weights.safetensors --select model
+    """,
+        (_strict("there is nothing to prune"),),
+        lambda opts, own: replace(opts, prune=True),
+    ),
+)
+
+_OPTION_FIELDS = {f.name for f in fields(ConvertOptions)}
+
+
+def _write_command(spec: WriteCommand) -> click.Command:
+    """Build the click command for one row: INPUTS, the row's own options, then PIPELINE."""
+
+    def run(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
+        return run_write(spec, paths, as_json, kw)
+
+    run.__doc__ = spec.help
+    return click.command(spec.name, context_settings=CONTEXT)(apply([INPUTS, *spec.options, PIPELINE])(run))
+
+
+def run_write(spec: WriteCommand, paths: tuple[str, ...], as_json: bool, kw: dict[str, Any]) -> int:
+    """Build the options and run one file (IN OUT) or a batch (-o DIR, --in-place, folders)."""
+    from ..batch import expand_inputs, plan_outputs, run_batch
+
+    batch = {k: kw.pop(k) for k in BATCH_OPTIONS}
+    own = {k: kw.pop(k) for k in list(kw) if k not in _OPTION_FIELDS}
+    kw["map_location"] = ",".join(kw["map_location"]) or None
+    opts = spec.preset(ConvertOptions(**kw, require_change=spec.require_change), own)
+    single = batch["output_dir"] is None and not opts.in_place
+    if single:
+        if len(paths) != 2:
+            raise UsageError("give IN OUT, or several inputs with -o DIR (or --in-place)")
+        _refuse_batch_flags()
+        pairs = [(paths[0], paths[1])]
+    else:
+        if batch["output_dir"] is not None and opts.in_place:
+            raise UsageError("give either -o DIR or --in-place, not both")
+        inputs = expand_inputs(paths, batch["recursive"])
+        out_dir = Path(batch["output_dir"]) if batch["output_dir"] else None
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+        pairs = plan_outputs(inputs, out_dir, opts.in_place, opts.out_format)
+        for src, dst in pairs:
+            if dst != src:  # -o DIR keeps the inputs' sub-folders
+                Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    if batch["backup"] and not opts.in_place:
+        raise UsageError("--backup goes with --in-place")
+    quiet = batch["quiet"]
+    progress, close = (None, lambda ok: None)
+    if single and not (as_json or quiet or opts.dry_run):
+        progress, close = render.byte_progress(paths[0])
+    bar = None
+    if not single and not (as_json or quiet) and sys.stderr.isatty() and len(pairs) > 1:
+        bar = click.progressbar(length=len(pairs), file=sys.stderr, label=spec.name, show_pos=True)
+        bar.__enter__()
+
+    def on_result(result: Any) -> None:
+        if result.status == "failed":
+            say(f"ckptfix: error: {result.message}", err=True)
+        elif not single and bar is None and not (as_json or quiet):
+            say(render.batch_line(result), err=True)
+        if bar is not None:
+            bar.update(1)
+
+    ok = False
+    try:
+        report = run_batch(
+            spec.name,
+            pairs,
+            opts,
+            jobs=batch["jobs"],
+            continue_on_error=batch["continue_on_error"],
+            backup=batch["backup"],
+            on_result=on_result,
+            progress=progress,
+            raise_bugs=single,
+        )
+        ok = not report.failed
+    finally:
+        close(ok)
+        if bar is not None:
+            bar.__exit__(None, None, None)
+    if single:
+        (result,) = report.files
+        if result.status != "failed":
+            if as_json:
+                emit_json(result.report)
+            elif not quiet:
+                assert result.report is not None
+                render.file_report(result.report, dry_run=opts.dry_run)
+        return report.exit_code
+    summary = report.to_dict()
+    if as_json:
+        emit_json(summary)
+    elif not quiet:
+        click.echo(render.batch_summary(summary, len(pairs), report.seconds, report.stopped_early))
+    return report.exit_code
+
+
+def _refuse_batch_flags() -> None:
+    """IN OUT is one file: the options for several inputs, given on the command line, are a
+    usage error rather than silently ignored."""
+    ctx = click.get_current_context()
+    for name, flag in (("jobs", "--jobs"), ("recursive", "--recursive"), ("continue_on_error", "--continue-on-error")):
+        if ctx.get_parameter_source(name) in (ParameterSource.COMMANDLINE, ParameterSource.ENVIRONMENT):
+            raise UsageError(f"{flag} is for several inputs (-o DIR or --in-place); IN OUT names one file")
+
+
+for _spec in WRITE_COMMANDS:
+    cli.add_command(_write_command(_spec))
+
+
+# ----------------------------------------------------------------------------- the other commands
+
+
+@cli.command("fit", context_settings=CONTEXT)
+@IN_OUT
+@click.option("--reference", metavar="REF", type=click.Path(), help="A checkpoint whose keys to match (any format).")
+@click.option(
+    "--model",
+    metavar="MODULE:CALLABLE",
+    help="Match the state dict of MODULE:CALLABLE() (imported and called only because you name it; "
+    "from installed modules and --model-path folders, never from the current folder).",
+)
+@click.option(
+    "--model-path",
+    "model_path",
+    multiple=True,
+    metavar="DIR",
+    type=click.Path(file_okay=False),
+    help="With --model: search this folder first for MODULE (repeatable, in order; '.' for the current folder).",
+)
+@click.option("--select", metavar="PATH", help="The state dict to fit (default: the one that fits best).")
+@click.option(
+    "--allow-partial",
+    is_flag=True,
+    help="Write even when keys stay missing/unexpected (those and wrong-shaped keys are left out).",
+)
+@click.option("--format", "out_format", type=click.Choice(FILE_FORMATS), help="Output format.")
+@click.option("--dry-run", is_flag=True, help="Report the plan; write nothing.")
+@click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
+@click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
+@MAX_EXPAND
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
+    """Make a checkpoint's state dict match a model's keys, and write just that state dict.
+
+    Works out which wrapper prefixes to strip (module., _orig_mod., model., nested) or which
+    common prefix differs, applies it, and reports keys still missing or unexpected and shape
+    mismatches. Exit 0 only when OUT loads with strict=True; otherwise exit 1, and OUT is
+    written only with --allow-partial. Keys are never matched by position.
+
+    \b
+    Examples:
+      ckptfix fit ddp.pth fixed.pth --reference bare_model.pth
+      ckptfix fit train.ckpt weights.safetensors --model mypkg.models:build_model
+      ckptfix fit train.ckpt weights.safetensors --model models:build --model-path ./src
+      ckptfix fit pretrained.pth init.pth --reference new_head.pth --allow-partial
+    """
+    from ..pipeline import fit_checkpoint
+
+    plan, report = fit_checkpoint(in_path, out_path, **kw)
+    if as_json:
+        emit_json({"plan": plan.to_dict(), "write": report.to_dict() if report else None})
+    else:
+        click.echo(render.fit_plan(plan))
+        say(
+            report.message
+            if report
+            else "nothing written: the result would not load with strict=True "
+            "(use --allow-partial to write the keys that fit)"
+        )
+    return ExitCode.OK if plan.loads_strictly else ExitCode.CHECK_FAILED
+
+
+@cli.command("diff", context_settings=CONTEXT)
+@click.argument("a_path", metavar="A", type=click.Path())
+@click.argument("b_path", metavar="B", type=click.Path())
+@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance (torch.isclose).")
+@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance (torch.isclose).")
+@click.option("--select", metavar="PATH", help="Compare this sub-tree of A (e.g. state_dict).")
+@click.option("--select-b", metavar="PATH", help="Compare this sub-tree of B.")
+@click.option(
+    "--strip-prefix", "strip_prefixes", multiple=True, metavar="P", help="Strip this prefix from A's keys first."
+)
+@click.option("--add-prefix", metavar="P", help="Add this prefix to A's keys first.")
+@click.option("--rename", multiple=True, metavar="RULE", help="Rename A's keys first: 'REGEX=>REPLACEMENT'.")
+@click.option("--drop", multiple=True, metavar="GLOB", help="Leave entries of A matching GLOB out of the comparison.")
+@click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def diff_command(
+    a_path: str, b_path: str, rtol: float, atol: float, select_b: str | None, as_json: bool, **kw: Any
+) -> int:
+    """Compare two checkpoints of any formats: keys, shapes, dtypes and values.
+
+    Tensors are compared one at a time by their bytes (exact, NaN-aware); differing ones are
+    measured (max abs/rel difference, count of differing elements). Transform A first to check a
+    fix. Exit 0 when equal (within --rtol/--atol), 1 when different.
+
+    \b
+    Examples:
+      ckptfix diff model.pth model.safetensors
+      ckptfix diff ddp.pth bare.pth --strip-prefix module.
+      ckptfix diff train.ckpt weights.safetensors --select state_dict --strip-prefix model. --json
+      ckptfix diff a.pth b.pth --rtol 1e-3 --atol 1e-5
+    """
+    from ..analysis.diff import render
+    from ..pipeline import ConvertOptions, diff_checkpoints
+
+    report = diff_checkpoints(a_path, b_path, ConvertOptions(**kw), select_b=select_b, rtol=rtol, atol=atol)
+    if as_json:
+        emit_json(report.to_dict())
+    else:
+        click.echo(render(type(report)(**printable(report.to_dict()))))
+    return ExitCode.OK if report.equal else ExitCode.CHECK_FAILED
+
+
+@cli.command("verify", context_settings=CONTEXT)
+@click.argument("paths", nargs=-1, required=True, metavar="PATH...", type=click.Path())
+@click.option(
+    "--expect-prefix",
+    metavar="none|PREFIX",
+    help="Require no wrapper prefix on any key ('none'), or PREFIX on every key.",
+)
+@click.option("--expect-device", metavar="DEVICE", help="Require every storage on DEVICE (e.g. cpu).")
+@click.option("--recursive", is_flag=True, help="Folder inputs: include sub-folders.")
+@click.option("-q", "--quiet", is_flag=True, help="Print only failures.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+def verify(
+    paths: tuple[str, ...],
+    expect_prefix: str | None,
+    expect_device: str | None,
+    recursive: bool,
+    quiet: bool,
+    as_json: bool,
+) -> int:
+    """Check checkpoints load safely and completely: a CI gate (exit 1 if any check fails).
+
+    Each file is read by the safe readers (offsets in range, tensors inside their storages,
+    shard indexes consistent), every zip record's CRC32 is checked, all tensor data is read,
+    and optionally key prefixes and devices are as expected.
+
+    \b
+    Examples:
+      ckptfix verify checkpoints/ --recursive
+      ckptfix verify release/*.safetensors --expect-prefix none --expect-device cpu --json
+    """
+    from ..analysis.verify import verify_path
+    from ..batch import expand_inputs
+
+    results = [
+        verify_path(p, expect_prefix=expect_prefix, expect_device=expect_device)
+        for p, _ in expand_inputs(paths, recursive)
+    ]
+    failed = [r for r in results if not r.ok]
+    if as_json:
+        emit_json({"ok": len(results) - len(failed), "failed": len(failed), "files": [r.to_dict() for r in results]})
+    else:
+        render.verify_results(results, quiet)
+    return ExitCode.CHECK_FAILED if failed else ExitCode.OK
+
+
+@cli.command("publish", context_settings=CONTEXT)
+@click.argument("in_path", metavar="IN", type=click.Path())
+@click.argument("out_dir", metavar="OUTDIR", type=click.Path(file_okay=False))
+@click.option(
+    "--format",
+    "out_format",
+    type=click.Choice(FILE_FORMATS),
+    default="safetensors",
+    show_default=True,
+    help="Output format.",
+)
+@click.option("--name", help="File name stem (default: IN's name without extensions).")
+@click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
+@click.option(
+    "--allow-global",
+    "allow_globals",
+    multiple=True,
+    metavar="NAME",
+    callback=global_patterns,
+    help="Read objects of this global (dotted name, * ? [...] globs) as opaque records (they are not published).",
+)
+@MAX_EXPAND
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+def publish_command(in_path: str, out_dir: str, as_json: bool, **kw: Any) -> int:
+    """Release preset: weights only, wrapper prefixes stripped, on cpu, named by content hash.
+
+    Writes OUTDIR/NAME-<first 8 hex of sha256>.<ext>, the name torch.hub's
+    load_state_dict_from_url(check_hash=True), timm and mmdet verify, and prints the full sha256.
+
+    \b
+    Examples:
+      ckptfix publish train.ckpt release/ --name resnet50
+      ckptfix publish ddp.pth release/ --format pth
+    """
+    from ..pipeline import publish
+
+    result = publish(in_path, out_dir, **kw)
+    if as_json:
+        emit_json({"path": result.path, "sha256": result.sha256, "report": result.report.to_dict()})
+    else:
+        say(result.report.message)
+    return ExitCode.OK
+
+
+@cli.command("scan", context_settings=CONTEXT)
+@click.argument("paths", nargs=-1, required=True, metavar="PATH...", type=click.Path())
+@click.option("--recursive", is_flag=True, help="Folder inputs: include sub-folders.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+def scan(paths: tuple[str, ...], recursive: bool, as_json: bool) -> int:
+    """List every global each file's pickles reference, and judge them; never runs anything.
+
+    Verdicts: safe (what torch.load(weights_only=True) accepts), benign (argparse.Namespace,
+    numpy values, pathlib paths: keep with --allow-global, convert with --sanitize), dangerous
+    (os, subprocess, eval/exec, torch's own loaders, any unknown module). Nested pickles are
+    scanned too. Exit 1 if anything dangerous is found, 3 if a file cannot be scanned.
+
+    \b
+    Examples:
+      ckptfix scan downloaded.pth
+      ckptfix scan models/ --recursive --json
+    """
+    from ..analysis.scan import scan_path
+    from ..batch import expand_inputs
+
+    results = [scan_path(p) for p, _ in expand_inputs(paths, recursive)]
+    if as_json:
+        emit_json({"files": [r.to_dict() for r in results]})
+    else:
+        render.scan_results(results)
+    if any(r.dangerous for r in results):
+        return ExitCode.CHECK_FAILED
+    return ExitCode.BAD_INPUT if any(r.error for r in results) else ExitCode.OK
+
+
+@cli.command("inspect", context_settings=CONTEXT)
+@click.argument("path", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option(
+    "--unsafe-load", is_flag=True, help="For TRUSTED files only: fall back to torch.load(weights_only=False)."
+)
+@click.option(
+    "--allow-global",
+    "allow_globals",
+    multiple=True,
+    metavar="NAME",
+    callback=global_patterns,
+    help="Read objects of this global (dotted name, * ? [...] globs) as opaque records, never imported or run.",
+)
+def inspect_command(path: str, as_json: bool, unsafe_load: bool, allow_globals: tuple[str, ...]) -> int:
+    """Describe a checkpoint without reading its tensor data.
+
+    Shows the format, where the state dicts are and which prefixes their keys share,
+    other values (epoch, optimizer state), tensor count and bytes, dtypes, device tags,
+    tensors sharing storage, and every global the pickle references.
+
+    \b
+    Examples:
+      ckptfix inspect model.pth
+      ckptfix inspect model.pth --json | jq .devices
+    """
+    from ..analysis.inspect import render
+    from ..pipeline import inspect_checkpoint
+
+    summary = inspect_checkpoint(path, unsafe_load=unsafe_load, allow_globals=allow_globals)
+    if as_json:
+        emit_json(summary)
+    else:
+        click.echo(render(printable(summary)))
+    return ExitCode.OK

@@ -1,0 +1,135 @@
+"""All of the CLI's human output, and its ``--json`` printing, in one place.
+
+Names in reports come from the files (keys, paths, global names), so they may hold newlines or
+terminal escapes: every human line goes through :func:`~ckptfix.errors.one_line`, while
+``--json`` keeps the exact text (JSON escapes control characters itself).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import click
+
+from ..errors import one_line
+
+
+def emit_json(data: Any) -> None:
+    """The --json document: names exactly as the file holds them."""
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+def printable(data: Any) -> Any:
+    """A copy of ``data`` for human output, every string in it passed through :func:`one_line`.
+
+    Printed raw, a key holding ``\\n`` or ``\\x1b[31m`` would fake or hide report lines, or drive
+    the user's terminal; escaped, each name stays on its line and visible.
+    """
+    if isinstance(data, str):
+        return one_line(data)
+    if isinstance(data, dict):
+        return {printable(k): printable(v) for k, v in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data)(printable(v) for v in data)
+    return data
+
+
+def say(line: str, err: bool = False) -> None:
+    """Print one line of human output, with anything non-printable in it escaped."""
+    click.echo(one_line(line), err=err)
+
+
+def byte_progress(path: str) -> tuple[Callable[[int], None] | None, Callable[[bool], None]]:
+    """A byte-count progress bar on a terminal's stderr (large files only); nothing in CI logs or pipes.
+
+    Returns the update callback and a closer taking whether the work succeeded.
+    """
+    try:
+        size = os.path.getsize(path) if sys.stderr.isatty() else 0
+    except OSError:  # a broken input is reported by the reader, with the right exit code
+        size = 0
+    if size < 64 << 20:
+        return None, lambda ok: None
+    bar = click.progressbar(length=size, file=sys.stderr, label="copying tensors", show_pos=False)
+    bar.__enter__()
+
+    def close(ok: bool) -> None:
+        if ok:
+            bar.update(bar.length - bar.pos)  # headers and the pickle are not counted as they go
+        bar.__exit__(None, None, None)
+
+    return bar.update, close
+
+
+def file_report(report: dict[str, Any], *, dry_run: bool) -> None:
+    """One written (or unchanged) file, as ``IN OUT`` prints it: notes on stderr, the renames
+    of a dry run, then the one-line result."""
+    for note in report["notes"]:
+        say(f"note: {note}", err=True)
+    if dry_run:
+        for change in report["state_dicts"]:
+            for old, new in change["renames"][:20]:
+                say(f"  {old} -> {new}")
+            if len(change["renames"]) > 20:
+                say(f"  ... and {len(change['renames']) - 20} more in {change['path'] or '(top level)'}")
+    say(report["message"])
+
+
+def batch_line(result: Any) -> str:
+    """A file's line in a batch run (stderr, when there is no progress bar)."""
+    return result.message if result.status == "unchanged" else f"{result.input}: {result.message}"
+
+
+def batch_summary(summary: dict[str, Any], total: int, seconds: float, stopped_early: bool) -> str:
+    stopped = "; stopped at the first failure" if stopped_early else ""
+    return (
+        f"{summary['written']} written, {summary['unchanged']} unchanged, {summary['failed']} failed "
+        f"of {total} ({seconds:.2f} s){stopped}"
+    )
+
+
+def fit_plan(plan: Any) -> str:
+    """The human fit report; every key is escaped (they come from the files, or the model)."""
+    steps = [f"strip {p!r}" for p in plan.strips] + ([f"add {plan.add!r}"] if plan.add else [])
+    lines = [f"fit: {', '.join(steps) or 'no renaming needed'}; {plan.matched} keys match the reference"]
+    if plan.missing:
+        lines.append(f"missing ({len(plan.missing)}): {', '.join(map(one_line, plan.missing[:20]))}")
+    if plan.missing_num_batches_tracked:
+        lines.append(
+            f"missing num_batches_tracked ({len(plan.missing_num_batches_tracked)}): BatchNorm fills "
+            "these in when loading; not an error"
+        )
+    if plan.unexpected:
+        lines.append(f"unexpected ({len(plan.unexpected)}): {', '.join(map(one_line, plan.unexpected[:20]))}")
+    for m in plan.shape_mismatches[:20]:
+        lines.append(
+            f"shape mismatch: {one_line(m['key'])}: checkpoint {m['checkpoint']} vs reference {m['reference']}"
+        )
+    return "\n".join(lines)
+
+
+def verify_results(results: list[Any], quiet: bool) -> None:
+    failed = [r for r in results if not r.ok]
+    for r in results:
+        if not r.ok:
+            say(f"FAIL {r.path}: " + "; ".join(r.problems), err=True)
+        elif not quiet:
+            say(f"ok   {r.path} ({r.format})" + ("".join(f"; {n}" for n in r.notes)))
+    if not quiet:
+        click.echo(f"{len(results) - len(failed)} ok, {len(failed)} failed")
+
+
+def scan_results(results: list[Any]) -> None:
+    for r in results:
+        verdicts: dict[str, set[str]] = {}
+        for g in r.globals:
+            verdicts.setdefault(g.verdict, set()).add(g.name)
+        status = "DANGEROUS" if r.dangerous else ("ERROR" if r.error else "ok")
+        say(f"{status} {r.path} ({r.format})" + (f": {r.error}" if r.error else ""))
+        for verdict in ("dangerous", "benign", "safe"):
+            if verdict in verdicts:
+                say(f"  {verdict}: {', '.join(sorted(verdicts[verdict]))}")

@@ -1,0 +1,72 @@
+"""The writing commands as one table and one runner: IN OUT is a batch of one, so ``-q`` and the
+batch-only options mean the same (or are refused) in both forms. In-process (``cli.main``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptfix.cli import WRITE_COMMANDS, cli, main
+
+
+def run(capsys: pytest.CaptureFixture[str], *args: object) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return int(exit_info.value.code or 0), out, err
+
+
+@pytest.fixture
+def ddp(tmp_path: Path) -> Path:
+    path = tmp_path / "ddp.pth"
+    torch.save({"module.w": torch.arange(4.0), "module.b": torch.zeros(2)}, path)
+    return path
+
+
+def test_every_row_is_a_registered_command_with_an_example() -> None:
+    for spec in WRITE_COMMANDS:
+        command = cli.commands[spec.name]
+        assert command.help == spec.help
+        assert f"ckptfix {spec.name} " in spec.help, f"{spec.name}: --help needs an example"
+        names = {p.name for p in command.params}
+        assert {"paths", "output_dir", "jobs", "quiet", "as_json", "dry_run", "in_place"} <= names
+
+
+def test_quiet_in_in_out_form_prints_nothing_on_success(capsys: pytest.CaptureFixture[str], ddp: Path) -> None:
+    out_path = ddp.with_name("bare.pth")
+    code, out, err = run(capsys, "strip-module", ddp, out_path, "-q")
+    assert (code, out, err) == (0, "", "")
+    assert list(torch.load(out_path, weights_only=True)) == ["w", "b"]
+    code, out, err = run(capsys, "strip-module", ddp, ddp.with_name("b2.pth"))
+    assert code == 0 and out.startswith("wrote ") and err == ""  # without -q it says what it did
+
+
+@pytest.mark.parametrize("flag", [["-j", "2"], ["--jobs", "1"], ["--continue-on-error"], ["--recursive"]])
+def test_batch_options_with_in_out_are_a_usage_error(
+    capsys: pytest.CaptureFixture[str], ddp: Path, flag: list[str]
+) -> None:
+    out_path = ddp.with_name("bare.pth")
+    code, _, err = run(capsys, "strip-module", ddp, out_path, *flag)
+    assert code == 2 and "IN OUT names one file" in err and err.count("\n") == 1
+    assert not out_path.exists()
+
+
+def test_backup_without_in_place_is_a_usage_error(capsys: pytest.CaptureFixture[str], ddp: Path) -> None:
+    code, _, err = run(capsys, "strip-module", ddp, ddp.with_name("bare.pth"), "--backup", ".orig")
+    assert code == 2 and "--backup goes with --in-place" in err
+
+
+def test_errors_in_in_out_form_are_one_line_with_their_exit_code(
+    capsys: pytest.CaptureFixture[str], ddp: Path, tmp_path: Path
+) -> None:
+    code, out, err = run(capsys, "strip-module", tmp_path / "missing.pth", tmp_path / "o.pth")
+    assert code == 3 and out == "" and err.startswith("ckptfix: error: ") and err.count("\n") == 1
+    code, _, err = run(capsys, "strip-module", ddp, tmp_path / "no" / "such" / "o.pth")
+    assert code == 4 and "does not exist" in err
+
+
+def test_a_preset_refusal_is_a_usage_error(capsys: pytest.CaptureFixture[str], ddp: Path) -> None:
+    assert run(capsys, "rename", ddp, ddp.with_name("r.pth"))[0] == 2
+    assert run(capsys, "remap", ddp, ddp.with_name("r.pth"))[0] == 2
