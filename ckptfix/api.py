@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import UsageError
 from .formats.checkpoint import Checkpoint, read_checkpoint
-from .model.paths import format_path, get_at, resolve_path
+from .model.paths import format_path, get_at
+from .model.paths import select as select_path
 from .transforms.fit import best_fit, shapes_of
 from .transforms.prefix import add_prefix, strip_prefix
 
@@ -63,10 +63,7 @@ def load(
     ckpt = read_checkpoint(path, unsafe_load=unsafe_load)
     root = ckpt.root
     if select:
-        found = resolve_path(root, select)
-        if found is None:
-            raise UsageError(f"select={select!r}: no such entry in {path}")
-        root = get_at(root, found)
+        root = select_path(root, select, flag="select=")[1]
     for prefix in strip_prefixes:
         root = strip_prefix(root, prefix).root
     return _materialize(ckpt, root, map_location, mmap)
@@ -111,10 +108,7 @@ def load_into(
 
     ckpt = read_checkpoint(path, unsafe_load=unsafe_load)
     if select:
-        found = resolve_path(ckpt.root, select)
-        if found is None:
-            raise UsageError(f"select={select!r}: no such entry in {path}")
-        plan = best_fit(ckpt.root, shapes_of(model.state_dict()), found, get_at(ckpt.root, found))
+        plan = best_fit(ckpt.root, shapes_of(model.state_dict()), *select_path(ckpt.root, select, flag="select="))
     else:
         plan = best_fit(ckpt.root, shapes_of(model.state_dict()))
     root = get_at(ckpt.root, plan.state_dict)

@@ -34,7 +34,8 @@ from .formats.safetensors import (
     write_safetensors_from_torch,
 )
 from .formats.sharded import write_sharded
-from .model.paths import format_path, get_at, resolve_path
+from .model.paths import format_path
+from .model.paths import select as select_path
 from .model.refs import is_tensor_like
 from .model.statedicts import find_state_dicts
 from .model.walk import iter_tensors, walk
@@ -90,6 +91,24 @@ class ConvertOptions:
     require_change: bool = False
 
 
+@dataclass(frozen=True)
+class Step:
+    """One step the command asked for, and what it did.
+
+    ``done`` holds a phrase per change ("stripped 'module.' on 9/9 keys in state_dict"); empty
+    when the step changed nothing, and then ``unchanged`` says why. A command that must change
+    something ("strip-module") writes nothing when no step did, and names every step's reason.
+    """
+
+    requested: str
+    done: tuple[str, ...]
+    unchanged: str
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.done)
+
+
 @dataclass
 class Report:
     """What a writing command did; ``to_dict()`` is the ``--json`` document."""
@@ -118,9 +137,17 @@ class Report:
     seconds: float = 0.0
     message: str = ""
     notes: list[str] = field(default_factory=list)
+    #: the requested steps in pipeline order (in --json as {"step", "changed"})
+    steps: list[Step] = field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return any(step.changed for step in self.steps)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        document = asdict(self)
+        document["steps"] = [{"step": s.requested, "changed": s.changed} for s in self.steps]
+        return document
 
 
 def output_target(out_path: str, out_format: str | None, max_shard_size: Any) -> tuple[str, str]:
@@ -143,14 +170,6 @@ def output_target(out_path: str, out_format: str | None, max_shard_size: Any) ->
         f"{out_path}: cannot tell the output format from the name; use a .pth/.safetensors name, "
         "a folder ending in / for shards, or --format"
     )
-
-
-def _select(ckpt: Checkpoint, select: str) -> Any:
-    path = resolve_path(ckpt.root, select)
-    if path is None:
-        top = ", ".join(map(str, list(ckpt.root)[:12])) if isinstance(ckpt.root, Mapping) else type(ckpt.root).__name__
-        raise UsageError(f"--select {select}: no such entry; the top level holds: {top}")
-    return get_at(ckpt.root, path)
 
 
 def _metadata_value(value: Any) -> str | None:
@@ -239,34 +258,73 @@ def _sharing(root: Any) -> set[frozenset[str]]:
 
 def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> Any:
     """Run the transform steps of the pipeline on ``ckpt``'s tree; record them in ``report``."""
-    root = _select(ckpt, opts.select) if opts.select else ckpt.root
+    root = select_path(ckpt.root, opts.select)[1] if opts.select else ckpt.root
+    steps = report.steps
     if opts.sanitize:
         from .transforms.sanitize import sanitize
 
         root, cleaned = sanitize(root)
         report.sanitized = cleaned.replaced
+        kinds = ", ".join(sorted({s["global"] for s in cleaned.replaced}))
+        done = (f"sanitized {len(cleaned.replaced)} objects ({kinds})",) if cleaned.replaced else ()
+        steps.append(Step("--sanitize", done, "nothing to sanitize"))
     drop = list(opts.drop) + (prune_patterns(root) if opts.prune else [])
     if drop or opts.keep:
         root, selection = filter_tree(root, drop, opts.keep)
         report.dropped = selection.dropped
         report.bytes_dropped = selection.bytes_before - selection.bytes_after
-    steps: list[tuple[str, Callable[[Any], Any]]] = [
-        (f"strip {normalize_prefix(p)!r}", lambda r, p=p: strip_prefix(r, p, opts.keys)) for p in opts.strip_prefixes
+    if opts.drop or opts.keep or opts.prune:
+        done = (
+            (f"dropped {len(report.dropped)} entries ({report.bytes_dropped} bytes of tensors)",)
+            if report.dropped
+            else ()
+        )
+        why = "nothing to prune: no optimizer, scheduler, loop or callback state" if opts.prune else "nothing matched"
+        steps.append(Step("prune" if opts.prune else "--drop/--keep", done, why))
+    prefix_steps: list[tuple[str, str, str, Callable[[Any], Any]]] = [
+        (
+            f"strip {normalize_prefix(p)!r}",
+            f"stripped {normalize_prefix(p)!r} on",
+            f"no key starts with {normalize_prefix(p)!r}",
+            lambda r, p=p: strip_prefix(r, p, opts.keys),
+        )
+        for p in opts.strip_prefixes
     ]
     if opts.add_prefix:
-        label = f"add {normalize_prefix(opts.add_prefix)!r}"
-        steps.append((label, lambda r: add_prefix(r, opts.add_prefix, opts.keys)))
+        added = normalize_prefix(opts.add_prefix)
+        prefix_steps.append(
+            (
+                f"add {added!r}",
+                f"added {added!r} on",
+                f"every key already starts with {added!r}",
+                lambda r: add_prefix(r, opts.add_prefix, opts.keys),
+            )
+        )
     if opts.rename:
-        steps.append(("rename by rules", lambda r: rename_keys(r, opts.rename, opts.keys)))
-    for label, step in steps:
+        prefix_steps.append(
+            (
+                "rename by rules",
+                "renamed",
+                "no key matches the rename rules",
+                lambda r: rename_keys(r, opts.rename, opts.keys),
+            )
+        )
+    for label, verb, why, step in prefix_steps:
         result = step(root)
         root = result.root
         report.state_dicts += [c.to_dict() | {"change": label} for c in result.changes]
         report.renamed += result.renamed
+        done = tuple(
+            f"{verb} {len(c.renamed)}/{c.keys} keys in {c.path or '(top level)'}" for c in result.changes if c.renamed
+        )
+        steps.append(Step(label, done, why))
     if opts.map_location:
         if not ckpt.lazy:
             raise UsageError(f"--map-location cannot be applied to a {ckpt.format} file read through torch")
         root, report.devices = remap_devices(root, opts.map_location)
+        done = tuple(f"moved {n} storages {move}" for move, n in report.devices.items())
+        why = f"no device tag changes under --map-location {opts.map_location}"
+        steps.append(Step(f"--map-location {opts.map_location}", done, why))
     if opts.dtype:
         if not ckpt.lazy:
             raise UsageError(f"--dtype cannot be applied to a {ckpt.format} file read through torch")
@@ -274,6 +332,17 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> 
 
         root, cast = cast_floats(root, opts.dtype, opts.dtype_keep, opts.keys)
         report.cast = asdict(cast)
+        done = ()
+        if cast.tensors:
+            kept = f", kept {len(cast.kept)} as they were" if cast.kept else ""
+            done = (
+                f"cast {cast.tensors} tensors to {cast.dtype} ({cast.bytes_before} -> {cast.bytes_after} bytes){kept}",
+            )
+            if cast.shared_with_uncast:
+                done += (f"left {len(cast.shared_with_uncast)} tensors uncast: they share storage with kept ones",)
+        steps.append(
+            Step(f"--dtype {opts.dtype}", done, f"no floating-point state-dict tensor to cast to {opts.dtype}")
+        )
     return root
 
 
@@ -331,9 +400,8 @@ def convert(
         selected=opts.select,
     )
     root = apply_transforms(ckpt, opts, report)
-    changed = report.renamed or report.devices or report.cast.get("tensors") or report.dropped or report.sanitized
-    if opts.require_change and not changed:
-        report.message = _nothing_to_do(ckpt, report, opts)
+    if opts.require_change and not report.changed:
+        report.message = _nothing_to_do(ckpt, report)
         report.seconds = time.perf_counter() - started
         if opts.strict:
             raise CheckFailedError(report.message)
@@ -359,22 +427,13 @@ def expand_budget(max_expand: str | int | None, input_bytes: int) -> int:
     return default_expand_budget(input_bytes) if budget is None else budget
 
 
-def _nothing_to_do(ckpt: Checkpoint, report: Report, opts: ConvertOptions) -> str:
-    if not report.state_dicts and (opts.strip_prefixes or opts.add_prefix or opts.rename):
+def _nothing_to_do(ckpt: Checkpoint, report: Report) -> str:
+    """Why nothing is written: every requested step's reason (each changed nothing)."""
+    renames = [s for s in report.steps if s.requested.startswith(("strip ", "add ", "rename "))]
+    if renames and not report.state_dicts:
         layout = ", ".join(e["path"] for e in describe_tree(ckpt.root)[:8])
         return f"{report.input}: found no state dict to change (layout: {layout}); nothing written"
-    if opts.prune and not (opts.strip_prefixes or opts.add_prefix or opts.rename):
-        why = "nothing to prune: no optimizer, scheduler, loop or callback state"
-    elif opts.rename and not (opts.strip_prefixes or opts.add_prefix):
-        why = "no key matches the rename rules"
-    elif opts.dtype and not opts.strip_prefixes and not opts.add_prefix and not opts.map_location:
-        why = f"no floating-point state-dict tensor to cast to {opts.dtype}"
-    elif opts.map_location and not opts.strip_prefixes and not opts.add_prefix:
-        why = f"no device tag changes under --map-location {opts.map_location}"
-    elif opts.add_prefix:
-        why = f"every key already starts with {normalize_prefix(opts.add_prefix)!r}"
-    else:
-        why = "no key starts with " + " or ".join(repr(normalize_prefix(p)) for p in opts.strip_prefixes)
+    why = "; ".join(s.unchanged for s in report.steps) or "no change was asked for"
     return f"{report.input}: {why}; nothing written"
 
 
@@ -455,27 +514,7 @@ def _write(
 
 
 def _describe_changes(report: Report) -> str:
-    parts = []
-    if report.sanitized:
-        kinds = sorted({s["global"] for s in report.sanitized})
-        parts.append(f"sanitized {len(report.sanitized)} objects ({', '.join(kinds)})")
-    if report.dropped:
-        parts.append(f"dropped {len(report.dropped)} entries ({report.bytes_dropped} bytes of tensors)")
-    for change in report.state_dicts:
-        if change["renamed"]:
-            verb, what = change["change"].split(" ", 1)
-            done = {"strip": f"stripped {what} on", "add": f"added {what} on", "rename": "renamed"}[verb]
-            parts.append(f"{done} {change['renamed']}/{change['keys']} keys in {change['path'] or '(top level)'}")
-    parts += [f"moved {n} storages {move}" for move, n in report.devices.items()]
-    if report.cast.get("tensors"):
-        cast = report.cast
-        kept = f", kept {len(cast['kept'])} as they were" if cast["kept"] else ""
-        parts.append(
-            f"cast {cast['tensors']} tensors to {cast['dtype']} "
-            f"({cast['bytes_before']} -> {cast['bytes_after']} bytes){kept}"
-        )
-        if cast["shared_with_uncast"]:
-            parts.append(f"left {len(cast['shared_with_uncast'])} tensors uncast: they share storage with kept ones")
+    parts = [phrase for step in report.steps for phrase in step.done]
     if report.aliases:
         parts.append(f"{len(report.aliases)} tied tensors stored once")
     return (": " + "; ".join(parts)) if parts else ""
@@ -560,7 +599,7 @@ def diff_checkpoints(
     b = read_checkpoint(b_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals)
     scratch = Report("diff", str(a_path), None, a.format, b.format, dry_run=True)
     root_a = apply_transforms(a, opts, scratch)
-    root_b = _select(b, select_b) if select_b else b.root
+    root_b = select_path(b.root, select_b, flag="--select-b")[1] if select_b else b.root
     return diff_trees(root_a, root_b, a_name=str(a_path), b_name=str(b_path), rtol=rtol, atol=atol)
 
 
@@ -606,10 +645,7 @@ def fit_checkpoint(
         ref_shapes = shapes_of(max(found, key=lambda item: len(item[1]))[1])
     ckpt = read_checkpoint(in_path, unsafe_load=unsafe_load)
     if select:
-        path = resolve_path(ckpt.root, select)
-        if path is None:
-            raise UsageError(f"--select {select}: no such entry")
-        plan = best_fit(ckpt.root, ref_shapes, path, get_at(ckpt.root, path))
+        plan = best_fit(ckpt.root, ref_shapes, *select_path(ckpt.root, select))
     else:
         plan = best_fit(ckpt.root, ref_shapes)
     if not plan.loads_strictly and not allow_partial:

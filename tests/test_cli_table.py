@@ -70,3 +70,16 @@ def test_errors_in_in_out_form_are_one_line_with_their_exit_code(
 def test_a_preset_refusal_is_a_usage_error(capsys: pytest.CaptureFixture[str], ddp: Path) -> None:
     assert run(capsys, "rename", ddp, ddp.with_name("r.pth"))[0] == 2
     assert run(capsys, "remap", ddp, ddp.with_name("r.pth"))[0] == 2
+
+
+def test_nothing_written_names_every_requested_step(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The message is built from the steps: each one that changed nothing says why."""
+    path = tmp_path / "bare.pth"
+    torch.save({"w": torch.ones(2)}, path)
+    out = tmp_path / "out.pth"
+    code, stdout, _ = run(capsys, "rename", path, out, "--rule", "^nomatch=>x", "--strip-prefix", "model.")
+    assert code == 0 and not out.exists()
+    assert "no key starts with 'model.'" in stdout and "no key matches the rename rules" in stdout
+    assert stdout.rstrip().endswith("nothing written")
+    code, _, err = run(capsys, "rename", path, out, "--rule", "^nomatch=>x", "--strict")
+    assert code == 1 and "no key matches the rename rules" in err

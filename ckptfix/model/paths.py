@@ -1,13 +1,12 @@
-"""Dotted paths into a tree: ``Path`` (a tuple of keys), ``format_path`` and the
-``--key``/``--select`` resolution (``resolve_path``, ``get_at``)."""
+"""Dotted paths into a tree: ``Path`` (a tuple of keys), ``format_path``, and :func:`select`, the
+one resolution of ``--select``, ``--key``, ``--select-b`` and the API's ``select=``."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-#: marks an optional positional argument that the pickle did not pass
-
+from ..errors import UsageError
 
 Path = tuple[Any, ...]
 
@@ -59,3 +58,17 @@ def get_at(root: Any, path: Path) -> Any:
     for key in path:
         value = value[key]
     return value
+
+
+def select(root: Any, dotted: str, *, flag: str = "--select") -> tuple[Path, Any]:
+    """The path and value that ``dotted`` names in ``root``, for the option ``flag``; a name
+    that matches nothing is a :class:`UsageError` that shows what the top level holds."""
+    path = resolve_path(root, dotted)
+    if path is None:
+        if isinstance(root, Mapping):
+            keys = [str(k) for k in list(root)[:12]]
+            top = ", ".join(keys) + (", ..." if len(root) > 12 else "") if keys else "nothing (it is empty)"
+        else:
+            top = f"a {type(root).__name__}, not a mapping"
+        raise UsageError(f"{flag} {dotted}: no such entry; the top level holds: {top}")
+    return path, get_at(root, path)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CheckFailedError, UsageError
-from ..model.paths import Path, format_path, get_at, resolve_path
+from ..model.paths import Path, format_path, select
 from ..model.refs import is_tensor_like
 from ..model.statedicts import find_state_dicts
 from ..model.walk import copy_mapping, substitute
@@ -64,10 +64,7 @@ def select_state_dicts(root: Any, keys: Sequence[str] = ()) -> list[tuple[Path, 
         return find_state_dicts(root)
     selected: list[tuple[Path, Mapping]] = []
     for dotted in keys:
-        path = resolve_path(root, dotted)
-        if path is None:
-            raise UsageError(f"--key {dotted}: no such entry in the checkpoint")
-        target = get_at(root, path)
+        path, target = select(root, dotted, flag="--key")
         if (
             isinstance(target, Mapping)
             and target
