@@ -28,66 +28,9 @@ from ..errors import CkptfixError
 from ..fileio.ziparchive import read_record_bytes
 from ..formats.detect import open_input, sniff
 from ..formats.torchzip import MAX_PICKLE_BYTES, read_checked_directory
+from ..pickling.globals import BENIGN, MODULE_ALIASES
 from ..pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS
 from ..pickling.recording import record_globals
-
-BENIGN = (
-    {
-        "argparse.Namespace",
-        "pathlib.Path",
-        "pathlib.PosixPath",
-        "pathlib.WindowsPath",
-        "pathlib.PurePath",
-        "pathlib.PurePosixPath",
-        "pathlib.PureWindowsPath",
-        "collections.defaultdict",
-        "collections.deque",
-        "datetime.datetime",
-        "datetime.date",
-        "datetime.timedelta",
-        "decimal.Decimal",
-        "fractions.Fraction",
-        "uuid.UUID",
-        "builtins.slice",
-        "builtins.range",
-        "copyreg._reconstructor",
-        "builtins.object",
-        "builtins.dict",
-        "builtins.list",
-        "builtins.tuple",
-        "builtins.int",
-        "builtins.float",
-        "builtins.str",
-        "builtins.bytes",
-        "builtins.bool",
-    }
-    | {
-        f"{np}.{name}"
-        for np in ("numpy.core.multiarray", "numpy._core.multiarray")
-        for name in ("_reconstruct", "scalar")
-    }
-    | {"numpy.dtype", "numpy.ndarray"}
-    | {
-        f"numpy.dtypes.{k}DType"
-        for k in (
-            "Float64",
-            "Float32",
-            "Float16",
-            "Int64",
-            "Int32",
-            "Int16",
-            "Int8",
-            "UInt8",
-            "UInt16",
-            "UInt32",
-            "UInt64",
-            "Bool",
-            "Complex64",
-            "Complex128",
-        )
-    }
-)
-_RENAMED = {"__builtin__": "builtins", "posix": "os", "nt": "os"}
 
 
 @dataclass
@@ -123,7 +66,7 @@ def canonical(name: str) -> str:
     if name.startswith("<"):
         return name
     module = name.rsplit(".", 1)[0]
-    return _RENAMED.get(module, module) + name[len(module) :]
+    return MODULE_ALIASES.get(module, module) + name[len(module) :]
 
 
 def classify(name: str) -> str:

@@ -36,6 +36,7 @@ from ..errors import BadInputError, UnsafeInputError
 from ..model.dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS_NAMES
 from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef
 from ..model.walk import check_nesting, walk
+from .globals import MODULE_ALIASES
 from .names import is_dotted_identifier
 from .recording import looks_like_pickle, protocol2_bytes, record_globals
 from .vm import Budgets, Hooks, PickleVM, collector_paused
@@ -118,16 +119,13 @@ NEVER_ALLOWED = frozenset(
     }
 )
 
-#: platform modules that pickles name instead of the module users know (os.system is posix.system)
-_DISPLAY_MODULES = {"posix": "os", "nt": "os", "_operator": "operator", "_io": "io"}
-
 
 def allowed_by_name(full: str, patterns: Sequence[str]) -> bool:
     return any(fnmatch.fnmatchcase(full, p) for p in patterns)
 
 
 def display_name(module: str, name: str) -> str:
-    shown = _DISPLAY_MODULES.get(module)
+    shown = MODULE_ALIASES.get(module)
     return f"{shown}.{name} (pickled as {module}.{name})" if shown else f"{module}.{name}"
 
 

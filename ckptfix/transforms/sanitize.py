@@ -26,15 +26,8 @@ from ..fileio.ranges import ComputedSource
 from ..model.paths import format_path
 from ..model.refs import OpaqueObject, tensor_from_range
 from ..model.walk import substitute, walk
+from ..pickling.globals import NUMPY_MODULES, SANITIZABLE
 
-_NUMPY = ("numpy.core.multiarray", "numpy._core.multiarray")
-SANITIZABLE = (
-    "argparse.Namespace",
-    "numpy.dtype",
-    "numpy.ndarray",
-    *(f"{m}.{n}" for m in _NUMPY for n in ("scalar", "_reconstruct")),
-    *(f"pathlib.{n}" for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")),
-)
 #: numpy's limits on a shape: NPY_MAXDIMS (numpy 1.x), and a byte size that fits an npy_intp
 _MAX_NDIM = 32
 _MAX_BYTES = 2**63 - 1
@@ -90,7 +83,7 @@ def _convert(obj: OpaqueObject) -> Any:
 
         pure = PureWindowsPath if "Windows" in name else PurePosixPath
         return str(pure(*obj.args))
-    if name in (f"{m}.scalar" for m in _NUMPY) and len(obj.args) == 2:
+    if name in (f"{m}.scalar" for m in NUMPY_MODULES) and len(obj.args) == 2:
         import numpy as np
 
         dtype, raw = _numpy_dtype(obj.args[0]), obj.args[1]
@@ -98,7 +91,7 @@ def _convert(obj: OpaqueObject) -> Any:
         if not isinstance(raw, bytes) or len(raw) != dtype.itemsize:
             raise BadInputError(f"cannot sanitize a corrupt numpy scalar ({name})")
         return np.frombuffer(raw, dtype=dtype)[0].item()
-    if name in (f"{m}._reconstruct" for m in _NUMPY):
+    if name in (f"{m}._reconstruct" for m in NUMPY_MODULES):
         return _array_to_tensor(obj)
     raise UsageError(
         f"--sanitize does not know how to turn {name} into plain data; drop it (--drop PATH) or keep it "

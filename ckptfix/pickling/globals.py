@@ -1,0 +1,46 @@
+"""What ckptfix knows about pickle globals besides the reader's allow-list (``reader``): one table
+each, used by the reader's messages, ``scan``'s verdicts and ``--sanitize``.
+
+* :data:`MODULE_ALIASES`: modules a pickle names instead of the one users know
+  (``posix.system`` is ``os.system``; Python 2's ``__builtin__`` is ``builtins``).
+* :data:`SANITIZABLE`: classes ``--sanitize`` turns into plain data.
+* :data:`BENIGN`: data-only classes outside torch's weights-only allow-list (scan says "benign":
+  keep them with ``--allow-global``, convert the sanitizable ones with ``--sanitize``).
+"""
+
+from __future__ import annotations
+
+MODULE_ALIASES = {"__builtin__": "builtins", "posix": "os", "nt": "os", "_operator": "operator", "_io": "io"}
+
+#: where numpy keeps its pickle helpers (numpy 2 renamed numpy.core to numpy._core)
+NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")
+SANITIZABLE = (
+    "argparse.Namespace",
+    "numpy.dtype",
+    "numpy.ndarray",
+    *(f"{m}.{n}" for m in NUMPY_MODULES for n in ("scalar", "_reconstruct")),
+    *(f"pathlib.{n}" for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")),
+)
+
+#: data-only classes scan calls benign: the sanitizable ones, and these
+BENIGN = frozenset(
+    {
+        *SANITIZABLE,
+        "collections.defaultdict",
+        "collections.deque",
+        "datetime.datetime",
+        "datetime.date",
+        "datetime.timedelta",
+        "decimal.Decimal",
+        "fractions.Fraction",
+        "uuid.UUID",
+        "copyreg._reconstructor",
+        *(f"builtins.{n}" for n in ("slice", "range", "object", "dict", "list", "tuple", "int", "float", "str")),
+        *(f"builtins.{n}" for n in ("bytes", "bool")),
+        *(
+            f"numpy.dtypes.{k}DType"
+            for k in ("Float64", "Float32", "Float16", "Int64", "Int32", "Int16", "Int8", "UInt8", "UInt16")
+        ),
+        *(f"numpy.dtypes.{k}DType" for k in ("UInt32", "UInt64", "Bool", "Complex64", "Complex128")),
+    }
+)
