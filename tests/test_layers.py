@@ -133,19 +133,22 @@ def _graph_modules() -> set[str]:
     return {_module_name(p) for p in PACKAGE.rglob("*.py")} - {"ckptfix"}
 
 
+def _top_level_names(node: ast.AST) -> list[str]:
+    """The absolute module names an import statement names (relative imports name ckptfix's own)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    if isinstance(node, ast.ImportFrom) and not node.level:
+        return [node.module or ""]
+    return []
+
+
 def test_only_the_cli_knows_click() -> None:
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         if _module_name(path).startswith("ckptfix.cli"):
             continue
         for node in ast.walk(ast.parse(path.read_text())):
-            names = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module or ""]
-                if isinstance(node, ast.ImportFrom)
-                else []
-            )
+            names = _top_level_names(node)
             offenders += [f"{path.relative_to(PACKAGE)}:{node.lineno}" for n in names if n.split(".")[0] == "click"]
     assert not offenders, f"click imported below the CLI: {offenders}"
 
@@ -156,13 +159,7 @@ def test_torch_is_imported_only_inside_functions() -> None:
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
         for node in ast.parse(path.read_text()).body:
-            names = (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module or ""]
-                if isinstance(node, ast.ImportFrom)
-                else []
-            )
+            names = _top_level_names(node)
             offenders += [f"{path.relative_to(PACKAGE)}:{node.lineno}" for n in names if n.split(".")[0] == "torch"]
     assert not offenders, f"torch imported at module level: {offenders}"
 

@@ -24,7 +24,7 @@ from ..errors import ExitCode, UsageError
 from ..formats.detect import FILE_FORMATS
 from ..pipeline import ConvertOptions
 from . import render
-from .options import BATCH_OPTIONS, IN_OUT, INPUTS, MAX_EXPAND, PIPELINE, PREFIX, Decorator, apply, global_patterns
+from .options import BATCH_OPTIONS, IN_OUT, INPUTS, MAX_EXPAND, PIPELINE, PREFIX, Decorator, allow_global, apply
 from .render import emit_json, printable, say
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
@@ -477,14 +477,7 @@ def verify(
 )
 @click.option("--name", help="File name stem (default: IN's name without extensions).")
 @click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
-@click.option(
-    "--allow-global",
-    "allow_globals",
-    multiple=True,
-    metavar="NAME",
-    callback=global_patterns,
-    help="Read objects of this global (dotted name, * ? [...] globs) as opaque records (they are not published).",
-)
+@allow_global("Read objects of this global (dotted name, * ? [...] globs) as opaque records (they are not published).")
 @MAX_EXPAND
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
 def publish_command(in_path: str, out_dir: str, as_json: bool, **kw: Any) -> int:
@@ -544,14 +537,7 @@ def scan(paths: tuple[str, ...], recursive: bool, as_json: bool) -> int:
 @click.option(
     "--unsafe-load", is_flag=True, help="For TRUSTED files only: fall back to torch.load(weights_only=False)."
 )
-@click.option(
-    "--allow-global",
-    "allow_globals",
-    multiple=True,
-    metavar="NAME",
-    callback=global_patterns,
-    help="Read objects of this global (dotted name, * ? [...] globs) as opaque records, never imported or run.",
-)
+@allow_global("Read objects of this global (dotted name, * ? [...] globs) as opaque records, never imported or run.")
 def inspect_command(path: str, as_json: bool, unsafe_load: bool, allow_globals: tuple[str, ...]) -> int:
     """Describe a checkpoint without reading its tensor data.
 

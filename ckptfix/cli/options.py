@@ -50,6 +50,14 @@ def global_patterns(ctx: click.Context, param: click.Parameter, value: tuple[str
     return value
 
 
+def allow_global(help: str) -> Decorator:
+    """``--allow-global NAME`` (repeatable), checked while parsing; ``help`` says what it does
+    for the command (kept and written through, or read and left out)."""
+    return click.option(
+        "--allow-global", "allow_globals", multiple=True, metavar="NAME", callback=global_patterns, help=help
+    )
+
+
 #: IN OUT, or many inputs with -o DIR / --in-place (files, folders of checkpoints, shard folders)
 INPUTS = apply(
     [
@@ -175,15 +183,10 @@ PIPELINE = apply(
             help="For TRUSTED files only: allow torch.load(weights_only=False), which runs code "
             "from the file, when the safe reader refuses it.",
         ),
-        click.option(
-            "--allow-global",
-            "allow_globals",
-            multiple=True,
-            metavar="NAME",
-            callback=global_patterns,
-            help="Keep objects of this pickle global (or glob, e.g. 'numpy.*') as they are, without "
+        allow_global(
+            "Keep objects of this pickle global (or glob, e.g. 'numpy.*') as they are, without "
             "importing or running anything; the output carries them unchanged. NAME is a dotted Python "
-            "name; parts may hold * ? [...] globs (anything else is a usage error).",
+            "name; parts may hold * ? [...] globs (anything else is a usage error)."
         ),
         click.option(
             "--sanitize",
