@@ -245,7 +245,7 @@ def run_batch(
                 break
     else:
         with ProcessPoolExecutor(max_workers=jobs) as pool:
-            pending: dict[Future, int] = {}
+            pending: dict[Future[FileResult], int] = {}
             queue = list(enumerate(jobs_list))
             stop = False
             while (queue and not stop) or pending:

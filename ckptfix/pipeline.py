@@ -17,6 +17,7 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -260,6 +261,7 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> 
     """Run the transform steps of the pipeline on ``ckpt``'s tree; record them in ``report``."""
     root = select_path(ckpt.root, opts.select)[1] if opts.select else ckpt.root
     steps = report.steps
+    done: tuple[str, ...]
     if opts.sanitize:
         from .transforms.sanitize import sanitize
 
@@ -286,7 +288,7 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> 
             f"strip {normalize_prefix(p)!r}",
             f"stripped {normalize_prefix(p)!r} on",
             f"no key starts with {normalize_prefix(p)!r}",
-            lambda r, p=p: strip_prefix(r, p, opts.keys),
+            partial(strip_prefix, prefix=p, keys=opts.keys),
         )
         for p in opts.strip_prefixes
     ]
@@ -297,7 +299,7 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> 
                 f"add {added!r}",
                 f"added {added!r} on",
                 f"every key already starts with {added!r}",
-                lambda r: add_prefix(r, opts.add_prefix, opts.keys),
+                partial(add_prefix, prefix=added, keys=opts.keys),
             )
         )
     if opts.rename:
@@ -348,8 +350,8 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> 
 
 @collector_paused()
 def convert(
-    in_path: str | os.PathLike,
-    out_path: str | os.PathLike | None = None,
+    in_path: str | os.PathLike[str],
+    out_path: str | os.PathLike[str] | None = None,
     options: ConvertOptions | None = None,
     *,
     command: str = "convert",
@@ -371,10 +373,7 @@ def convert(
     if out_path is None:
         raise UsageError("missing OUT: give an output path, or --in-place to replace the input")
     out_path = str(out_path)
-    if opts.max_shard_size is not None and not isinstance(opts.max_shard_size, int):
-        max_bytes = parse_size(str(opts.max_shard_size))
-    else:
-        max_bytes = opts.max_shard_size
+    max_bytes = _size_option(opts.max_shard_size)
     kind, file_format = output_target(out_path, opts.out_format, max_bytes)
     _size_option(opts.max_expand)  # a bad SIZE is a usage error before any reading
     if opts.map_location:
@@ -386,7 +385,7 @@ def convert(
         check_destination(in_path, out_path, overwrite=opts.force, in_place=opts.in_place)
     started = time.perf_counter()
     if opts.sanitize:
-        from .transforms.sanitize import SANITIZABLE
+        from .pickling.globals import SANITIZABLE
     allow = [*opts.allow_globals, *(SANITIZABLE if opts.sanitize else ())]
     ckpt = read_checkpoint(in_path, unsafe_load=opts.unsafe_load, allow_globals=allow)
     report = Report(
@@ -482,6 +481,7 @@ def _write(
         if not out.parent.is_dir():
             raise CannotWriteError(f"{out}: the folder {out.parent} does not exist")
         out.mkdir(exist_ok=True)
+        assert flat is not None  # shards are safetensors-shaped: flattened above
         written = write_sharded(
             flat,
             out,
@@ -503,8 +503,10 @@ def _write(
             if file_format == "pth":
                 ckpt.write(root, f, progress=progress)
             elif ckpt.lazy:
+                assert flat is not None  # flattened above for every safetensors output
                 write_safetensors(flat, f, metadata, progress=progress, max_data_bytes=budget)
             else:
+                assert flat is not None
                 write_safetensors_from_torch(flat, f, metadata, max_data_bytes=budget)
         report.outputs = [str(out)]
         report.output_bytes = out.stat().st_size
@@ -521,8 +523,8 @@ def _describe_changes(report: Report) -> str:
 
 
 def fix_prefix(
-    in_path: str | os.PathLike,
-    out_path: str | os.PathLike | None = None,
+    in_path: str | os.PathLike[str],
+    out_path: str | os.PathLike[str] | None = None,
     *,
     mode: str = "strip",
     prefix: str = "module.",
@@ -545,7 +547,7 @@ def fix_prefix(
 def write_checkpoint(
     ckpt: Checkpoint,
     root: Any,
-    out_path: str | os.PathLike,
+    out_path: str | os.PathLike[str],
     *,
     progress: Callable[[int], None] | None = None,
     max_expand: str | int | None = None,
@@ -572,7 +574,7 @@ def write_checkpoint(
 
 @collector_paused()
 def inspect_checkpoint(
-    path: str | os.PathLike, *, unsafe_load: bool = False, allow_globals: Sequence[str] = ()
+    path: str | os.PathLike[str], *, unsafe_load: bool = False, allow_globals: Sequence[str] = ()
 ) -> dict[str, Any]:
     """The ``inspect`` report as plain data; reads structure only, never tensor data."""
     check_global_patterns(allow_globals)
@@ -581,8 +583,8 @@ def inspect_checkpoint(
 
 @collector_paused()
 def diff_checkpoints(
-    a_path: str | os.PathLike,
-    b_path: str | os.PathLike,
+    a_path: str | os.PathLike[str],
+    b_path: str | os.PathLike[str],
     options: ConvertOptions | None = None,
     *,
     select_b: str | None = None,
@@ -605,12 +607,12 @@ def diff_checkpoints(
 
 @collector_paused()
 def fit_checkpoint(
-    in_path: str | os.PathLike,
-    out_path: str | os.PathLike | None,
+    in_path: str | os.PathLike[str],
+    out_path: str | os.PathLike[str] | None,
     *,
-    reference: str | os.PathLike | None = None,
+    reference: str | os.PathLike[str] | None = None,
     model: str | None = None,
-    model_path: Sequence[str | os.PathLike] = (),
+    model_path: Sequence[str | os.PathLike[str]] = (),
     select: str | None = None,
     allow_partial: bool = False,
     dry_run: bool = False,
@@ -638,6 +640,7 @@ def fit_checkpoint(
     if model is not None:
         ref_shapes = reference_from_model(model, model_path)
     else:
+        assert reference is not None  # exactly one of the two, checked above
         ref = read_checkpoint(reference, unsafe_load=unsafe_load)
         found = find_state_dicts(ref.root)
         if not found:
@@ -677,8 +680,8 @@ class PublishResult:
 
 @collector_paused()
 def publish(
-    in_path: str | os.PathLike,
-    out_dir: str | os.PathLike,
+    in_path: str | os.PathLike[str],
+    out_dir: str | os.PathLike[str],
     *,
     out_format: str = "safetensors",
     name: str | None = None,

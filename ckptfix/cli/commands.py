@@ -250,7 +250,8 @@ def run_write(spec: WriteCommand, paths: tuple[str, ...], as_json: bool, kw: dic
     if batch["backup"] and not opts.in_place:
         raise UsageError("--backup goes with --in-place")
     quiet = batch["quiet"]
-    progress, close = (None, lambda ok: None)
+    progress: Callable[[int], None] | None = None
+    close: Callable[[bool], None] = render.no_close
     if single and not (as_json or quiet or opts.dry_run):
         progress, close = render.byte_progress(paths[0])
     bar = None

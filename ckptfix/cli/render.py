@@ -43,6 +43,10 @@ def say(line: str, err: bool = False) -> None:
     click.echo(one_line(line), err=err)
 
 
+def no_close(ok: bool) -> None:
+    """The closer of no progress bar."""
+
+
 def byte_progress(path: str) -> tuple[Callable[[int], None] | None, Callable[[bool], None]]:
     """A byte-count progress bar on a terminal's stderr (large files only); nothing in CI logs or pipes.
 
@@ -53,13 +57,13 @@ def byte_progress(path: str) -> tuple[Callable[[int], None] | None, Callable[[bo
     except OSError:  # a broken input is reported by the reader, with the right exit code
         size = 0
     if size < 64 << 20:
-        return None, lambda ok: None
+        return None, no_close
     bar = click.progressbar(length=size, file=sys.stderr, label="copying tensors", show_pos=False)
     bar.__enter__()
 
     def close(ok: bool) -> None:
         if ok:
-            bar.update(bar.length - bar.pos)  # headers and the pickle are not counted as they go
+            bar.update(size - bar.pos)  # headers and the pickle are not counted as they go
         bar.__exit__(None, None, None)
 
     return bar.update, close
