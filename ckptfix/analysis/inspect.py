@@ -136,7 +136,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
     devices: Counter[str] = Counter()
     tensors = 0
     storages: dict[int, Any] = {}
-    users: dict[int, list[str]] = {}
+    users: dict[int, list[Path]] = {}
     for path, tensor in iter_tensors(ckpt.root):
         tensors += 1
         dtypes[tensor.dtype] += 1
