@@ -13,7 +13,7 @@ from ..model.refs import Global, Reduce, TensorRef, is_tensor_like, is_torch_ten
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts, is_optimizer_state, looks_like_state_dict
 from ..model.walk import iter_tensors, walk
 
-#: prefixes that wrappers add, in the order people meet them
+#: how many entries and how deep the "layout" part of the report goes
 _MAX_TREE_LINES = 60
 _MAX_DEPTH = 4
 

@@ -27,8 +27,6 @@ _V = TypeVar("_V")
 #: pickle nests 10**5 deep to crash recursive code. The reader, the walk and the writer share it.
 MAX_NESTING = 1000
 
-#: marks an optional positional argument that the pickle did not pass
-
 #: path element for an OrderedDict's attributes (``Module.state_dict()``'s ``_metadata``)
 ATTRS = "__dict__"
 
