@@ -17,6 +17,8 @@ Python API (the CLI is a thin layer over these)::
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
 
 # The public names are imported on first use (PEP 562), so `ckptfix --help` and the CLI's
@@ -33,6 +35,7 @@ _EXPORTS = {
     "CkptfixError": "errors",
     "UnsafeInputError": "errors",
     "UsageError": "errors",
+    "ExitCode": "errors",
     "ConvertOptions": "pipeline",
     "Report": "pipeline",
     "convert": "pipeline",
@@ -46,6 +49,26 @@ _EXPORTS = {
     "TensorRef": "model.refs",
     "find_state_dicts": "model.statedicts",
 }
+
+
+if TYPE_CHECKING:
+    # What a type checker sees: the same names from the same modules as _EXPORTS (a test keeps
+    # the two in step), so ``ckptfix.load`` has load's signature rather than __getattr__'s object.
+    from .api import LoadIntoReport, load, load_into
+    from .errors import (
+        BadInputError,
+        CannotWriteError,
+        CheckFailedError,
+        CkptfixError,
+        ExitCode,
+        UnsafeInputError,
+        UsageError,
+    )
+    from .formats.checkpoint import Checkpoint, read_checkpoint
+    from .model.refs import StorageRef, TensorRef
+    from .model.statedicts import find_state_dicts
+    from .pipeline import ConvertOptions, Report, convert, fix_prefix, inspect_checkpoint, write_checkpoint
+    from .transforms.prefix import TransformResult, add_prefix, strip_prefix
 
 
 def __getattr__(name: str) -> object:
@@ -66,6 +89,7 @@ __all__ = [
     "Checkpoint",
     "CkptfixError",
     "ConvertOptions",
+    "ExitCode",
     "LoadIntoReport",
     "Report",
     "StorageRef",

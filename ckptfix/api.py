@@ -14,16 +14,21 @@ import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .formats.checkpoint import Checkpoint, read_checkpoint
 from .model.paths import format_path, get_at
 from .model.paths import select as select_path
+from .model.refs import Tree
 from .transforms.fit import best_fit, shapes_of
 from .transforms.prefix import add_prefix, strip_prefix
 
+if TYPE_CHECKING:
+    from torch.nn import Module
+    from torch.serialization import MAP_LOCATION
 
-def _materialize(ckpt: Checkpoint, root: Any, map_location: Any, mmap: bool) -> Any:
+
+def _materialize(ckpt: Checkpoint, root: Tree, map_location: MAP_LOCATION, mmap: bool) -> Any:
     import torch
 
     if not ckpt.lazy:  # already real tensors (read through torch): let torch.load move them
@@ -41,8 +46,8 @@ def _materialize(ckpt: Checkpoint, root: Any, map_location: Any, mmap: bool) -> 
 
 
 def load(
-    path: str | os.PathLike,
-    map_location: Any = None,
+    path: str | os.PathLike[str],
+    map_location: MAP_LOCATION = None,
     *,
     select: str | None = None,
     strip_prefixes: Sequence[str] = (),
@@ -84,10 +89,10 @@ class LoadIntoReport:
 
 
 def load_into(
-    model: Any,
-    path: str | os.PathLike,
+    model: Module,
+    path: str | os.PathLike[str],
     *,
-    map_location: Any = None,
+    map_location: MAP_LOCATION = None,
     strict: bool = True,
     select: str | None = None,
     unsafe_load: bool = False,

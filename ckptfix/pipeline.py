@@ -16,10 +16,10 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .analysis.inspect import describe_tree, summarize
 from .errors import BadInputError, CannotWriteError, CheckFailedError, UsageError
@@ -526,21 +526,38 @@ def fix_prefix(
     in_path: str | os.PathLike[str],
     out_path: str | os.PathLike[str] | None = None,
     *,
-    mode: str = "strip",
+    mode: Literal["strip", "add"] = "strip",
     prefix: str = "module.",
-    **options: Any,
+    keys: Sequence[str] = (),
+    dry_run: bool = False,
+    force: bool = False,
+    in_place: bool = False,
+    strict: bool = False,
+    verify: bool = False,
+    options: ConvertOptions | None = None,
+    progress: Callable[[int], None] | None = None,
 ) -> Report:
     """Strip (``mode="strip"``) or add (``mode="add"``) a key prefix, as ``strip-module``/``add-module`` do.
 
     Writes nothing when no key changes (raises :class:`CheckFailedError` with ``strict=True``),
-    when ``dry_run`` is set, or when a rename would make two keys collide. Other keyword
-    arguments are :class:`ConvertOptions` fields (``keys``, ``force``, ``map_location`` ...).
+    when ``dry_run`` is set, or when a rename would make two keys collide. ``keys`` limits the
+    change to the state dicts under those dotted paths; ``options`` carries any other pipeline
+    step (``map_location``, ``dtype`` ...), as :func:`convert` takes them.
     """
     if mode not in ("strip", "add"):
         raise UsageError(f"unknown mode {mode!r}")
-    progress = options.pop("progress", None)
-    step = {"strip_prefixes": (prefix,)} if mode == "strip" else {"add_prefix": prefix}
-    opts = ConvertOptions(require_change=True, **step, **options)
+    step: dict[str, Any] = {"strip_prefixes": (prefix,)} if mode == "strip" else {"add_prefix": prefix}
+    opts = replace(
+        options or ConvertOptions(),
+        require_change=True,
+        keys=keys,
+        dry_run=dry_run,
+        force=force,
+        in_place=in_place,
+        strict=strict,
+        verify=verify,
+        **step,
+    )
     return convert(in_path, out_path, opts, command=f"{mode}-module", progress=progress)
 
 

@@ -18,7 +18,7 @@ from typing import Any
 from ..fileio.ranges import OpenFiles
 from ..model.data import tensor_c_bytes
 from ..model.dtypes import DTYPE_ITEMSIZE
-from ..model.paths import format_path
+from ..model.paths import Path, format_path
 from ..model.refs import Reduce, TensorRef, is_tensor_like, is_torch_tensor
 from ..model.walk import ATTRS, walk
 
@@ -52,7 +52,7 @@ def flatten(root: Any) -> dict[str, Any]:
     first, and a cycle ends where it closes."""
     leaves: dict[str, Any] = {}
 
-    def into(path: tuple, value: Any) -> bool:
+    def into(path: Path, value: Any) -> bool:
         return isinstance(value, (Mapping, list, tuple)) and bool(value) and not is_tensor_like(value)
 
     for path, value in walk(root, lambda p, v: into(p, v) and ATTRS not in p, leaves=True):

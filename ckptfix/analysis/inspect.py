@@ -13,7 +13,7 @@ from ..model.refs import Global, Reduce, TensorRef, is_tensor_like, is_torch_ten
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts, is_optimizer_state, looks_like_state_dict
 from ..model.walk import iter_tensors, walk
 
-#: prefixes that wrappers add, in the order people meet them
+#: how many entries and how deep the "layout" part of the report goes
 _MAX_TREE_LINES = 60
 _MAX_DEPTH = 4
 
@@ -136,7 +136,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
     devices: Counter[str] = Counter()
     tensors = 0
     storages: dict[int, Any] = {}
-    users: dict[int, list[str]] = {}
+    users: dict[int, list[Path]] = {}
     for path, tensor in iter_tensors(ckpt.root):
         tensors += 1
         dtypes[tensor.dtype] += 1

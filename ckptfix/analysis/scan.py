@@ -86,7 +86,7 @@ def _plain(name: str) -> bool:
 
 
 def scan_pickles(
-    data: bytes | Any, where: str, count: int | None = None, headerless: bool = False
+    data: bytes | mmap.mmap, where: str, count: int | None = None, headerless: bool = False
 ) -> tuple[list[Found], str]:
     """Globals (and laundering attempts) in ``count`` consecutive pickles (all, if None) at the
     start of ``data``, nested pickles included, each with its verdict; and an error ("" if all
@@ -98,6 +98,7 @@ def scan_pickles(
 def scan_path(path: str | Path) -> ScanResult:
     """Scan one file; never executes, never raises for bad input (the error is in the result)."""
     result = ScanResult(str(path))
+    data: bytes | mmap.mmap
     try:
         f, size = open_input(str(path))  # never opens a FIFO or a device (they hang or never end)
         with f:

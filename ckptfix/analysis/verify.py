@@ -39,7 +39,7 @@ class VerifyResult:
 
 
 def verify_path(
-    path: str | os.PathLike, *, expect_prefix: str | None = None, expect_device: str | None = None
+    path: str | os.PathLike[str], *, expect_prefix: str | None = None, expect_device: str | None = None
 ) -> VerifyResult:
     """Every check on one checkpoint; problems are collected, never raised."""
     result = VerifyResult(str(path))

@@ -60,7 +60,7 @@ def check_destination(source: str | Path, dest: str | Path, *, overwrite: bool, 
 
 
 def describe_os_error(exc: OSError, dest: Path) -> str:
-    reasons = {
+    reasons: dict[int | None, str] = {
         errno.ENOSPC: "no space left on the device",
         errno.EDQUOT: "disk quota exceeded",
         errno.EACCES: "permission denied",

@@ -15,7 +15,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import BinaryIO
+from typing import BinaryIO, TypeGuard
 
 from ..errors import BadInputError
 
@@ -132,7 +132,7 @@ class OutputStream:
         self._fd = out.fileno()
         self.offset = out.tell()
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | bytearray) -> None:
         self._out.write(data)
         self.offset += len(data)
 
@@ -166,8 +166,9 @@ class OutputStream:
         self._out.flush()
 
 
-def is_plain_range(source: object) -> bool:
-    """True for bytes that sit in a file as they are (copyable by the kernel, mappable)."""
+def is_plain_range(source: object) -> TypeGuard[FileRange]:
+    """True for bytes that sit in a file as they are (copyable by the kernel, mappable): a
+    :class:`FileRange` with no compression."""
     return isinstance(source, FileRange) and source.deflated_size is None
 
 

@@ -7,8 +7,6 @@ import re
 
 from ..errors import UsageError
 
-#: prefixes that wrappers add, in the order people meet them
-
 
 def format_size(n: int) -> str:
     size = float(n)

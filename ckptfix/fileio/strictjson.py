@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, NoReturn
 
 
 class JSONError(ValueError):
@@ -34,7 +34,7 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _no_constant(name: str) -> Any:
+def _no_constant(name: str) -> NoReturn:
     raise JSONError(f"{name} is not valid JSON")
 
 
@@ -51,8 +51,9 @@ def loads(raw: bytes) -> Any:
         raise JSONError(f"not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
     try:
         # a parse_int hook costs a Python call per integer: only when a "-0" could be there
-        ints = {"parse_int": _integer} if "-0" in text else {}
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, **ints)
+        # (None is json's own default, int)
+        parse_int = _integer if "-0" in text else None
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_int=parse_int)
     except RecursionError as exc:
         raise JSONError("nested too deeply") from exc
     except JSONError:

@@ -22,7 +22,16 @@ from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple
 
 from ..errors import BadInputError
-from .ranges import SMALL_COPY, FileRange, OpenFiles, OutputStream, WindowedReader, inflate_chunks, is_plain_range
+from .ranges import (
+    SMALL_COPY,
+    ComputedSource,
+    FileRange,
+    OpenFiles,
+    OutputStream,
+    WindowedReader,
+    inflate_chunks,
+    is_plain_range,
+)
 
 _LOCAL_SIG = b"PK\x03\x04"
 _CENTRAL_SIG = b"PK\x01\x02"
@@ -414,7 +423,7 @@ def _check_local_header(view: WindowedReader, entry: _Entry, name: str, file_siz
     (sig, _, flags, method, _, _, crc, csize, usize, name_len, extra_len) = _LOCAL_HEADER.unpack_from(head)
     if sig != _LOCAL_SIG:
         raise BadInputError(f"{path}: record {name!r} has no valid local header: corrupt zip")
-    data_offset = entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
+    data_offset: int = entry.header_offset + _LOCAL_HEADER.size + name_len + extra_len
     if data_offset > file_size:
         raise BadInputError(f"{path}: record {name!r} lies outside the file: truncated or corrupt")
     if name_len != len(raw_name) or head[_LOCAL_HEADER.size :] != raw_name:
@@ -527,7 +536,7 @@ class ZipWriter:
         self._write(descriptor)
         self._record_written(full, header_offset, size, crc)
 
-    def _write(self, data: bytes) -> None:
+    def _write(self, data: bytes | bytearray) -> None:
         self._stream.write(data)
 
     def _record_written(self, full: bytes, header_offset: int, size: int, crc: int) -> None:
@@ -536,7 +545,7 @@ class ZipWriter:
         self._sizes.append(size)
         self._crcs.append(crc)
 
-    def add_bytes(self, name: str, data: bytes) -> int:
+    def add_bytes(self, name: str, data: bytes | bytearray) -> int:
         """Add a record from memory; returns its CRC32."""
         header_offset = self._offset
         full = self._start_record(name, len(data))
@@ -562,7 +571,7 @@ class ZipWriter:
         self._write(b"".join((header, full, b"FB", _PAD_LENGTH[padding], data, descriptor)))
         self._record_written(full, offset, size, crc)
 
-    def add_copy(self, name: str, source: FileRange, files: OpenFiles) -> int:
+    def add_copy(self, name: str, source: FileRange | ComputedSource, files: OpenFiles) -> int:
         """Add a record whose bytes come from ``source``; returns its CRC32.
 
         A stored range with a known CRC (a zip record) is copied by the kernel and keeps the
@@ -578,10 +587,10 @@ class ZipWriter:
             return crc
         header_offset = self._offset
         full = self._start_record(name, source.size)
-        crc = self._stream.copy(source, files, want_crc=True)
-        assert crc is not None
-        self._finish_record(full, header_offset, source.size, crc)
-        return crc
+        copied_crc = self._stream.copy(source, files, want_crc=True)
+        assert copied_crc is not None
+        self._finish_record(full, header_offset, source.size, copied_crc)
+        return copied_crc
 
     def close(self) -> None:
         """Write the central directory and the (zip64 and classic) end records."""

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import BadInputError, UnsafeInputError
+from ..model.refs import Tree
 from .dcp import is_dcp_folder, read_dcp
 from .detect import check_input, open_input, sniff
 from .legacy import load_with_torch, save_with_torch
@@ -37,7 +38,7 @@ class Checkpoint:
 
     path: str
     format: str
-    root: Any
+    root: Tree
     file_size: int
     globals: set[str] = field(default_factory=set)
     archive: TorchZipArchive | None = None
@@ -47,7 +48,7 @@ class Checkpoint:
     #: False when the tree holds real tensors (formats read through torch itself)
     lazy: bool = True
 
-    def write(self, root: Any, out: BinaryIO, progress: Any = None) -> None:
+    def write(self, root: Tree, out: BinaryIO, progress: Callable[[int], None] | None = None) -> None:
         """Write ``root`` (this checkpoint's tree, transformed) as a torch zip file."""
         if not self.lazy:
             save_with_torch(root, out)
@@ -57,7 +58,7 @@ class Checkpoint:
 
 
 def read_checkpoint(
-    path: str | os.PathLike, *, unsafe_load: bool = False, allow_globals: Sequence[str] = ()
+    path: str | os.PathLike[str], *, unsafe_load: bool = False, allow_globals: Sequence[str] = ()
 ) -> Checkpoint:
     """Open ``path`` safely: diagnose the file, then read it without running any of its code.
 
@@ -135,7 +136,7 @@ def _read_folder(folder: Path, unsafe_load: bool, allow_globals: Sequence[str]) 
 def _read_sharded(index_path: Path, allow_globals: Sequence[str] = ()) -> Checkpoint:
     weight_map, metadata = read_index(index_path)
 
-    def read_shard(shard: Path) -> Any:
+    def read_shard(shard: Path) -> Mapping[str, Any]:
         ckpt = read_checkpoint(shard, allow_globals=allow_globals)
         if not ckpt.lazy or not isinstance(ckpt.root, dict):
             raise BadInputError(f"{shard}: a shard must hold one flat state dict")

@@ -12,11 +12,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import replace
-from typing import Any
 
 from ..fileio.ranges import ComputedSource, OpenFiles, is_plain_range, read_all
 from ..model.dtypes import DTYPE_ITEMSIZE
-from ..model.refs import StorageRef, TensorRef
+from ..model.refs import Source, StorageRef, TensorRef, Tree
 from ..model.walk import substitute, walk
 
 
@@ -30,7 +29,7 @@ def _extent(t: TensorRef) -> int:
     return sum((n - 1) * s for n, s in zip(shape, t.stride)) + 1
 
 
-def _slice_source(source: Any, start: int, length: int) -> Any:
+def _slice_source(source: Source, start: int, length: int) -> Source:
     if is_plain_range(source):
         return source.sub(start, length)
 
@@ -40,7 +39,7 @@ def _slice_source(source: Any, start: int, length: int) -> Any:
     return ComputedSource(length, produce)
 
 
-def compact_storages(root: Any) -> tuple[Any, int]:
+def compact_storages(root: Tree) -> tuple[Tree, int]:
     """A copy of ``root`` whose storages hold only referenced bytes; returns it and the bytes saved."""
     users: dict[int, list[TensorRef]] = {}  # storages no tensor uses whole, and their tensors
     whole: set[int] = set()  # storages some tensor spans from first byte to last
@@ -62,7 +61,7 @@ def compact_storages(root: Any) -> tuple[Any, int]:
             opaque.add(id(leaf))  # a storage pickled on its own: its bytes are kept whole
     for storage_id in whole.intersection(users):
         del users[storage_id]
-    replacements: dict[int, Any] = {}
+    replacements: dict[int, Tree] = {}
     saved = 0
     for storage_id, tensors in users.items():
         storage = storages[storage_id]

@@ -17,9 +17,10 @@ import tempfile
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from ..errors import BadInputError, CannotWriteError
+from ..model.refs import Tree
 
 METADATA_NAME = ".metadata"
 
@@ -28,7 +29,7 @@ def is_dcp_folder(folder: Path) -> bool:
     return (folder / METADATA_NAME).is_file()
 
 
-def read_dcp(folder: Path) -> Any:
+def read_dcp(folder: Path) -> Tree:
     """The folder's state dict as real tensors, via ``dcp_to_torch_save`` (trusted folders only)."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
@@ -52,7 +53,8 @@ def write_dcp(write_pth: Callable[[BinaryIO], None], dest: Path, *, overwrite: b
     beside ``dest``, and renamed into place: ``dest`` is complete or untouched.
     """
     import torch
-    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
     if dest.exists() and not overwrite:
         raise CannotWriteError(f"{dest}: already exists", hint="pass --force to overwrite it")
@@ -68,7 +70,7 @@ def write_dcp(write_pth: Callable[[BinaryIO], None], dest: Path, *, overwrite: b
         staged = work / "dcp"
         with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
             warnings.simplefilter("ignore")
-            dcp.save(state, storage_writer=dcp.FileSystemWriter(staged), no_dist=True)
+            dcp_save(state, storage_writer=FileSystemWriter(staged), no_dist=True)
         del state
         if dest.exists():
             old = work / "previous"

@@ -54,7 +54,7 @@ _SPECIAL = (
 _JSON_SPACE = b" \t\r\n"
 
 
-def check_input(path: str | os.PathLike) -> os.stat_result:
+def check_input(path: str | os.PathLike[str]) -> os.stat_result:
     """``os.stat`` of an input, refusing anything but a regular file or a folder.
 
     This never opens the path: opening a FIFO blocks until a writer appears (a hang), and a
@@ -80,7 +80,7 @@ def check_input(path: str | os.PathLike) -> os.stat_result:
     raise BadInputError(f"{path}: {kind}, not a checkpoint file or folder")
 
 
-def open_input(path: str | os.PathLike) -> tuple[BinaryIO, int]:
+def open_input(path: str | os.PathLike[str]) -> tuple[BinaryIO, int]:
     """Open a regular file for reading and return it with its size.
 
     The path is checked with :func:`check_input` first; it is then opened non-blocking (so a

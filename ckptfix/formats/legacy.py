@@ -8,12 +8,13 @@ device), which the caller reports.
 
 from __future__ import annotations
 
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from ..errors import BadInputError, UnsafeInputError
+from ..model.refs import Tree
 
 
-def load_with_torch(path: str, *, weights_only: bool = True) -> Any:
+def load_with_torch(path: str, *, weights_only: bool = True) -> Tree:
     """``torch.load`` onto the CPU, turning its failures into one-line ckptfix errors."""
     import pickle
 
@@ -33,7 +34,7 @@ def load_with_torch(path: str, *, weights_only: bool = True) -> Any:
         raise BadInputError(f"{path}: torch could not read it: {first[:200]}") from exc
 
 
-def save_with_torch(root: Any, out: BinaryIO) -> None:
+def save_with_torch(root: Tree, out: BinaryIO) -> None:
     """``torch.save`` in the default (zip) format."""
     import torch
 

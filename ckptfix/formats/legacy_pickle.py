@@ -25,7 +25,7 @@ from typing import Any, BinaryIO
 
 from ..errors import BadInputError, UnsafeInputError
 from ..fileio.ranges import FileRange
-from ..model.refs import Global, StorageRef, make_storage
+from ..model.refs import Global, StorageRef, Tree, make_storage
 from ..model.walk import check_extents
 from ..pickling.reader import restricted_load
 
@@ -42,7 +42,7 @@ def _one_key_space(path: str, key: str) -> BadInputError:
     )
 
 
-def read_legacy(path: str, f: BinaryIO, file_size: int, globals_seen: set[str], allow: Sequence[str] = ()) -> Any:
+def read_legacy(path: str, f: BinaryIO, file_size: int, globals_seen: set[str], allow: Sequence[str] = ()) -> Tree:
     """Parse a legacy torch file into a tree of lazy references (no tensor data is read).
 
     The pickles are run by the VM straight over a read-only memory map of the file (no copy);
@@ -55,7 +55,7 @@ def read_legacy(path: str, f: BinaryIO, file_size: int, globals_seen: set[str], 
         return _read(path, data, file_size, globals_seen, allow)
 
 
-def _read(path: str, data: mmap.mmap, file_size: int, globals_seen: set[str], allow: Sequence[str]) -> Any:
+def _read(path: str, data: mmap.mmap, file_size: int, globals_seen: set[str], allow: Sequence[str]) -> Tree:
     magic, pos = restricted_load(data, None)
     if type(magic) is not int or magic != MAGIC_NUMBER:
         raise BadInputError(f"{path}: not a legacy torch checkpoint (bad magic number)")
@@ -130,6 +130,6 @@ def _read(path: str, data: mmap.mmap, file_size: int, globals_seen: set[str], al
                 f"{path}: storage view {view_key!r:.40} ({storage.nbytes} bytes at byte {start}) lies outside "
                 f"its storage {root.key!r:.40} ({root.nbytes} bytes); torch refuses it too"
             )
-        storage.source = root.source.sub(start, storage.nbytes)
+        storage.source = sources[root.key].sub(start, storage.nbytes)  # root.source, as a FileRange
     check_extents(tree, path)
     return tree

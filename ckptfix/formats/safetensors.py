@@ -24,7 +24,7 @@ import json
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeAlias
 
 from ..errors import BadInputError, UsageError
 from ..fileio import strictjson
@@ -32,6 +32,12 @@ from ..fileio.ranges import FileRange, OpenFiles, OutputStream, is_plain_range
 from ..model.data import is_c_contiguous, tensor_c_bytes
 from ..model.dtypes import DTYPE_ITEMSIZE, DTYPE_TO_SAFETENSORS, SAFETENSORS_DTYPES
 from ..model.refs import Reduce, TensorRef, is_torch_tensor, tensor_from_range
+
+if TYPE_CHECKING:
+    import torch
+
+#: what identifies a view: storage, offset, shape, stride and dtype
+_ViewKey: TypeAlias = tuple[int, int, tuple[int, ...], tuple[int, ...], str]
 
 #: the safetensors library refuses headers above 100 MB; so do we
 MAX_HEADER_BYTES = 100_000_000
@@ -183,7 +189,7 @@ class SafetensorsPlan:
     data_bytes: int
 
 
-def _view_key(t: TensorRef) -> tuple:
+def _view_key(t: TensorRef) -> _ViewKey:
     return (id(t.storage), t.storage_offset, t.shape, t.stride, t.dtype)
 
 
@@ -197,7 +203,7 @@ def default_expand_budget(input_bytes: int) -> int:
     return max(EXPAND_FACTOR * input_bytes, EXPAND_FLOOR)
 
 
-def _data_bytes(t: Any, cap: int) -> int:
+def _data_bytes(t: TensorRef | torch.Tensor, cap: int) -> int:
     """The bytes ``t``'s elements fill when written contiguously, or ``cap`` if that is more.
 
     The product stops growing at ``cap``, so a pickled shape of a million huge dimensions
@@ -215,7 +221,7 @@ def _data_bytes(t: Any, cap: int) -> int:
     return size
 
 
-def _describe_view(t: Any) -> str:
+def _describe_view(t: TensorRef | torch.Tensor) -> str:
     """dtype, shape, stride and stored bytes: what shows that a view expands its storage."""
     if isinstance(t, TensorRef):
         dtype, stride, stored = t.dtype, list(t.stride), t.storage.nbytes
@@ -224,7 +230,7 @@ def _describe_view(t: Any) -> str:
     return f"{dtype} {list(t.shape)!s:.80}, stride {stride!s:.80}, over {stored} stored bytes"
 
 
-def check_expand_budget(tensors: Iterable[tuple[str, Any]], budget: int) -> None:
+def check_expand_budget(tensors: Iterable[tuple[str, TensorRef | torch.Tensor]], budget: int) -> None:
     """Refuse, before anything is written, a write whose tensor data would exceed ``budget`` bytes.
 
     safetensors stores each tensor as its own contiguous bytes, so views are materialised: a
@@ -235,7 +241,8 @@ def check_expand_budget(tensors: Iterable[tuple[str, Any]], budget: int) -> None
     """
     from ..fileio.sizes import format_size
 
-    total, largest, largest_name, largest_tensor = 0, -1, "", None
+    total, largest, largest_name = 0, -1, ""
+    largest_tensor: TensorRef | torch.Tensor | None = None
     for name, t in tensors:
         size = _data_bytes(t, budget + 1)
         total += size
@@ -243,6 +250,7 @@ def check_expand_budget(tensors: Iterable[tuple[str, Any]], budget: int) -> None
             largest, largest_name, largest_tensor = size, name, t
     if total <= budget:
         return
+    assert largest_tensor is not None  # total > budget >= 0: some tensor was counted
     if largest > budget and len(largest_tensor.shape) <= 64:  # small enough to say exactly how big
         largest = _data_bytes(largest_tensor, 1 << 256)
     where = f"{largest_name!r} ({_describe_view(largest_tensor)})"
@@ -265,7 +273,7 @@ def plan_safetensors(
     With ``max_data_bytes``, the data the file would hold is checked against that budget
     (:func:`check_expand_budget`) before the layout is computed.
     """
-    groups: dict[tuple, list[str]] = {}
+    groups: dict[_ViewKey, list[str]] = {}
     for name, value in state_dict.items():
         if not isinstance(name, str):
             raise UsageError(f"safetensors needs string keys; found key {name!r}")
@@ -347,7 +355,7 @@ def _torch_kept(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str
     """Real tensors to write, each view once: (name -> tensor, alias -> kept name)."""
     if not all(is_torch_tensor(v) for v in state_dict.values()):
         raise UsageError("safetensors holds only tensors; select a state dict with --select")
-    seen: dict[tuple, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
     kept: dict[str, Any] = {}
     aliases: dict[str, str] = {}
     for name in sorted(state_dict):

@@ -4,9 +4,16 @@ gathered with numpy over the storage otherwise (safetensors output, diff, casts)
 from __future__ import annotations
 
 import mmap
+from typing import TYPE_CHECKING
 
+from ..errors import BadInputError
 from ..fileio.ranges import OpenFiles, is_plain_range, read_all
 from .dtypes import DTYPE_ITEMSIZE
+
+if TYPE_CHECKING:
+    import torch
+
+    from .refs import TensorRef
 
 
 def is_c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -57,7 +64,7 @@ def swap_unit_for(dtype: str) -> int:
     return size // 2 if dtype.startswith("complex") else size
 
 
-def tensor_c_bytes(t: object, files: OpenFiles) -> bytes:
+def tensor_c_bytes(t: TensorRef | torch.Tensor, files: OpenFiles) -> bytes:
     """One tensor's elements in C order, little-endian: the bytes safetensors would store.
 
     Works for :class:`~ckptfix.tree.TensorRef` (read from its storage's source: a range read
@@ -68,7 +75,7 @@ def tensor_c_bytes(t: object, files: OpenFiles) -> bytes:
     if not isinstance(t, TensorRef):
         import torch
 
-        flat = t.detach().cpu().contiguous().reshape(-1)  # type: ignore[attr-defined]
+        flat = t.detach().cpu().contiguous().reshape(-1)
         if flat.is_quantized:
             flat = flat.int_repr()
         return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
@@ -76,10 +83,13 @@ def tensor_c_bytes(t: object, files: OpenFiles) -> bytes:
     itemsize = DTYPE_ITEMSIZE[t.dtype]
     start = t.storage_offset * itemsize
     swap = swap_unit_for(t.dtype) if t.storage.byteorder == "big" else 0
+    buffer: bytes | mmap.mmap
     if is_plain_range(source):
         if swap <= 1 and is_c_contiguous(t.shape, t.stride):
             return read_all(source.sub(start, t.nbytes), files)
         buffer, base = files.map(source.path), source.offset + start
+    elif source is None:
+        raise BadInputError(f"storage {t.storage.key!r:.40} has no source bytes to read")
     else:  # compressed or computed: this one storage in memory
         buffer, base = read_all(source, files), start
     return gather_c_order(buffer, base, itemsize, t.shape, t.stride, swap)

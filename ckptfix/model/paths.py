@@ -4,11 +4,13 @@ one resolution of ``--select``, ``--key``, ``--select-b`` and the API's ``select
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeAlias
 
 from ..errors import UsageError
+from .refs import Tree
 
-Path = tuple[Any, ...]
+#: a place in a tree: the keys and indices from the root down ("" -- the root -- is ``()``)
+Path: TypeAlias = tuple[Any, ...]
 
 
 def format_path(path: Path) -> str:
@@ -30,7 +32,7 @@ def _lookup_key(container: Any, text: str) -> Any:
     return _MISSING
 
 
-def resolve_path(root: Any, dotted: str) -> Path | None:
+def resolve_path(root: Tree, dotted: str) -> Path | None:
     """Turn a dotted path (``state_dict``, ``optimizer_states.0``) into a container path.
 
     Keys may themselves contain dots, so the longest matching key wins at each level.
@@ -52,7 +54,7 @@ def resolve_path(root: Any, dotted: str) -> Path | None:
     return tuple(path)
 
 
-def get_at(root: Any, path: Path) -> Any:
+def get_at(root: Tree, path: Path) -> Tree:
     """The value at ``path`` (a tuple of keys/indices)."""
     value = root
     for key in path:

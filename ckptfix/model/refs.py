@@ -16,10 +16,21 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from ..errors import BadInputError
+from ..fileio.ranges import ComputedSource, FileRange
 from .dtypes import DTYPE_ITEMSIZE, DTYPE_STORAGE, STORAGE_DTYPE
+
+#: A checkpoint tree, or any node of one: what ``torch.load`` would return, with the records
+#: below as leaves (or real torch tensors, for formats read through torch) inside plain
+#: containers. ``Any`` on purpose: a tree holds whatever an allowed pickle builds, and code
+#: walks it with ``isinstance`` checks; the alias says "a tree" in signatures where a bare
+#: ``Any`` would say nothing.
+Tree: TypeAlias = Any
+
+#: where a storage's bytes are: a byte range of a file, or bytes made on demand (a dtype cast)
+Source: TypeAlias = FileRange | ComputedSource
 
 #: marks an optional positional argument that the pickle did not pass
 ABSENT: Any = type("Absent", (), {"__repr__": lambda self: "ABSENT"})()
@@ -73,7 +84,7 @@ class Reduce:
 
     __slots__ = ("args", "func", "state")
 
-    def __init__(self, func: Global, args: tuple, state: Any = ABSENT) -> None:
+    def __init__(self, func: Global, args: tuple[Any, ...], state: Any = ABSENT) -> None:
         self.func, self.args, self.state = func, args, state
 
     def __repr__(self) -> str:
@@ -96,7 +107,9 @@ class OpaqueObject:
 
     __slots__ = ("args", "dictitems", "global_", "items", "kind", "kwargs", "state")
 
-    def __init__(self, global_: Global, args: tuple, kind: str = "reduce", kwargs: dict | None = None) -> None:
+    def __init__(
+        self, global_: Global, args: tuple[Any, ...], kind: str = "reduce", kwargs: dict[Any, Any] | None = None
+    ) -> None:
         self.global_, self.args, self.kind, self.kwargs = global_, args, kind, kwargs
         self.items: list[Any] = []
         self.dictitems: list[tuple[Any, Any]] = []
@@ -125,8 +138,8 @@ class StorageRef:
     numel: int
     itemsize: int
     dtype: str
-    #: where the bytes are: a :class:`~ckptfix.sources.FileRange`
-    source: Any = field(repr=False, default=None)
+    #: where the bytes are (None until a reader knows: the legacy format lists them after the pickle)
+    source: Source | None = field(repr=False, default=None)
     #: byte order of the stored elements ("big" only for files saved on big-endian machines)
     byteorder: str = "little"
 
@@ -183,7 +196,7 @@ class TensorRef:
 
 
 def make_storage(
-    storage_type: Global, key: str, location: str, numel: int, source: Any, byteorder: str = "little"
+    storage_type: Global, key: str, location: str, numel: int, source: Source | None, byteorder: str = "little"
 ) -> StorageRef:
     """Build the :class:`StorageRef` for a persistent id ``('storage', type, key, loc, numel)``."""
     dtype = STORAGE_DTYPE.get(storage_type.name)
@@ -192,7 +205,7 @@ def make_storage(
     return StorageRef(key, storage_type, location, numel, DTYPE_ITEMSIZE[dtype], dtype, source, byteorder)
 
 
-def tensor_from_range(dtype: str, shape: tuple[int, ...], source: Any, location: str = "cpu") -> TensorRef:
+def tensor_from_range(dtype: str, shape: tuple[int, ...], source: Source, location: str = "cpu") -> TensorRef:
     """A contiguous tensor whose bytes are ``source`` (as safetensors stores them), pickled as
     torch.save would pickle it: a typed storage for classic dtypes, untyped + dtype otherwise."""
     itemsize = DTYPE_ITEMSIZE[dtype]

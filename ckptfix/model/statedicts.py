@@ -4,13 +4,11 @@ wrapper prefixes (``module.``, ``_orig_mod.``, ``model.``) people meet on their 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from .paths import Path
-from .refs import is_tensor_like
+from .refs import Tree, is_tensor_like
 from .walk import ATTRS, walk
-
-#: marks an optional positional argument that the pickle did not pass
 
 
 def is_optimizer_state(value: Any) -> bool:
@@ -18,7 +16,7 @@ def is_optimizer_state(value: Any) -> bool:
     return isinstance(value, Mapping) and "state" in value and "param_groups" in value
 
 
-def looks_like_state_dict(value: Any) -> bool:
+def looks_like_state_dict(value: Any) -> TypeGuard[Mapping[str, Any]]:
     """A ``Module.state_dict()``-shaped mapping: string keys, every value a tensor.
 
     Values under keys ending in ``_extra_state`` may be anything (``get_extra_state``).
@@ -36,13 +34,13 @@ def looks_like_state_dict(value: Any) -> bool:
     return has_tensor
 
 
-def find_state_dicts(root: Any) -> list[tuple[Path, Mapping]]:
+def find_state_dicts(root: Tree) -> list[tuple[Path, Mapping[str, Any]]]:
     """All state-dict-like mappings in the tree, outermost first, with their paths.
 
     Optimizer states and mappings with non-string keys are not searched: their inner dicts
     (``{"exp_avg": ..., "exp_avg_sq": ...}``) look like state dicts but are not.
     """
-    found: list[tuple[Path, Mapping]] = []
+    found: list[tuple[Path, Mapping[str, Any]]] = []
 
     def descend(path: Path, value: Any) -> bool:
         if not isinstance(value, (Mapping, list, tuple)) or is_tensor_like(value):

@@ -11,26 +11,27 @@ is final.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from itertools import chain
-from typing import Any
+from typing import Any, TypeVar, cast
 
 from ..errors import BadInputError
 from .dtypes import DTYPE_ITEMSIZE
 from .paths import Path, format_path
-from .refs import ABSENT, Global, OpaqueObject, Reduce, StorageRef, TensorRef, _EmptyHooks
+from .refs import ABSENT, Global, OpaqueObject, Reduce, StorageRef, TensorRef, Tree, _EmptyHooks
+
+_K = TypeVar("_K")
+_V = TypeVar("_V")
 
 #: containers nested deeper than this are refused: real checkpoints nest a few levels; a hostile
 #: pickle nests 10**5 deep to crash recursive code. The reader, the walk and the writer share it.
 MAX_NESTING = 1000
 
-#: marks an optional positional argument that the pickle did not pass
-
 #: path element for an OrderedDict's attributes (``Module.state_dict()``'s ``_metadata``)
 ATTRS = "__dict__"
 
 
-def _dict_children(value: dict) -> Iterable[tuple[Any, Any]]:
+def _dict_children(value: dict[Any, Any]) -> Iterable[tuple[Any, Any]]:
     return value.items()
 
 
@@ -111,7 +112,7 @@ def children_of(value: Any) -> list[tuple[Any, Any]] | None:
 
 
 def walk(
-    root: Any,
+    root: Tree,
     descend: Callable[[Path, Any], bool] | None = None,
     *,
     limit: int = MAX_NESTING,
@@ -190,13 +191,13 @@ def walk(
             stack.pop()
 
 
-def check_nesting(root: Any, limit: int = MAX_NESTING) -> None:
+def check_nesting(root: Tree, limit: int = MAX_NESTING) -> None:
     """Raise :class:`BadInputError` if anything nests deeper than ``limit`` (cycles are fine)."""
     for _ in walk(root, limit=limit):
         pass
 
 
-def check_extents(root: Any, where: str = "") -> None:
+def check_extents(root: Tree, where: str = "") -> None:
     """Every tensor's bytes must lie inside its storage, and every storage inside its source.
 
     Called once the whole tree is final (the pickle is done and the readers know where every
@@ -264,14 +265,14 @@ def _not_into_tensors(path: Path, value: Any) -> bool:
     return not isinstance(value, TensorRef)
 
 
-def iter_tensors(root: Any) -> Iterator[tuple[Path, TensorRef]]:
+def iter_tensors(root: Tree) -> Iterator[tuple[Path, TensorRef]]:
     """Every :class:`TensorRef` in the tree, with its path, including inside recorded calls."""
     for path, value in walk(root):
         if isinstance(value, TensorRef):
             yield path, value
 
 
-def iter_storages(root: Any) -> Iterator[StorageRef]:
+def iter_storages(root: Tree) -> Iterator[StorageRef]:
     """Every distinct :class:`StorageRef` the tree uses, through tensors or directly."""
     seen: set[int] = set()
     for _, value in walk(root):
@@ -285,7 +286,7 @@ def iter_storages(root: Any) -> Iterator[StorageRef]:
 _MUTABLE = (dict, list, set, OpaqueObject)
 
 
-def substitute(root: Any, replacements: dict[int, Any]) -> Any:
+def substitute(root: Tree, replacements: dict[int, Tree]) -> Tree:
     """A copy of ``root`` where every object whose ``id`` is in ``replacements`` is replaced.
 
     Only containers on the way to a replaced object are copied; everything else is shared
@@ -402,10 +403,11 @@ def _rebuilt(value: Any, mapped: Callable[[Any], Any]) -> Any:
     return type(value)(mapped(v) for v in value)
 
 
-def copy_mapping(original: Mapping, items: Any) -> Mapping:
+def copy_mapping(original: Mapping[_K, _V], items: Iterable[tuple[_K, _V]]) -> MutableMapping[_K, _V]:
     """A mapping of the same type as ``original`` with ``items``, keeping instance attributes
-    such as the ``_metadata`` that ``Module.state_dict()`` attaches to its OrderedDict."""
-    copy = type(original)()
+    such as the ``_metadata`` that ``Module.state_dict()`` attaches to its OrderedDict.
+    ``original``'s type must be a mutable mapping that takes no arguments (a tree's are)."""
+    copy = cast("MutableMapping[_K, _V]", type(original)())
     for k, v in items:
         copy[k] = v
     attrs = getattr(original, "__dict__", None)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import fnmatch
 import gc
+import mmap
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -34,7 +35,7 @@ from typing import Any
 
 from ..errors import BadInputError, UnsafeInputError
 from ..model.dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS_NAMES
-from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef
+from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef, Tree
 from ..model.walk import check_nesting, walk
 from .globals import MODULE_ALIASES
 from .names import is_dotted_identifier
@@ -163,7 +164,7 @@ _MAX_SHAPES = 4096
 _TENSOR_ARGS = {"_rebuild_tensor": 4, "_rebuild_tensor_v2": 6, "_rebuild_tensor_v3": 7}
 
 
-def _tensor(func: Global, args: tuple) -> TensorRef:
+def _tensor(func: Global, args: tuple[Any, ...]) -> TensorRef:
     """``_rebuild_tensor(storage, offset, size, stride)`` (pre-2018), ``_v2`` (+ requires_grad,
     hooks[, metadata]) and ``_v3`` (+ dtype). Only types are checked here: the extent is
     checked once the whole tree is known (:func:`~ckptfix.tree.check_extents`)."""
@@ -202,20 +203,20 @@ def _tensor(func: Global, args: tuple) -> TensorRef:
     )
 
 
-def _parameter(func: Global, args: tuple) -> Any:
+def _parameter(func: Global, args: tuple[Any, ...]) -> TensorRef:
     with_state = func.name == "_rebuild_parameter_with_state"
     if len(args) != (4 if with_state else 3) or not isinstance(args[0], TensorRef) or args[0].param is not None:
         raise BadInputError(f"corrupt tensor record: {func.name} of something that is not a tensor")
     return replace(args[0], param=ParamInfo(args[1], args[2], args[3] if with_state else ABSENT))
 
 
-def _ordered_dict(func: Global, args: tuple) -> Any:
+def _ordered_dict(func: Global, args: tuple[Any, ...]) -> OrderedDict[Any, Any]:
     if args:
         raise BadInputError("corrupt pickle: OrderedDict built with arguments")
     return OrderedDict()
 
 
-def _counter(func: Global, args: tuple) -> Any:
+def _counter(func: Global, args: tuple[Any, ...]) -> Counter[Any]:
     if args == ():
         return Counter()
     if len(args) == 1 and type(args[0]) is dict:
@@ -223,7 +224,7 @@ def _counter(func: Global, args: tuple) -> Any:
     raise BadInputError("corrupt pickle: Counter built from something other than a dict")
 
 
-def _set(func: Global, args: tuple) -> Any:
+def _set(func: Global, args: tuple[Any, ...]) -> set[Any] | frozenset[Any]:
     if args and not (len(args) == 1 and type(args[0]) in (list, tuple, set, frozenset)):
         raise BadInputError(f"corrupt pickle: {func.name} built from something other than a list")
     try:
@@ -232,7 +233,7 @@ def _set(func: Global, args: tuple) -> Any:
         raise BadInputError(f"corrupt pickle: {func.name} of unhashable elements") from None
 
 
-def _encode(func: Global, args: tuple) -> bytes:
+def _encode(func: Global, args: tuple[Any, ...]) -> bytes:
     """``_codecs.encode`` as protocol-2 pickles use it for ``bytes``: text codecs only."""
     data = protocol2_bytes(args)
     if data is None:
@@ -240,7 +241,7 @@ def _encode(func: Global, args: tuple) -> bytes:
     return data
 
 
-def _bytearray(func: Global, args: tuple) -> bytearray:
+def _bytearray(func: Global, args: tuple[Any, ...]) -> bytearray:
     """``bytearray`` from text or bytes only: ``bytearray(10**12)`` must not allocate."""
     if not args:
         return bytearray()
@@ -251,7 +252,7 @@ def _bytearray(func: Global, args: tuple) -> bytearray:
     raise BadInputError("corrupt pickle: bytearray built from something other than bytes")
 
 
-def _complex(func: Global, args: tuple) -> complex:
+def _complex(func: Global, args: tuple[Any, ...]) -> complex:
     if len(args) > 2 or not all(type(a) in (int, float) for a in args):
         raise BadInputError("corrupt pickle: complex built from non-numbers")
     try:
@@ -261,7 +262,7 @@ def _complex(func: Global, args: tuple) -> complex:
 
 
 #: global name -> what "calling" it builds. Torch names not listed become Reduce records.
-BUILDERS: dict[str, Callable[[Global, tuple], Any]] = {
+BUILDERS: dict[str, Callable[[Global, tuple[Any, ...]], Any]] = {
     "torch._utils._rebuild_tensor": _tensor,
     "torch._utils._rebuild_tensor_v2": _tensor,
     "torch._utils._rebuild_tensor_v3": _tensor,
@@ -281,7 +282,7 @@ def _plain_global(name: str) -> bool:
     return name in TORCH_GLOBALS or name in PYTHON_GLOBALS
 
 
-def _opaque_reduce(func: Global, args: tuple) -> OpaqueObject:
+def _opaque_reduce(func: Global, args: tuple[Any, ...]) -> OpaqueObject:
     return OpaqueObject(func, args, "reduce")
 
 
@@ -305,7 +306,7 @@ class ReaderHooks(Hooks):
         self.allow = tuple(allow)
         self._globals: dict[tuple[str, str], Global] = {}
         #: id of each Global handed out (one object per name) -> what calling it makes
-        self._calls: dict[int, Callable[[Global, tuple], Any]] = {}
+        self._calls: dict[int, Callable[[Global, tuple[Any, ...]], Any]] = {}
         self._storage_ids: set[int] = set()
         self._opaque: set[int] = set()
 
@@ -330,7 +331,7 @@ class ReaderHooks(Hooks):
         self._globals[(module, name)] = result
         return result
 
-    def call(self, func: Any, args: tuple) -> Any:
+    def call(self, func: Any, args: tuple[Any, ...]) -> Any:
         # one lookup by identity: every Global on the stack came from find_global, so its id
         # is in the table; anything else (a string, a tuple, a record) cannot be called
         builder = self._calls.get(id(func)) if type(func) is Global else None
@@ -341,7 +342,7 @@ class ReaderHooks(Hooks):
                 self.vm.check_key(item)
         return builder(func, args)
 
-    def new_object(self, cls: Any, args: tuple, kwargs: dict | None) -> Any:
+    def new_object(self, cls: Any, args: tuple[Any, ...], kwargs: dict[Any, Any] | None) -> Any:
         if type(cls) is Global and id(cls) in self._opaque:
             return OpaqueObject(cls, args, "newobj_ex" if kwargs is not None else "newobj", kwargs)
         raise BadInputError(f"corrupt or hostile pickle: NEWOBJ of {cls!r:.80}, which is not an allowed class")
@@ -355,13 +356,13 @@ class ReaderHooks(Hooks):
             "OrderedDicts and allowed classes only)"
         )
 
-    def extend(self, target: Any, items: list) -> None:
+    def extend(self, target: Any, items: list[Any]) -> None:
         if type(target) is OpaqueObject:
             target.items.extend(items)
             return
         super().extend(target, items)
 
-    def set_items(self, target: Any, pairs: list) -> None:
+    def set_items(self, target: Any, pairs: list[tuple[Any, Any]]) -> None:
         if type(target) is OpaqueObject:
             target.dictitems.extend(pairs)
             return
@@ -397,7 +398,7 @@ def _text(value: Any) -> Any:
 
 
 def restricted_load(
-    data: bytes | Any,
+    data: bytes | mmap.mmap,
     load_storage: StorageLoader | None,
     globals_seen: set[str] | None = None,
     allow: Sequence[str] = (),
@@ -405,7 +406,7 @@ def restricted_load(
     start: int = 0,
     budgets: Budgets | None = None,
     check_depth: bool = True,
-) -> tuple[Any, int]:
+) -> tuple[Tree, int]:
     """Unpickle the pickle at ``data[start:]`` (bytes or a read-only mmap) into a tree.
 
     Returns the tree and the offset just after the pickle's STOP. ``load_storage`` resolves
@@ -429,7 +430,7 @@ def restricted_load(
     return tree, vm.pos
 
 
-def _check_nested_pickles(tree: Any, hooks: ReaderHooks) -> None:
+def _check_nested_pickles(tree: Tree, hooks: ReaderHooks) -> None:
     """Bytes inside allowed-by-name objects that are pickles -- with a protocol header or
     without (protocol 0/1), nested in each other -- are read by the VM in recording mode: every
     global they name must be one this read allows, and no laundering, or the file is refused.

@@ -15,6 +15,7 @@ header, or without one (protocol 0/1) when what they name are real dotted names.
 from __future__ import annotations
 
 import codecs
+import mmap
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +43,7 @@ class Symbol:
         return self.name
 
 
-def protocol2_bytes(args: tuple) -> bytes | None:
+def protocol2_bytes(args: tuple[Any, ...]) -> bytes | None:
     """``_codecs.encode(text, "latin1"[, errors])``: how protocol 2 spells ``bytes`` (text codecs
     only); None if it is not that. The reader's builder and the recording hooks both use it."""
     if not (1 <= len(args) <= 3 and all(type(a) is str for a in args)):
@@ -50,7 +51,8 @@ def protocol2_bytes(args: tuple) -> bytes | None:
     try:
         if codecs.lookup(args[1] if len(args) > 1 else "utf-8").name not in ("latin-1", "iso8859-1", "ascii", "utf-8"):
             return None
-        return codecs.encode(*args)
+        data: bytes = codecs.encode(*args)
+        return data
     except (LookupError, UnicodeError):
         return None
 
@@ -83,7 +85,7 @@ class RecordingHooks(Hooks):
         """What the reader lets BUILD/APPENDS/SETITEMS touch: an object of an allowed-by-name class."""
         return type(target) is Symbol and target.kind == "call" and not self.plain(target.name)
 
-    def call(self, func: Any, args: tuple) -> Any:
+    def call(self, func: Any, args: tuple[Any, ...]) -> Any:
         if type(func) is not Symbol or func.kind != "global":
             self._flag(f"a call of {_describe(func)}")
         name = func.name if type(func) is Symbol else "?"
@@ -97,7 +99,7 @@ class RecordingHooks(Hooks):
         self._payloads(args)
         return Symbol(name, "call")
 
-    def new_object(self, cls: Any, args: tuple, kwargs: dict | None) -> Any:
+    def new_object(self, cls: Any, args: tuple[Any, ...], kwargs: dict[Any, Any] | None) -> Any:
         self._payloads(kwargs)
         return self.call(cls, args)
 
@@ -110,12 +112,12 @@ class RecordingHooks(Hooks):
             inst.built = True
         self._payloads(state)
 
-    def extend(self, target: Any, items: list) -> None:
+    def extend(self, target: Any, items: list[Any]) -> None:
         if not self._objectlike(target):
             self._flag(f"APPENDS on {_describe(target)}")
         self._payloads(items)
 
-    def set_items(self, target: Any, pairs: list) -> None:
+    def set_items(self, target: Any, pairs: list[tuple[Any, Any]]) -> None:
         if not self._objectlike(target):
             self._flag(f"SETITEMS on {_describe(target)}")
         self._payloads(pairs)
@@ -154,7 +156,7 @@ def _describe(value: Any) -> str:
 
 
 def record_globals(
-    data: bytes | Any,
+    data: bytes | mmap.mmap,
     where: str,
     plain: Callable[[str], bool],
     depth: int = 0,

@@ -77,11 +77,11 @@ class Hooks:
     def find_global(self, module: str, name: str) -> Any:
         raise NotImplementedError
 
-    def call(self, func: Any, args: tuple) -> Any:
+    def call(self, func: Any, args: tuple[Any, ...]) -> Any:
         """REDUCE: ``func(*args)``."""
         raise NotImplementedError
 
-    def new_object(self, cls: Any, args: tuple, kwargs: dict | None) -> Any:
+    def new_object(self, cls: Any, args: tuple[Any, ...], kwargs: dict[Any, Any] | None) -> Any:
         """NEWOBJ / NEWOBJ_EX: ``cls.__new__(cls, *args, **kwargs)``."""
         raise NotImplementedError
 
@@ -92,11 +92,11 @@ class Hooks:
     def persistent_load(self, pid: Any) -> Any:
         raise NotImplementedError
 
-    def extend(self, target: Any, items: list) -> None:
+    def extend(self, target: Any, items: list[Any]) -> None:
         """APPEND(S) on something that is not a list."""
         raise BadInputError(f"corrupt or hostile pickle: APPENDS on a {type(target).__name__}")
 
-    def set_items(self, target: Any, pairs: list) -> None:
+    def set_items(self, target: Any, pairs: list[tuple[Any, Any]]) -> None:
         """SETITEM(S) on something that is not a dict."""
         raise BadInputError(f"corrupt or hostile pickle: SETITEMS on a {type(target).__name__}")
 
@@ -148,7 +148,7 @@ class PickleVM:
         self.end = len(data) if end is None else end
         self.budgets = budgets or Budgets.for_length(self.end - start)
         self.proto = 0
-        self._key_depths: dict[int, int] = {}
+        self._key_depths: dict[int, tuple[int, Any]] = {}
         #: False: run every opcode through the table (the reference the fast loop is tested against)
         self.fast = fast
 
@@ -169,7 +169,7 @@ class PickleVM:
             raise _bad(f"an unhashable dict key or set element (a {kind.__name__})")
         self.hooks.check_key(key)
 
-    def _check_key_depth(self, key: tuple | frozenset) -> None:
+    def _check_key_depth(self, key: tuple[Any, ...] | frozenset[Any]) -> None:
         depths = self._key_depths  # id -> (depth, the key itself: kept alive so ids stay unique)
         # iterative post-order: a key's depth is 1 + its deepest element's
         stack: list[tuple[Any, int, bool]] = [(key, 1, False)]
@@ -351,6 +351,7 @@ class PickleVM:
 
         def op_long4(pos: int) -> int:
             need(pos, 4)
+            size: int
             (size,) = unpack_i(data, pos)
             if size < 0:
                 raise _bad("negative LONG4 length")
@@ -379,6 +380,7 @@ class PickleVM:
         # -- strings and bytes
         def op_binunicode(pos: int) -> int:
             need(pos, 4)
+            size: int
             (size,) = unpack_I(data, pos)
             pos += 4
             need(pos, size)
@@ -394,6 +396,7 @@ class PickleVM:
 
         def op_binunicode8(pos: int) -> int:
             need(pos, 8)
+            size: int
             (size,) = unpack_Q(data, pos)
             need(pos + 8, size)
             push_str(data[pos + 8 : pos + 8 + size])
@@ -414,7 +417,7 @@ class PickleVM:
             if len(raw) < 2 or raw[0] != raw[-1] or raw[:1] not in (b"'", b'"'):
                 raise _bad("a malformed STRING")
             try:
-                value = codecs.escape_decode(raw[1:-1])[0]  # type: ignore[attr-defined]  # as pickle does
+                value = codecs.escape_decode(raw[1:-1])[0]  # as pickle does
             except ValueError:
                 raise _bad("a malformed STRING") from None
             push_str(value)
@@ -422,6 +425,7 @@ class PickleVM:
 
         def op_binstring(pos: int) -> int:
             need(pos, 4)
+            size: int
             (size,) = unpack_i(data, pos)
             if size < 0:
                 raise _bad("negative BINSTRING length")
@@ -562,7 +566,7 @@ class PickleVM:
                 hooks.extend(target, items)
             return pos
 
-        def set_pairs(target: dict, items: list) -> None:
+        def set_pairs(target: dict[Any, Any], items: list[Any]) -> None:
             for i in range(0, len(items), 2):
                 key = items[i]
                 if type(key) is not str:

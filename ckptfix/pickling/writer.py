@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import BadInputError
-from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, Reduce, StorageRef, TensorRef
+from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, Reduce, StorageRef, TensorRef, Tree
 from ..model.walk import walk
 from .names import is_dotted_identifier
 
@@ -175,7 +175,7 @@ class _Emitter:
         out += _TUPLE_N[n] if n <= 3 else _TUPLE
 
     # -- the loop -----------------------------------------------------------------------
-    def run(self, root: Any) -> None:
+    def run(self, root: Tree) -> None:
         todo = self.todo
         todo.append(root)
         atom, out = self.atom, self.out
@@ -200,7 +200,7 @@ class _Emitter:
         self.todo.extend(reversed(items if isinstance(items, list) else list(items)))
 
     # -- containers ---------------------------------------------------------------------
-    def tuple_(self, value: tuple) -> None:
+    def tuple_(self, value: tuple[Any, ...]) -> None:
         if self.get(id(value)):
             return
         n = len(value)
@@ -213,7 +213,7 @@ class _Emitter:
         self.todo.append(_Then(self._close_tuple, value))
         self.later_seq(value)
 
-    def _close_tuple(self, value: tuple) -> None:
+    def _close_tuple(self, value: tuple[Any, ...]) -> None:
         n = len(value)
         index = self.memo.get(id(value))
         if index is not None:  # the tuple reached itself through a list: pickle's recursion rule
@@ -223,7 +223,7 @@ class _Emitter:
         self.out += _TUPLE_N[n] if n <= 3 else _TUPLE
         self.put(id(value))
 
-    def list_(self, value: list) -> None:
+    def list_(self, value: list[Any]) -> None:
         if self.get(id(value)):
             return
         self.out += _EMPTY_LIST
@@ -231,13 +231,13 @@ class _Emitter:
         self.alive.append(value)
         self.items(value)
 
-    def items(self, values: list) -> None:
+    def items(self, values: list[Any]) -> None:
         self.later_seq(_batches(values, _APPENDS))
 
-    def setitems(self, pairs: list) -> None:
+    def setitems(self, pairs: list[tuple[Any, Any]]) -> None:
         self.later_seq(_batches(pairs, _SETITEMS, pairs=True))
 
-    def dict_(self, value: dict) -> None:
+    def dict_(self, value: dict[Any, Any]) -> None:
         if self.get(id(value)):
             return
         self.out += _EMPTY_DICT
@@ -245,7 +245,7 @@ class _Emitter:
         self.alive.append(value)
         self.setitems(list(value.items()))
 
-    def ordered_dict(self, value: OrderedDict) -> None:
+    def ordered_dict(self, value: OrderedDict[Any, Any]) -> None:
         """``OrderedDict()`` then items then BUILD with ``__dict__`` (``_metadata``)."""
         if self.get(id(value)):
             return
@@ -261,7 +261,7 @@ class _Emitter:
         if value:
             self.setitems(list(value.items()))
 
-    def counter(self, value: Counter) -> None:
+    def counter(self, value: Counter[Any]) -> None:
         if self.get(id(value)):
             return
         self.global_(_COUNTER)
@@ -269,7 +269,7 @@ class _Emitter:
         self.alive.extend((value, plain))
         self.later((plain,), _Raw(_REDUCE), _Then(self.put, id(value)))
 
-    def reduce_(self, value: Any, func: Global, args: tuple, state: Any = ABSENT) -> None:
+    def reduce_(self, value: Any, func: Global, args: tuple[Any, ...], state: Any = ABSENT) -> None:
         if self.get(id(value)):
             return
         self.global_(func)
@@ -282,7 +282,7 @@ class _Emitter:
     def record(self, value: Reduce) -> None:
         self.reduce_(value, value.func, value.args, value.state)
 
-    def set_(self, value: set | frozenset) -> None:
+    def set_(self, value: set[Any] | frozenset[Any]) -> None:
         elements = list(value)
         self.alive.append(elements)
         self.reduce_(value, _SET if type(value) is set else _FROZENSET, (elements,))
@@ -410,7 +410,7 @@ class _Emitter:
         self.alive.append(hooks)
 
 
-def _batches(values: list, closing: bytes, *, pairs: bool = False) -> list[Any]:
+def _batches(values: list[Any], closing: bytes, *, pairs: bool = False) -> list[Any]:
     """MARK, up to 1000 items (or key/value pairs), APPENDS/SETITEMS -- as pickle batches them."""
     pending: list[Any] = []
     for start in range(0, len(values), _BATCH):
@@ -460,7 +460,7 @@ _SUBCLASS_WRITERS: tuple[tuple[type, Callable[[_Emitter, Any], None]], ...] = (
 )
 
 
-def dumps(root: Any) -> PickleResult:
+def dumps(root: Tree) -> PickleResult:
     """Pickle ``root`` the way ``torch.save`` would; returns the bytes and storages in key order.
 
     One walk first finds the objects referred to more than once (shared, or in a cycle): only

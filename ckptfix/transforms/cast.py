@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import BadInputError, UsageError
 from ..fileio.ranges import ComputedSource, OpenFiles, read_all
 from ..model.data import swap_unit_for
 from ..model.dtypes import CASTABLE, DTYPE_ITEMSIZE, DTYPE_STORAGE
@@ -43,6 +43,8 @@ def _cast_bytes(storage: StorageRef, target: str, files: OpenFiles) -> bytes:
     import numpy as np
     import torch
 
+    if storage.source is None:
+        raise BadInputError(f"storage {storage.key!r:.40} has no source bytes to cast")
     raw = read_all(storage.source, files)
     if storage.byteorder == "big" and storage.itemsize > 1:
         unit = swap_unit_for(storage.dtype)

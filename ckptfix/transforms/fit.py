@@ -24,7 +24,7 @@ from typing import Any
 
 from ..errors import UsageError
 from ..model.paths import Path, format_path
-from ..model.refs import TensorRef, is_torch_tensor
+from ..model.refs import TensorRef, Tree, is_torch_tensor
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts
 
 Shapes = dict[str, tuple[int, ...]]
@@ -68,11 +68,11 @@ def _shape(value: Any) -> tuple[int, ...] | None:
     return None
 
 
-def shapes_of(state_dict: Mapping) -> Shapes:
+def shapes_of(state_dict: Mapping[Any, Any]) -> Shapes:
     return {k: s for k, v in state_dict.items() if isinstance(k, str) and (s := _shape(v)) is not None}
 
 
-def reference_from_model(spec: str, model_path: Sequence[str | os.PathLike] = ()) -> Shapes:
+def reference_from_model(spec: str, model_path: Sequence[str | os.PathLike[str]] = ()) -> Shapes:
     """Shapes of ``module:callable()``'s state dict. Imports and runs that callable: only on
     this explicit request.
 
@@ -222,7 +222,7 @@ def plan_fit(state_dict_path: Path, shapes: Shapes, reference: Shapes, metadata:
     return best
 
 
-def best_fit(root: Any, reference: Shapes, select: Path | None = None, select_value: Any = None) -> FitPlan:
+def best_fit(root: Tree, reference: Shapes, select: Path | None = None, select_value: Tree = None) -> FitPlan:
     """Choose the state dict in ``root`` (or the selected one) that fits ``reference`` best."""
     candidates = [(select, select_value)] if select is not None else find_state_dicts(root)
     if not candidates:

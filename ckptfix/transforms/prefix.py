@@ -11,16 +11,20 @@ make two keys collide is an error instead of silently dropping one tensor.
 from __future__ import annotations
 
 import re
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 from ..errors import CheckFailedError, UsageError
 from ..model.paths import Path, format_path, select
-from ..model.refs import is_tensor_like
+from ..model.refs import Tree, is_tensor_like
 from ..model.statedicts import find_state_dicts
 from ..model.walk import copy_mapping, substitute
+
+#: a state dict as the transforms see it: string keys (what ``find_state_dicts`` finds), any values
+StateDict: TypeAlias = Mapping[str, Any]
+#: (old key, new key) for each key a transform renamed
+Renames: TypeAlias = list[tuple[str, str]]
 
 
 @dataclass
@@ -29,7 +33,7 @@ class StateDictChange:
 
     path: str
     keys: int
-    renamed: list[tuple[str, str]] = field(default_factory=list)
+    renamed: Renames = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"path": self.path, "keys": self.keys, "renamed": len(self.renamed), "renames": self.renamed}
@@ -39,7 +43,7 @@ class StateDictChange:
 class TransformResult:
     """The transformed tree and a per-state-dict account of the changes."""
 
-    root: Any
+    root: Tree
     changes: list[StateDictChange]
 
     @property
@@ -54,7 +58,7 @@ def normalize_prefix(prefix: str) -> str:
     return prefix if prefix.endswith(".") else prefix + "."
 
 
-def select_state_dicts(root: Any, keys: Sequence[str] = ()) -> list[tuple[Path, Mapping]]:
+def select_state_dicts(root: Tree, keys: Sequence[str] = ()) -> list[tuple[Path, StateDict]]:
     """The state dicts a prefix command acts on: all of them, or those under ``--key`` paths.
 
     A ``--key`` that names a string-keyed mapping holding tensors selects it even when it
@@ -62,9 +66,10 @@ def select_state_dicts(root: Any, keys: Sequence[str] = ()) -> list[tuple[Path, 
     """
     if not keys:
         return find_state_dicts(root)
-    selected: list[tuple[Path, Mapping]] = []
+    selected: list[tuple[Path, StateDict]] = []
     for dotted in keys:
         path, target = select(root, dotted, flag="--key")
+        found: list[tuple[Path, StateDict]]
         if (
             isinstance(target, Mapping)
             and target
@@ -93,15 +98,15 @@ def _check_collisions(originals: list[str], new_keys: list[str], prefix: str, ve
         first[new] = original
 
 
-def _rekeyed(state_dict: Mapping, new_keys: list, metadata: Any) -> Mapping:
+def _rekeyed(state_dict: StateDict, new_keys: list[str], metadata: Any) -> StateDict:
     """``state_dict`` with its keys replaced in order, and ``metadata`` as its ``_metadata``."""
     new_sd = copy_mapping(state_dict, zip(new_keys, state_dict.values()))
     if metadata is not None:
-        new_sd._metadata = metadata  # type: ignore[attr-defined]
+        new_sd._metadata = metadata  # type: ignore[attr-defined]  # an OrderedDict attribute, as torch sets it
     return new_sd
 
 
-def _strip_metadata_pass(metadata: OrderedDict, prefix: str) -> None:
+def _strip_metadata_pass(metadata: dict[str, Any], prefix: str) -> None:
     """One pass of the reference's ``_metadata`` renaming, literally (including its quirks)."""
     for key in list(metadata.keys()):
         if len(key) == 0:
@@ -110,7 +115,7 @@ def _strip_metadata_pass(metadata: OrderedDict, prefix: str) -> None:
             metadata[key[len(prefix) :]] = metadata.pop(key)
 
 
-def _strip_one(state_dict: Mapping, prefix: str) -> tuple[Mapping, list[tuple[str, str]]]:
+def _strip_one(state_dict: StateDict, prefix: str) -> tuple[StateDict, Renames]:
     if not any(k.startswith(prefix) for k in state_dict):
         return state_dict, []  # the usual case for an optimizer's per-parameter state
     originals = list(state_dict.keys())
@@ -126,7 +131,7 @@ def _strip_one(state_dict: Mapping, prefix: str) -> tuple[Mapping, list[tuple[st
     return (_rekeyed(state_dict, current, metadata), renamed) if renamed else (state_dict, [])
 
 
-def _add_one(state_dict: Mapping, prefix: str) -> tuple[Mapping, list[tuple[str, str]]]:
+def _add_one(state_dict: StateDict, prefix: str) -> tuple[StateDict, Renames]:
     originals = list(state_dict.keys())
     current = [k if k.startswith(prefix) else prefix + k for k in originals]
     _check_collisions(originals, current, prefix, "adding")
@@ -138,7 +143,7 @@ def _add_one(state_dict: Mapping, prefix: str) -> tuple[Mapping, list[tuple[str,
     return _rekeyed(state_dict, current, new_metadata), renamed
 
 
-def _add_metadata(metadata: dict, prefix: str) -> dict:
+def _add_metadata(metadata: dict[str, Any], prefix: str) -> dict[str, Any]:
     """What a wrapper's ``state_dict()`` records: the wrapper at "", the model's entries under it.
 
     The exact inverse of the reference's stripping ('' -> 'module', 'x' -> 'module.x'), so a
@@ -152,10 +157,10 @@ def _add_metadata(metadata: dict, prefix: str) -> dict:
     return new
 
 
-def _apply(root: Any, keys: Sequence[str], one: Callable[[Mapping], tuple[Mapping, list]]) -> TransformResult:
+def _apply(root: Tree, keys: Sequence[str], one: Callable[[StateDict], tuple[StateDict, Renames]]) -> TransformResult:
     """Run ``one`` on every selected state dict; replace the changed ones by identity."""
     changes: list[StateDictChange] = []
-    replacements: dict[int, Any] = {}
+    replacements: dict[int, Tree] = {}
     for path, state_dict in select_state_dicts(root, keys):
         if id(state_dict) in replacements:
             continue  # the same object reached twice (e.g. by --key and by a parent)
@@ -179,7 +184,7 @@ def parse_rule(rule: str) -> tuple[re.Pattern[str], str]:
     return compiled, replacement
 
 
-def _rename_one(state_dict: Mapping, rules: Sequence[tuple[re.Pattern[str], str]]) -> tuple[Mapping, list]:
+def _rename_one(state_dict: StateDict, rules: Sequence[tuple[re.Pattern[str], str]]) -> tuple[StateDict, Renames]:
     def apply(key: str) -> str:
         for pattern, replacement in rules:
             try:
@@ -205,7 +210,7 @@ def _rename_one(state_dict: Mapping, rules: Sequence[tuple[re.Pattern[str], str]
     return _rekeyed(state_dict, current, renamed_meta), renamed
 
 
-def rename_keys(root: Any, rules: Sequence[str], keys: Sequence[str] = ()) -> TransformResult:
+def rename_keys(root: Tree, rules: Sequence[str], keys: Sequence[str] = ()) -> TransformResult:
     """Apply ``REGEX=>REPLACEMENT`` rules, in order, to every state-dict key (like mmengine's
     ``revise_keys``). Each ``_metadata`` module path is renamed as ``path + "."`` would be (the
     prefix its keys share), so versioned modules such as BatchNorm keep their versions.
@@ -214,7 +219,7 @@ def rename_keys(root: Any, rules: Sequence[str], keys: Sequence[str] = ()) -> Tr
     return _apply(root, keys, lambda sd: _rename_one(sd, compiled))
 
 
-def strip_prefix(root: Any, prefix: str = "module.", keys: Sequence[str] = ()) -> TransformResult:
+def strip_prefix(root: Tree, prefix: str = "module.", keys: Sequence[str] = ()) -> TransformResult:
     """Remove ``prefix`` (repeatedly) from the keys of every state dict in ``root``.
 
     Example::
@@ -230,7 +235,7 @@ def strip_prefix(root: Any, prefix: str = "module.", keys: Sequence[str] = ()) -
     return _apply(root, keys, lambda sd: _strip_one(sd, prefix))
 
 
-def add_prefix(root: Any, prefix: str = "module.", keys: Sequence[str] = ()) -> TransformResult:
+def add_prefix(root: Tree, prefix: str = "module.", keys: Sequence[str] = ()) -> TransformResult:
     """Add ``prefix`` to every key of every state dict that lacks it (the inverse of strip)."""
     prefix = normalize_prefix(prefix)
     return _apply(root, keys, lambda sd: _add_one(sd, prefix))

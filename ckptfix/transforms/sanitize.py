@@ -19,12 +19,15 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import BadInputError, UsageError
-from ..fileio.ranges import ComputedSource
-from ..model.paths import format_path
-from ..model.refs import OpaqueObject, tensor_from_range
+from ..fileio.ranges import ComputedSource, OpenFiles
+from ..model.paths import Path, format_path
+from ..model.refs import OpaqueObject, TensorRef, Tree, tensor_from_range
+
+if TYPE_CHECKING:
+    import numpy as np
 from ..model.walk import substitute, walk
 from ..pickling.globals import NUMPY_MODULES, SANITIZABLE
 
@@ -59,7 +62,7 @@ def _name(obj: OpaqueObject) -> str:
     return obj.global_.full
 
 
-def _numpy_dtype(obj: Any) -> Any:
+def _numpy_dtype(obj: Any) -> np.dtype[Any]:
     """A numpy dtype from a pickled ``numpy.dtype('f8', False, True)`` plus its byte-order state."""
     import numpy as np
 
@@ -70,8 +73,11 @@ def _numpy_dtype(obj: Any) -> Any:
     if not match or f"{match.group(1)}{match.group(2)}" not in _TORCH_DTYPE:
         raise UsageError(f"cannot sanitize a numpy value of dtype {code!r:.40}: only numeric dtypes convert")
     state = obj.state
-    order = state[1] if isinstance(state, tuple) and len(state) > 1 and state[1] in ("<", ">", "|") else "="
-    return np.dtype(match.group(1) + match.group(2)).newbyteorder(order if order != "|" else "=")
+    order: Literal["<", ">", "="] = "="  # "|" (no byte order) and a missing state: native
+    if isinstance(state, tuple) and len(state) > 1 and state[1] in ("<", ">"):
+        order = state[1]
+    dtype: np.dtype[Any] = np.dtype(match.group(1) + match.group(2)).newbyteorder(order)  # numpy types this Any
+    return dtype
 
 
 def _convert(obj: OpaqueObject) -> Any:
@@ -99,7 +105,7 @@ def _convert(obj: OpaqueObject) -> Any:
     )
 
 
-def _array_to_tensor(obj: OpaqueObject) -> Any:
+def _array_to_tensor(obj: OpaqueObject) -> TensorRef:
     """A pickled numpy array as a tensor, after checking its shape against its bytes.
 
     The shape comes from the file, so its product is computed with Python integers (numpy's
@@ -131,20 +137,24 @@ def _array_to_tensor(obj: OpaqueObject) -> Any:
         raise BadInputError(too_big) from exc
     data = np.ascontiguousarray(array.astype(dtype.newbyteorder("<"), copy=False)).tobytes()
     torch_dtype = _TORCH_DTYPE[f"{dtype.kind}{dtype.itemsize}"]
-    return tensor_from_range(torch_dtype, tuple(shape), ComputedSource(len(data), lambda files, data=data: data))
+
+    def produce(files: OpenFiles) -> bytes:
+        return data
+
+    return tensor_from_range(torch_dtype, tuple(shape), ComputedSource(len(data), produce))
 
 
-def sanitize(root: Any) -> tuple[Any, SanitizeReport]:
+def sanitize(root: Tree) -> tuple[Tree, SanitizeReport]:
     """A copy of ``root`` with every opaque object of a known kind replaced by plain data.
 
     One walk per converted object: a Namespace's dict may itself hold objects to convert, so
     each new dict is walked in turn (a queue, not recursion: any depth the reader accepts).
     """
     report = SanitizeReport()
-    replacements: dict[int, Any] = {}
-    queue: list[tuple[tuple, Any]] = [((), root)]
+    replacements: dict[int, Tree] = {}
+    queue: list[tuple[Path, Tree]] = [((), root)]
 
-    def descend(path: tuple, value: Any) -> bool:
+    def descend(path: Path, value: Any) -> bool:
         return type(value) is not OpaqueObject
 
     while queue:

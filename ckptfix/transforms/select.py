@@ -19,8 +19,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..model.paths import format_path
-from ..model.refs import is_tensor_like
+from ..model.paths import Path, format_path
+from ..model.refs import Tree, is_tensor_like
 from ..model.statedicts import find_state_dicts, is_optimizer_state
 from ..model.walk import copy_mapping, iter_storages, substitute, walk
 
@@ -65,7 +65,7 @@ def _matches(patterns: Sequence[str], *names: str) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns for name in names)
 
 
-def filter_tree(root: Any, drop: Sequence[str] = (), keep: Sequence[str] = ()) -> tuple[Any, SelectionReport]:
+def filter_tree(root: Tree, drop: Sequence[str] = (), keep: Sequence[str] = ()) -> tuple[Tree, SelectionReport]:
     """A copy of ``root`` without the entries ``drop`` matches and the state-dict keys ``keep`` does not.
 
     One walk decides, per container, which entries go (a shared container is decided once, at
@@ -74,10 +74,10 @@ def filter_tree(root: Any, drop: Sequence[str] = (), keep: Sequence[str] = ()) -
     """
     report = SelectionReport(bytes_before=sum(s.nbytes for s in iter_storages(root)))
     state_dict_ids = {id(sd) for _, sd in find_state_dicts(root)}
-    replacements: dict[int, Any] = {}
-    dropped: set[tuple] = set()
+    replacements: dict[int, Tree] = {}
+    dropped: set[Path] = set()
 
-    def descend(path: tuple, value: Any) -> bool:
+    def descend(path: Path, value: Any) -> bool:
         if path in dropped or not isinstance(value, (Mapping, list, tuple)) or is_tensor_like(value):
             return False
         in_state_dict = id(value) in state_dict_ids
@@ -109,14 +109,14 @@ def _escape(text: str) -> str:
     return "".join(f"[{c}]" if c in "*?[" else c for c in text)
 
 
-def prune_patterns(root: Any) -> list[str]:
+def prune_patterns(root: Tree) -> list[str]:
     """Exact ``--drop`` paths that leave only the weights: entries named like training state
     (optimizer, schedulers, loops, callbacks, AMP scaler, RNG state) and every sub-tree shaped
     like an optimizer state. State dicts (the weights, EMA included) are never entered."""
     state_dict_ids = {id(sd) for _, sd in find_state_dicts(root)}
     patterns: list[str] = []
 
-    def descend(path: tuple, value: Any) -> bool:
+    def descend(path: Path, value: Any) -> bool:
         if id(value) in state_dict_ids or is_tensor_like(value):
             return False
         if path and ((isinstance(path[-1], str) and path[-1] in TRAINING_STATE) or is_optimizer_state(value)):
