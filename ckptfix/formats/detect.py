@@ -31,8 +31,18 @@ FILE_FORMATS = ("pth", "safetensors")
 #: every ``--format`` of the writing commands (dcp: a torch.distributed.checkpoint folder)
 OUTPUT_FORMATS = (*FILE_FORMATS, "dcp")
 
-#: torch's legacy format begins with a pickled magic number (LONG1 0x1950a86a20f9469cfc6c)
-_LEGACY_MAGIC = b"\x80\x02\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+#: torch's legacy format begins with a pickled magic number (LONG1 0x1950a86a20f9469cfc6c), after
+#: the PROTO opcode of whatever ``pickle_protocol`` it was saved with (2-5; 4+ adds a FRAME)
+_LEGACY_MAGIC = b"\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"
+_FRAME = 0x95
+
+
+def _is_legacy(head: bytes) -> bool:
+    """A pickle header (PROTO 2-5, maybe a FRAME) followed by torch's legacy magic number."""
+    body = head[2:]
+    if body[:1] == bytes((_FRAME,)):
+        body = body[9:]
+    return body.startswith(_LEGACY_MAGIC)
 _ARCHIVES = {
     b"\x1f\x8b": "a gzip-compressed file: decompress it first (gunzip)",
     b"7z\xbc\xaf\x27\x1c": "a 7z archive: extract the checkpoint from it first",
@@ -144,7 +154,7 @@ def sniff(head: bytes, file_size: int) -> Sniffed:
                 f"the end of the file ({file_size} bytes)",
             )
     if head.startswith(b"\x80") and len(head) > 1 and 2 <= head[1] <= 5:
-        if head.startswith(_LEGACY_MAGIC):
+        if _is_legacy(head):
             return Sniffed("legacy", "a legacy torch checkpoint (saved with _use_new_zipfile_serialization=False)")
         return Sniffed(
             "not-checkpoint",

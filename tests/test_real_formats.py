@@ -1,0 +1,89 @@
+"""Checkpoints made by other setups than today's torch.save defaults (issue 15): legacy files
+saved with any pickle protocol, and the pre-2018 ``torch._utils._rebuild_tensor``. Each is
+checked against torch itself: what ckptfix writes loads with ``weights_only=True`` and equals
+torch's own load -> edit -> save."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import warnings
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_same_tree
+
+import ckptfix
+
+
+def _stripped(tree: dict[str, Any]) -> dict[str, Any]:
+    """torch's own edit: the same mapping type, keys without ``module.``."""
+    return type(tree)((k.removeprefix("module."), v) for k, v in tree.items())
+
+
+@pytest.mark.parametrize("protocol", [2, 3, 4, 5])
+def test_legacy_file_of_any_pickle_protocol_is_read_and_fixed(tmp_path: Path, protocol: int) -> None:
+    """``torch.save(..., pickle_protocol=N, _use_new_zipfile_serialization=False)``: torch reads
+    them all (weights_only too for 2-3), so must ckptfix -- not call them plain pickles."""
+    src = tmp_path / f"legacy{protocol}.pth"
+    tree = {"module.w": torch.arange(6.0).reshape(2, 3), "module.b": torch.ones(2, dtype=torch.float16)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.save(tree, src, _use_new_zipfile_serialization=False, pickle_protocol=protocol)
+    ckpt = ckptfix.read_checkpoint(src)
+    assert ckpt.format == "torch-legacy"
+    out = tmp_path / "out.pth"
+    report = ckptfix.fix_prefix(src, out)
+    assert report.written and report.renamed == 2
+    expected = _stripped(torch.load(src, weights_only=False))
+    assert_same_tree(torch.load(out, weights_only=True), expected)
+
+
+def _old_rebuild_pickle(storage_key: str = "0") -> bytes:
+    """What torch < 0.4 pickled for a tensor: ``_rebuild_tensor(storage, offset, size, stride)``
+    (no requires_grad, no hooks), here inside a state dict, with torch's persistent id."""
+
+    class Storage:
+        pass
+
+    class OldTensor:
+        def __reduce__(self) -> Any:
+            return (torch._utils._rebuild_tensor, (Storage(), 1, (2, 2), (2, 1)))
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, Storage):
+                return ("storage", torch.FloatStorage, storage_key, "cpu", 5)
+            return None
+
+    buffer = io.BytesIO()
+    Pickler(buffer, protocol=2).dump(OrderedDict([("module.weight", OldTensor())]))
+    return buffer.getvalue()
+
+
+def test_pre_2018_rebuild_tensor_is_a_tensor(tmp_path: Path) -> None:
+    """lpips v0.0 and other packages ship weights rebuilt by ``torch._utils._rebuild_tensor``."""
+    import zipfile
+
+    src = tmp_path / "old.pth"
+    # a real torch zip whose data.pkl is replaced by the old-style pickle, same storage record
+    torch.save({"x": torch.arange(5.0)}, src)
+    with zipfile.ZipFile(src) as z:
+        names = {n.split("/", 1)[1]: z.read(n) for n in z.namelist()}
+        top = z.namelist()[0].split("/", 1)[0]
+    names["data.pkl"] = _old_rebuild_pickle()
+    rebuilt = tmp_path / "rebuilt.pth"
+    with zipfile.ZipFile(rebuilt, "w") as z:
+        for name, data in names.items():
+            z.writestr(f"{top}/{name}", data)
+    theirs = torch.load(rebuilt, weights_only=False)
+    assert theirs["module.weight"].tolist() == [[1.0, 2.0], [3.0, 4.0]]
+
+    summary = ckptfix.inspect_checkpoint(rebuilt)
+    assert summary["tensors"] == 1
+    out = tmp_path / "fixed.pth"
+    assert ckptfix.fix_prefix(rebuilt, out).renamed == 1
+    assert_same_tree(torch.load(out, weights_only=True), _stripped(theirs))
