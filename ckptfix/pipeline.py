@@ -187,6 +187,12 @@ def _metadata_value(value: Any) -> str | None:
     return text if len(text) <= _MAX_METADATA_VALUE else None
 
 
+def hub_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    """safetensors ``__metadata__`` as the hub's loaders want it: ``{"format": "pt"}`` first
+    (``huggingface_hub.load_torch_model`` and transformers refuse a file without it), then the rest."""
+    return {"format": "pt", **{k: v for k, v in metadata.items() if k != "format"}}
+
+
 def flat_state_dict(root: Any, original: Any, keep_metadata: bool) -> tuple[dict[str, Any], dict[str, str]]:
     """The ``{name: tensor}`` mapping safetensors needs, plus metadata kept by --keep-metadata.
 
@@ -454,7 +460,7 @@ def _write(
     if file_format == "safetensors" or kind == "sharded":
         flat, metadata = flat_state_dict(root, ckpt.root, opts.keep_metadata)
         inherited = {k: v for k, v in ckpt.metadata.items() if isinstance(v, str) and k not in flat}
-        metadata = {**inherited, **metadata}
+        metadata = hub_metadata({**inherited, **metadata})
         if not ckpt.lazy and kind == "sharded":
             raise UsageError(f"a {ckpt.format} file read through torch can only be written as a single file")
         if ckpt.lazy:
@@ -580,6 +586,7 @@ def write_checkpoint(
     budget = expand_budget(max_expand, ckpt.file_size)
     if file_format != "pth":
         flat, metadata = flat_state_dict(root, root, keep_metadata=False)
+        metadata = hub_metadata(metadata)
         plan_safetensors(flat, metadata, max_data_bytes=budget)  # refuse before the output exists
     with atomic_output(out_path) as out:
         if file_format == "pth":

@@ -106,7 +106,7 @@ def test_tied_model_round_trip_through_safetensors_loads_strictly(tmp_path: Path
     torch.save(model.state_dict(), tmp_path / "tied.pth")
     assert run_cli("convert", tmp_path / "tied.pth", tmp_path / "tied.safetensors").returncode == 0
     with safe_open(tmp_path / "tied.safetensors", "pt") as f:
-        assert f.metadata() == {"1.weight": "0.weight"}  # save_model's record of the dropped name
+        assert f.metadata() == {"format": "pt", "1.weight": "0.weight"}  # the hub marker, and the dropped name
         assert list(f.keys()) == ["0.weight"]
     assert run_cli("convert", tmp_path / "tied.safetensors", tmp_path / "back.pth").returncode == 0
     back = torch.load(tmp_path / "back.pth", weights_only=True)

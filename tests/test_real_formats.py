@@ -87,3 +87,28 @@ def test_pre_2018_rebuild_tensor_is_a_tensor(tmp_path: Path) -> None:
     out = tmp_path / "fixed.pth"
     assert ckptfix.fix_prefix(rebuilt, out).renamed == 1
     assert_same_tree(torch.load(out, weights_only=True), _stripped(theirs))
+
+
+def test_every_safetensors_output_loads_with_huggingface_hub(tmp_path: Path) -> None:
+    """huggingface_hub (and transformers) refuse a safetensors file whose metadata lacks
+    ``"format": "pt"``; ckptfix writes metadata whenever it records tied weights, so it must
+    write the marker too -- for single files, shards and write_checkpoint."""
+    huggingface_hub = pytest.importorskip("huggingface_hub")
+    from safetensors import safe_open
+
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    model[1].weight = model[0].weight
+    src = tmp_path / "tied.pth"
+    torch.save(model.state_dict(), src)
+    single = tmp_path / "tied.safetensors"
+    ckptfix.convert(src, single)
+    ckpt = ckptfix.read_checkpoint(src)
+    written = tmp_path / "written.safetensors"
+    ckptfix.write_checkpoint(ckpt, ckpt.root, written)
+    for path in (single, written):
+        with safe_open(path, "pt") as f:
+            assert f.metadata()["format"] == "pt"
+        fresh = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+        result = huggingface_hub.load_torch_model(fresh, path, strict=False)
+        assert not result.missing_keys or result.missing_keys == ["1.weight"]  # the tie, stored once
+        assert torch.equal(fresh[0].weight, model[0].weight)
