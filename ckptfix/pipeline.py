@@ -349,7 +349,7 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> 
             if cast.shared_with_uncast:
                 done += (f"left {len(cast.shared_with_uncast)} tensors uncast: they share storage with kept ones",)
         steps.append(
-            Step(f"--dtype {opts.dtype}", done, f"no floating-point state-dict tensor to cast to {opts.dtype}")
+            Step(f"--dtype {opts.dtype}", done, f"no floating-point state-dict tensor to cast to {cast.dtype}")
         )
     return root
 

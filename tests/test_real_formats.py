@@ -112,3 +112,18 @@ def test_every_safetensors_output_loads_with_huggingface_hub(tmp_path: Path) -> 
         result = huggingface_hub.load_torch_model(fresh, path, strict=False)
         assert not result.missing_keys or result.missing_keys == ["1.weight"]  # the tie, stored once
         assert torch.equal(fresh[0].weight, model[0].weight)
+
+
+@pytest.mark.parametrize(
+    ("alias", "dtype"), [("fp16", torch.float16), ("bf16", torch.bfloat16), ("half", torch.float16)]
+)
+def test_dtype_aliases(tmp_path: Path, alias: str, dtype: torch.dtype) -> None:
+    from click.testing import CliRunner
+
+    from ckptfix.cli import cli
+
+    src, out = tmp_path / "m.pth", tmp_path / "o.pth"
+    torch.save({"w": torch.linspace(0, 1, 5)}, src)
+    result = CliRunner().invoke(cli, ["convert", str(src), str(out), "--dtype", alias])
+    assert result.exit_code == 0, result.output
+    assert torch.load(out, weights_only=True)["w"].dtype == dtype

@@ -13,7 +13,7 @@ from typing import Any
 import click
 
 from ..formats.detect import OUTPUT_FORMATS
-from ..model.dtypes import CASTABLE
+from ..model.dtypes import CAST_ALIASES, CASTABLE
 
 Decorator = Callable[[Callable[..., Any]], Callable[..., Any]]
 
@@ -142,7 +142,7 @@ PIPELINE = apply(
         ),
         click.option(
             "--dtype",
-            type=click.Choice(CASTABLE),
+            type=click.Choice([*CASTABLE, *CAST_ALIASES]),
             help="Cast floating-point state-dict tensors (ints, bools, optimizer state untouched).",
         ),
         click.option(

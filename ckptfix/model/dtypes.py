@@ -118,3 +118,13 @@ DTYPE_STORAGE: dict[str, str] = {v: k for k, v in STORAGE_DTYPE.items() if k != 
 
 #: the floating-point dtypes --dtype casts to
 CASTABLE = ("float16", "bfloat16", "float32", "float64")
+#: other names people give them (PyTorch's ``half``/``float``/``double``, the usual short forms)
+CAST_ALIASES = {
+    "fp16": "float16",
+    "half": "float16",
+    "bf16": "bfloat16",
+    "fp32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "double": "float64",
+}

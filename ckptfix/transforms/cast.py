@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import BadInputError, UsageError
 from ..fileio.ranges import ComputedSource, OpenFiles, read_all
 from ..model.data import swap_unit_for
-from ..model.dtypes import CASTABLE, DTYPE_ITEMSIZE, DTYPE_STORAGE
+from ..model.dtypes import CAST_ALIASES, CASTABLE, DTYPE_ITEMSIZE, DTYPE_STORAGE
 from ..model.paths import format_path
 from ..model.refs import Global, StorageRef, TensorRef
 from ..model.walk import iter_tensors, substitute
@@ -69,9 +69,12 @@ def _cast_storage(storage: StorageRef, target: str) -> StorageRef:
 
 
 def cast_floats(root: Any, dtype: str, keep: Sequence[str] = (), keys: Sequence[str] = ()) -> tuple[Any, CastReport]:
-    """A copy of ``root`` whose state dicts' floating tensors are ``dtype``; plus what changed."""
+    """A copy of ``root`` whose state dicts' floating tensors are ``dtype`` (a name in
+    :data:`CASTABLE` or an alias such as ``fp16``/``bf16``/``half``); plus what changed."""
+    dtype = CAST_ALIASES.get(dtype, dtype)
     if dtype not in CASTABLE:
-        raise UsageError(f"--dtype {dtype}: choose one of {', '.join(CASTABLE)}")
+        names = ", ".join([*CASTABLE, *CAST_ALIASES])
+        raise UsageError(f"--dtype {dtype}: choose one of {names}")
     report = CastReport(dtype)
     wanted: dict[int, TensorRef] = {}
     names: dict[int, str] = {}
