@@ -73,8 +73,7 @@ def cast_floats(root: Any, dtype: str, keep: Sequence[str] = (), keys: Sequence[
     :data:`CASTABLE` or an alias such as ``fp16``/``bf16``/``half``); plus what changed."""
     dtype = CAST_ALIASES.get(dtype, dtype)
     if dtype not in CASTABLE:
-        names = ", ".join([*CASTABLE, *CAST_ALIASES])
-        raise UsageError(f"--dtype {dtype}: choose one of {names}")
+        raise UsageError(f"--dtype {dtype}: choose one of {', '.join([*CASTABLE, *CAST_ALIASES])}")
     report = CastReport(dtype)
     wanted: dict[int, TensorRef] = {}
     names: dict[int, str] = {}
