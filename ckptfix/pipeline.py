@@ -158,11 +158,17 @@ def output_target(out_path: str, out_format: str | None, max_shard_size: Any) ->
     if out_format == "dcp":
         return "dcp", "dcp"
     is_folder = out_path.endswith(("/", os.sep)) or Path(out_path).is_dir()
+    suffix = Path(out_path).suffix.lower()
+    if max_shard_size is not None and not is_folder and suffix in (*PTH_SUFFIXES, ".safetensors"):
+        folder = str(Path(out_path).with_suffix("")) + "/"
+        raise UsageError(
+            f"--max-shard-size writes a folder of shards, but {out_path} is named like a file: "
+            f"name the folder, e.g. {folder}"
+        )
     if is_folder or max_shard_size is not None:
         return "sharded", out_format or "safetensors"
     if out_format:
         return "file", out_format
-    suffix = Path(out_path).suffix.lower()
     if suffix == ".safetensors":
         return "file", "safetensors"
     if suffix in PTH_SUFFIXES:

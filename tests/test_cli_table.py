@@ -83,3 +83,11 @@ def test_nothing_written_names_every_requested_step(capsys: pytest.CaptureFixtur
     assert stdout.rstrip().endswith("nothing written")
     code, _, err = run(capsys, "rename", path, out, "--rule", "^nomatch=>x", "--strict")
     assert code == 1 and "no key matches the rename rules" in err
+
+
+def test_max_shard_size_with_a_file_name_is_a_usage_error(capsys: pytest.CaptureFixture[str], ddp: Path) -> None:
+    """OUT's kind is never guessed silently: not a folder called model.safetensors."""
+    out = ddp.with_name("model.safetensors")
+    code, _, err = run(capsys, "convert", ddp, out, "--max-shard-size", "1MB")
+    assert code == 2 and "name the folder" in err and str(ddp.with_name("model")) + "/" in err
+    assert not out.exists()
