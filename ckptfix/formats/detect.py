@@ -43,6 +43,8 @@ def _is_legacy(head: bytes) -> bool:
     if body[:1] == bytes((_FRAME,)):
         body = body[9:]
     return body.startswith(_LEGACY_MAGIC)
+
+
 _ARCHIVES = {
     b"\x1f\x8b": "a gzip-compressed file: decompress it first (gunzip)",
     b"7z\xbc\xaf\x27\x1c": "a 7z archive: extract the checkpoint from it first",
