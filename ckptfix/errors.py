@@ -6,6 +6,7 @@ a documented code instead of a traceback. Library users catch :class:`CkptfixErr
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from enum import IntEnum
 
 
@@ -60,17 +61,59 @@ class BadInputError(CkptfixError):
 
 
 class UnsafeInputError(BadInputError):
-    """The pickle references a global outside the allow-list; nothing in it was run (exit 3)."""
+    """The pickle references globals outside the allow-list; nothing in it was run (exit 3).
 
-    def __init__(self, global_name: str, path: str | None = None) -> None:
+    ``names`` are the globals as the pickle spells them (what ``--allow-global`` must match:
+    ``posix.system``, not ``os.system``), every one the pickle names that is not allowed, so the
+    user fixes all of them in one go; ``shown`` is how to say each (``os.system (pickled as
+    posix.system)``). ``sanitizable``: ``--sanitize`` would turn all of them into plain data.
+    """
+
+    def __init__(
+        self,
+        names: str | Sequence[str],
+        path: str | None = None,
+        *,
+        shown: Sequence[str] | None = None,
+        sanitizable: bool = False,
+        hostile: Sequence[str] = (),
+    ) -> None:
+        self.global_names = [names] if isinstance(names, str) else list(names)
+        self.shown = list(shown) if shown is not None else list(self.global_names)
+        self.sanitizable = sanitizable
+        self.hostile = list(hostile)
+        self.path = path
         where = f"{path}: " if path else ""
+        listed = ", ".join(self.shown[:20]) + (f" and {len(self.shown) - 20} more" if len(self.shown) > 20 else "")
+        keep = " ".join(f"--allow-global {n}" for n in self.global_names if n not in self.hostile)
+        ways = []
+        if self.hostile:
+            verb = "runs" if len(self.hostile) == 1 else "run"
+            named = [shown for name, shown in zip(self.global_names, self.shown) if name in self.hostile]
+            ways.append(f"{', '.join(named)} {verb} code when unpickled: the file is hostile")
+        if keep:
+            whom = "the others" if self.hostile else "them as they are"
+            ways.append(f"to keep {whom}, without running anything: {keep}")
+        if sanitizable:
+            ways.append("to turn them into plain data: --sanitize")
+        if not self.hostile:
+            ways.append("only if you trust this file: --unsafe-load (torch.load(weights_only=False) runs its code)")
         super().__init__(
-            f"{where}refusing to load: the pickle references {global_name}, which is not on the "
-            "allow-list of plain checkpoint contents; nothing from the file was run",
-            hint=f"to keep it without running it: --allow-global {global_name.split(' ')[0]}; "
-            "only if you trust this file: --unsafe-load (torch.load(weights_only=False) runs code from the file)",
+            f"{where}refusing to load: the pickle references {listed}, which {'is' if len(self.shown) == 1 else 'are'} "
+            "not on the allow-list of plain checkpoint contents; nothing from the file was run",
+            hint="; ".join(ways),
         )
-        self.global_name = global_name
+
+    @property
+    def global_name(self) -> str:
+        """The first refused global, as shown (kept for callers of the single-name error)."""
+        return self.shown[0]
+
+    def at(self, path: str) -> UnsafeInputError:
+        """The same refusal, saying which file."""
+        return UnsafeInputError(
+            self.global_names, path, shown=self.shown, sanitizable=self.sanitizable, hostile=self.hostile
+        )
 
 
 class CheckFailedError(CkptfixError):

@@ -76,7 +76,9 @@ def test_malicious_pickles_are_refused_and_nothing_runs(tmp_path: Path, command:
         result = run_cli(*args)
         assert result.returncode == 3, (global_name, result.stderr)
         assert global_name in result.stderr
-        assert "--unsafe-load" in result.stderr
+        # a file that runs code is hostile: no hint to load it or keep that global
+        assert "the file is hostile" in result.stderr
+        assert "--unsafe-load" not in result.stderr and f"--allow-global {global_name}" not in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1, result.stderr
         assert not marker.exists(), f"{global_name} payload ran"
         assert not (tmp_path / "out.pth").exists()
@@ -89,7 +91,27 @@ def test_refusal_happens_before_the_payload_is_reached(tmp_path: Path) -> None:
     with pytest.raises(UnsafeInputError) as info:
         ckptfix.read_checkpoint(path)
     assert info.value.global_name.startswith("os.system")
+    assert info.value.global_names == ["posix.system"]  # the spelling --allow-global would need
     assert not marker.exists()
+
+
+def test_a_refusal_names_every_global_at_once_with_the_ways_out(tmp_path: Path) -> None:
+    """One run shows every disallowed global (not the first), as ready-to-paste options; the
+    data-only ones suggest --sanitize, and --unsafe-load only for a file that runs no code."""
+    import argparse
+    import pathlib
+
+    path = tmp_path / "config.pth"
+    torch.save({"w": torch.ones(2), "args": argparse.Namespace(lr=0.1), "root": pathlib.PurePosixPath("/data")}, path)
+    with pytest.raises(UnsafeInputError) as info:
+        ckptfix.read_checkpoint(path)
+    error = info.value
+    assert error.global_names == ["argparse.Namespace", "pathlib.PurePosixPath"]
+    text = str(error)
+    assert "--allow-global argparse.Namespace --allow-global pathlib.PurePosixPath" in text
+    assert "--sanitize" in text and "--unsafe-load" in text and "hostile" not in text
+    ckpt = ckptfix.read_checkpoint(path, allow_globals=error.global_names)  # the suggestion works
+    assert sorted(ckpt.root) == ["args", "root", "w"]
 
 
 def test_unsafe_load_reads_a_trusted_checkpoint_with_foreign_objects(tmp_path: Path) -> None:

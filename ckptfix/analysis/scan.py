@@ -28,7 +28,7 @@ from ..errors import CkptfixError
 from ..fileio.ziparchive import read_record_bytes
 from ..formats.detect import open_input, sniff
 from ..formats.torchzip import MAX_PICKLE_BYTES, read_checked_directory
-from ..pickling.globals import BENIGN, MODULE_ALIASES
+from ..pickling.globals import BENIGN, canonical_name
 from ..pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS
 from ..pickling.recording import record_globals
 
@@ -61,21 +61,13 @@ class ScanResult:
         }
 
 
-def canonical(name: str) -> str:
-    """The name users know: ``posix.system`` is ``os.system``, ``__builtin__`` is ``builtins``."""
-    if name.startswith("<"):
-        return name
-    module = name.rsplit(".", 1)[0]
-    return MODULE_ALIASES.get(module, module) + name[len(module) :]
-
-
 def classify(name: str) -> str:
     if name.startswith("<"):
         return "dangerous"  # what the reader refuses as laundering (BUILD on a global...)
-    canonical_name = canonical(name)
-    if canonical_name in TORCH_GLOBALS or canonical_name in PYTHON_GLOBALS:
+    known = canonical_name(name)
+    if known in TORCH_GLOBALS or known in PYTHON_GLOBALS:
         return "safe"
-    if canonical_name in BENIGN:
+    if known in BENIGN:
         return "benign"
     return "dangerous"
 
@@ -92,7 +84,7 @@ def scan_pickles(
     start of ``data``, nested pickles included, each with its verdict; and an error ("" if all
     read cleanly). See :func:`ckptfix.recording.record_globals`."""
     found, error = record_globals(data, where, _plain, count=count, headerless=headerless)
-    return [Found(canonical(name), classify(name), at) for name, at in found], error
+    return [Found(canonical_name(name), classify(name), at) for name, at in found], error
 
 
 def scan_path(path: str | Path) -> ScanResult:

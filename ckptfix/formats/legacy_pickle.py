@@ -98,7 +98,7 @@ def _read(path: str, data: mmap.mmap, file_size: int, globals_seen: set[str], al
     try:
         tree, pos = restricted_load(data, load_storage, globals_seen, allow, start=pos, check_depth=False)
     except UnsafeInputError as exc:
-        raise UnsafeInputError(exc.global_name, path) from None
+        raise exc.at(path) from None
     keys, offset = restricted_load(data, None, start=pos)
     if type(keys) is not list or not all(type(k) is str for k in keys):
         raise BadInputError(f"{path}: corrupt legacy checkpoint (bad storage key list)")

@@ -196,7 +196,7 @@ def read_torch_zip(
     try:
         root, _ = restricted_load(pickle_bytes, load_storage, globals_seen, allow, check_depth=False, budgets=budgets)
     except UnsafeInputError as exc:
-        raise UnsafeInputError(exc.global_name, path) from None
+        raise exc.at(path) from None
     check_extents(root, path)
     return root, TorchZipArchive(path, archive_name, records, byteorder, versions)
 

@@ -12,6 +12,30 @@ from __future__ import annotations
 
 MODULE_ALIASES = {"__builtin__": "builtins", "posix": "os", "nt": "os", "_operator": "operator", "_io": "io"}
 
+
+def canonical_name(name: str) -> str:
+    """The name users know: ``posix.system`` is ``os.system``, ``__builtin__`` is ``builtins``."""
+    if name.startswith("<"):
+        return name
+    module = name.rsplit(".", 1)[0]
+    return MODULE_ALIASES.get(module, module) + name[len(module) :]
+
+
+#: where a pickle's call runs code (by canonical name): a file naming one is hostile, so no hint
+#: ever suggests keeping it (``--allow-global``) or loading the file (``--unsafe-load``)
+CODE_EXECUTION = (
+    *(f"{m}." for m in ("os", "subprocess", "sys", "pty", "socket", "shutil", "runpy", "importlib", "ctypes")),
+    *(f"{m}." for m in ("code", "pickle", "_pickle", "marshal", "webbrowser", "multiprocessing")),
+    *(f"builtins.{n}" for n in ("eval", "exec", "compile", "getattr", "setattr", "__import__", "open")),
+    "builtins.breakpoint",
+)
+
+
+def runs_code(name: str) -> bool:
+    """True for a global that executes code when a pickle calls it (``os.system``, ``eval`` ...)."""
+    return canonical_name(name).startswith(CODE_EXECUTION)
+
+
 #: where numpy keeps its pickle helpers (numpy 2 renamed numpy.core to numpy._core)
 NUMPY_MODULES = ("numpy.core.multiarray", "numpy._core.multiarray")
 SANITIZABLE = (

@@ -37,7 +37,7 @@ from ..errors import BadInputError, UnsafeInputError
 from ..model.dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS_NAMES
 from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef, Tree
 from ..model.walk import check_nesting, walk
-from .globals import MODULE_ALIASES
+from .globals import MODULE_ALIASES, SANITIZABLE, runs_code
 from .names import is_dotted_identifier
 from .recording import looks_like_pickle, protocol2_bytes, record_globals
 from .vm import Budgets, Hooks, PickleVM, collector_paused
@@ -321,7 +321,8 @@ class ReaderHooks(Hooks):
         result = Global(module, name)
         if full not in TORCH_GLOBALS and full not in PYTHON_GLOBALS:
             if full in NEVER_ALLOWED or not (self.allow and allowed_by_name(full, self.allow)):
-                raise UnsafeInputError(display_name(module, name))
+                hostile = [full] if runs_code(full) or full in NEVER_ALLOWED else []
+                raise UnsafeInputError(full, shown=[display_name(module, name)], hostile=hostile)
             self._opaque.add(id(result))
             self._calls[id(result)] = _opaque_reduce
         else:
@@ -421,13 +422,38 @@ def restricted_load(
     seen = globals_seen if globals_seen is not None else set()
     hooks = ReaderHooks(load_storage, seen, allow)
     vm = PickleVM(data, hooks, budgets, start)
-    with collector_paused():  # the VM makes ~10 objects per tensor and no garbage cycles
-        tree = vm.run()
+    try:
+        with collector_paused():  # the VM makes ~10 objects per tensor and no garbage cycles
+            tree = vm.run()
+    except UnsafeInputError as first:
+        raise _every_refused(data, start, allow) or first from None
     if check_depth:
         check_nesting(tree)
     if hooks._opaque:
         _check_nested_pickles(tree, hooks)
     return tree, vm.pos
+
+
+def _refused(name: str, allow: Sequence[str]) -> bool:
+    return (
+        name not in TORCH_GLOBALS
+        and name not in PYTHON_GLOBALS
+        and (name in NEVER_ALLOWED or not allowed_by_name(name, allow))
+    )
+
+
+def _every_refused(data: bytes | mmap.mmap, start: int, allow: Sequence[str]) -> UnsafeInputError | None:
+    """The refusal naming every global of the pickle at ``start`` that this read does not allow
+    (the reader stops at the first): the VM in recording mode over the same bytes, so one run
+    shows the user all the ``--allow-global`` options at once. None if recording finds none
+    (then the reader's own error stands)."""
+    found, _ = record_globals(data, "refused", _plain_global, count=1, start=start)
+    names = list(dict.fromkeys(n for n, _ in found if not n.startswith("<") and _refused(n, allow)))
+    if not names:
+        return None
+    shown = [display_name(*n.rsplit(".", 1)) for n in names]
+    hostile = [n for n in names if runs_code(n) or n in NEVER_ALLOWED]
+    return UnsafeInputError(names, shown=shown, sanitizable=all(n in SANITIZABLE for n in names), hostile=hostile)
 
 
 def _check_nested_pickles(tree: Tree, hooks: ReaderHooks) -> None:
@@ -445,9 +471,5 @@ def _check_nested_pickles(tree: Tree, hooks: ReaderHooks) -> None:
             module, _, short = name.rpartition(".")
             if name.startswith("<"):
                 raise BadInputError(f"corrupt or hostile pickle: a pickle carried as bytes holds {name}")
-            if (
-                name not in TORCH_GLOBALS
-                and name not in PYTHON_GLOBALS
-                and (name in NEVER_ALLOWED or not allowed_by_name(name, hooks.allow))
-            ):
-                raise UnsafeInputError(display_name(module, short) + " (in a pickle carried as bytes)")
+            if _refused(name, hooks.allow):
+                raise UnsafeInputError(name, shown=[display_name(module, short) + " (in a pickle carried as bytes)"])

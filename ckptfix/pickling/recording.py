@@ -163,8 +163,9 @@ def record_globals(
     *,
     count: int | None = None,
     headerless: bool = False,
+    start: int = 0,
 ) -> tuple[list[Finding], str]:
-    """Findings in ``count`` consecutive pickles (all, if None) at the start of ``data`` (bytes or
+    """Findings in ``count`` consecutive pickles (all, if None) from ``data[start:]`` (bytes or
     an mmap); returns them and an error ("" if every pickle read cleanly).
 
     Without ``count``, stops quietly where the data stops being pickles after at least one
@@ -172,7 +173,7 @@ def record_globals(
     pickle named before it turned to garbage is kept: ``pickle.load`` would have run it.
     """
     found: list[Finding] = []
-    pos, complete = 0, 0
+    pos, complete = start, 0
     while pos < len(data) and (count is None or complete < count):
         before = len(found)
         vm = PickleVM(data, RecordingHooks(where, found, plain, depth, headerless), start=pos)
