@@ -91,3 +91,19 @@ def test_max_shard_size_with_a_file_name_is_a_usage_error(capsys: pytest.Capture
     code, _, err = run(capsys, "convert", ddp, out, "--max-shard-size", "1MB")
     assert code == 2 and "name the folder" in err and str(ddp.with_name("model")) + "/" in err
     assert not out.exists()
+
+
+def test_json_on_error_is_one_object_on_stdout(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A script reading --json from stdout always gets one JSON object, failure included."""
+    import json
+
+    for args in (
+        ["inspect", tmp_path / "missing.pth", "--json"],
+        ["strip-module", tmp_path / "missing.pth", tmp_path / "o.pth", "--json"],
+        ["strip-module", tmp_path / "missing.pth", tmp_path / "o.pth", "--no-such-option", "--json"],
+    ):
+        code, out, err = run(capsys, *args)
+        document = json.loads(out)
+        assert document["schema_version"] == 1 and document["ok"] is False
+        assert document["exit_code"] == code and code in (2, 3)
+        assert document["error"]["message"] and err.count("\n") >= 1

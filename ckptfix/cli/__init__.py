@@ -16,6 +16,7 @@ import click
 
 from ..errors import CkptfixError, ExitCode, one_line
 from .commands import WRITE_COMMANDS, WriteCommand, cli
+from .render import json_exception
 
 __all__ = ["WRITE_COMMANDS", "WriteCommand", "cli", "main"]
 
@@ -29,6 +30,7 @@ def main(argv: list[str] | None = None) -> None:
     """Console entry point: maps every error to one stderr line and a documented exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
+    as_json = "--json" in args[: args.index("--")] if "--" in args else "--json" in args
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         code = cli.main(args=args, prog_name="ckptfix", standalone_mode=False)
@@ -38,11 +40,15 @@ def main(argv: list[str] | None = None) -> None:
     except click.ClickException as exc:
         exc.show()
         code = exc.exit_code
+        if as_json:
+            json_exception(exc, code)
     except CkptfixError as exc:
         if debug:
             traceback.print_exc()
         click.echo(f"ckptfix: error: {exc}", err=True)
         code = exc.exit_code
+        if as_json:
+            json_exception(exc, code)
     except KeyboardInterrupt:
         click.echo("ckptfix: interrupted; no output was written", err=True)
         code = ExitCode.INTERRUPTED
@@ -55,4 +61,6 @@ def main(argv: list[str] | None = None) -> None:
             one_line(f"ckptfix: internal error (please report with --debug): {type(exc).__name__}: {exc}"), err=True
         )
         code = ExitCode.INTERNAL
+        if as_json:
+            json_exception(exc, code)
     sys.exit(int(code) if isinstance(code, int) else 0)

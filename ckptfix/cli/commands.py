@@ -287,11 +287,13 @@ def run_write(spec: WriteCommand, paths: tuple[str, ...], as_json: bool, kw: dic
             bar.__exit__(None, None, None)
     if single:
         (result,) = report.files
-        if result.status != "failed":
+        if result.status == "failed" and as_json:
+            render.json_error(result.exit_code, result.message)
+        elif result.status != "failed":
+            assert result.report is not None  # a file that did not fail has its report
             if as_json:
                 emit_json(result.report)
             elif not quiet:
-                assert result.report is not None
                 render.file_report(result.report, dry_run=opts.dry_run)
         return report.exit_code
     summary = report.to_dict()

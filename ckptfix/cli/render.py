@@ -17,10 +17,24 @@ import click
 
 from ..errors import one_line
 
+#: the version of every --json document's shape (bumped when a field changes meaning or goes)
+SCHEMA_VERSION = 1
 
-def emit_json(data: Any) -> None:
-    """The --json document: names exactly as the file holds them."""
-    click.echo(json.dumps(data, indent=2, default=str))
+
+def emit_json(data: dict[str, Any]) -> None:
+    """The --json document: names exactly as the file holds them, its schema version first."""
+    click.echo(json.dumps({"schema_version": SCHEMA_VERSION, **data}, indent=2, default=str))
+
+
+def json_error(exit_code: int, message: str, kind: str = "Error", hint: str | None = None) -> None:
+    """What --json prints on stdout when the command fails (the one stderr line still goes out),
+    so a script reading stdout always gets one JSON object."""
+    emit_json({"ok": False, "exit_code": exit_code, "error": {"type": kind, "message": message, "hint": hint}})
+
+
+def json_exception(error: Exception, exit_code: int) -> None:
+    message = getattr(error, "message", None) or str(error)
+    json_error(exit_code, message, type(error).__name__, getattr(error, "hint", None))
 
 
 def printable(data: Any) -> Any:
