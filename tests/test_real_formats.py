@@ -127,3 +127,32 @@ def test_dtype_aliases(tmp_path: Path, alias: str, dtype: torch.dtype) -> None:
     result = CliRunner().invoke(cli, ["convert", str(src), str(out), "--dtype", alias])
     assert result.exit_code == 0, result.output
     assert torch.load(out, weights_only=True)["w"].dtype == dtype
+
+
+def test_scan_reads_shard_folders_indexes_and_dcp_folders(tmp_path: Path) -> None:
+    """scan takes every input the readers take; a shard's finding says which shard."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from ckptfix.analysis.scan import scan_path
+
+    src = tmp_path / "m.pth"
+    torch.save({f"layer{i}.weight": torch.randn(64) for i in range(4)}, src)
+    shards = tmp_path / "shards"
+    ckptfix.convert(src, shards, ckptfix.ConvertOptions(out_format="pth", max_shard_size="600B"))
+    index = next(shards.glob("*.index.json"))
+    for target in (shards, index):
+        result = scan_path(target)
+        assert result.format == "sharded" and not result.error and not result.dangerous
+        assert {g.where.split(":", 1)[0] for g in result.globals} == {p.name for p in shards.glob("*.bin")}
+        assert len(list(shards.glob("*.bin"))) > 1
+
+    folder = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(3), "step": 4}, checkpoint_id=str(folder))
+    result = scan_path(folder)
+    assert result.format == "dcp" and not result.error and not result.dangerous
+    assert "torch.distributed.checkpoint.metadata.Metadata" in {g.name for g in result.globals}
+    assert result.notes  # says the data files were not scanned

@@ -24,9 +24,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import CkptfixError
+from ..errors import BadInputError, CkptfixError
 from ..fileio.ziparchive import read_record_bytes
+from ..formats.dcp import METADATA_NAME, is_dcp_folder
 from ..formats.detect import open_input, sniff
+from ..formats.sharded import find_index, read_index
 from ..formats.torchzip import MAX_PICKLE_BYTES, read_checked_directory
 from ..pickling.globals import BENIGN, canonical_name
 from ..pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS
@@ -46,6 +48,7 @@ class ScanResult:
     format: str = ""
     globals: list[Found] = field(default_factory=list)
     error: str = ""
+    notes: list[str] = field(default_factory=list)
 
     @property
     def dangerous(self) -> list[Found]:
@@ -56,6 +59,7 @@ class ScanResult:
             "path": self.path,
             "format": self.format,
             "error": self.error,
+            "notes": self.notes,
             "dangerous": sorted({g.name for g in self.dangerous}),
             "globals": [asdict(g) for g in self.globals],
         }
@@ -88,6 +92,54 @@ def scan_pickles(
 
 
 def scan_path(path: str | Path) -> ScanResult:
+    """Scan one checkpoint -- a file, a shard index or folder, a DCP folder -- never executing
+    anything; bad input is reported in the result, never raised.
+
+    A sharded checkpoint is scanned file by file (the globals say which shard); a DCP folder's
+    ``.metadata`` is a plain pickle and is scanned as one."""
+    target = Path(path)
+    try:
+        parts = _parts(target)
+    except (OSError, CkptfixError) as exc:
+        return ScanResult(str(path), error=str(exc))
+    if parts is None:
+        return _scan_file(target)
+    kind, files, notes = parts
+    result = ScanResult(str(path), kind, notes=notes)
+    for file in files:
+        part = _scan_pickle_file(file) if kind == "dcp" else _scan_file(file)
+        result.globals += [Found(g.name, g.verdict, f"{file.name}:{g.where}") for g in part.globals]
+        result.error = result.error or (f"{file.name}: {part.error}" if part.error else "")
+    return result
+
+
+def _parts(target: Path) -> tuple[str, list[Path], list[str]] | None:
+    """The files of a checkpoint made of several (kind, files, notes), or None for one file."""
+    if target.is_dir() and is_dcp_folder(target):
+        note = "DCP tensor data files (*.distcp) are not scanned: only .metadata holds a pickle ckptfix can find"
+        return "dcp", [target / METADATA_NAME], [note]
+    index = find_index(target) if target.is_dir() else target
+    if index is None:
+        raise BadInputError(f"{target}: a folder with no checkpoint index or model file in it")
+    if not index.name.lower().endswith(".index.json"):
+        return None if index == target else ("file", [index], [])
+    weight_map, _ = read_index(index)
+    return "sharded", [index.parent / name for name in dict.fromkeys(weight_map.values())], []
+
+
+def _scan_pickle_file(path: Path) -> ScanResult:
+    """A file that is one plain pickle (DCP's .metadata)."""
+    result = ScanResult(str(path), "pickle")
+    try:
+        f, size = open_input(str(path))
+        with f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else contextlib.nullcontext(b"") as data:
+            result.globals, result.error = scan_pickles(data, "pickle", count=1)
+    except (OSError, CkptfixError, ValueError) as exc:
+        result.error = str(exc)
+    return result
+
+
+def _scan_file(path: Path) -> ScanResult:
     """Scan one file; never executes, never raises for bad input (the error is in the result)."""
     result = ScanResult(str(path))
     data: bytes | mmap.mmap

@@ -148,6 +148,8 @@ def scan_results(results: list[Any]) -> None:
             verdicts.setdefault(g.verdict, set()).add(g.name)
         status = "DANGEROUS" if r.dangerous else ("ERROR" if r.error else "ok")
         say(f"{status} {r.path} ({r.format})" + (f": {r.error}" if r.error else ""))
+        for note in r.notes:
+            say(f"  note: {note}")
         for verdict in ("dangerous", "benign", "safe"):
             if verdict in verdicts:
                 say(f"  {verdict}: {', '.join(sorted(verdicts[verdict]))}")

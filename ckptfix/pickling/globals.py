@@ -46,10 +46,23 @@ SANITIZABLE = (
     *(f"pathlib.{n}" for n in ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")),
 )
 
-#: data-only classes scan calls benign: the sanitizable ones, and these
+#: what torch.distributed.checkpoint pickles into a folder's ``.metadata``: plain dataclasses
+#: describing where each tensor's chunks are (torch 2.x)
+DCP_METADATA = (
+    *(
+        f"torch.distributed.checkpoint.metadata.{n}"
+        for n in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata")
+    ),
+    *(f"torch.distributed.checkpoint.metadata.{n}" for n in ("TensorProperties", "MetadataIndex", "StorageMeta")),
+    "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
+)
+
+#: data-only classes scan calls benign: the sanitizable ones, DCP's metadata records, and these
 BENIGN = frozenset(
     {
         *SANITIZABLE,
+        *DCP_METADATA,
         "collections.defaultdict",
         "collections.deque",
         "datetime.datetime",
