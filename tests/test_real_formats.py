@@ -156,3 +156,60 @@ def test_scan_reads_shard_folders_indexes_and_dcp_folders(tmp_path: Path) -> Non
     assert result.format == "dcp" and not result.error and not result.dangerous
     assert "torch.distributed.checkpoint.metadata.Metadata" in {g.name for g in result.globals}
     assert result.notes  # says the data files were not scanned
+
+
+def _diff(a: Any, b: Any, tmp_path: Path) -> Any:
+    from ckptfix.pipeline import diff_checkpoints
+
+    torch.save({"t": a}, tmp_path / "a.pth")
+    torch.save({"t": b}, tmp_path / "b.pth")
+    return diff_checkpoints(tmp_path / "a.pth", tmp_path / "b.pth")
+
+
+@pytest.mark.parametrize("dtype", ["bits8", "bits16", "float4_e2m1fn_x2"])
+def test_diff_of_dtypes_without_arithmetic_compares_bits(tmp_path: Path, dtype: str) -> None:
+    """torch cannot convert these to float64 ('copy_ not implemented'): never exit 5."""
+    a = torch.arange(8, dtype=torch.uint8).view(getattr(torch, dtype))
+    b = a.clone()
+    b.view(torch.uint8)[3] ^= 0xFF
+    assert _diff(a, a.clone(), tmp_path).equal
+    report = _diff(a, b, tmp_path)
+    assert not report.equal and report.different[0]["differing_elements"] == 1
+    assert report.different[0]["max_abs_diff"] is None
+
+
+def test_diff_complex_is_nan_aware_part_by_part(tmp_path: Path) -> None:
+    nan_one = torch.tensor([complex(float("nan"), 1.0)], dtype=torch.complex64)
+    payload = nan_one.clone()
+    payload.view(torch.uint8)[0] ^= 1  # another NaN payload: the same value
+    assert not torch.equal(nan_one.view(torch.uint8), payload.view(torch.uint8))
+    assert _diff(nan_one, payload, tmp_path).equal
+    other = torch.tensor([complex(float("nan"), 2.0)], dtype=torch.complex64)  # NaN real, other imaginary
+    report = _diff(nan_one, other, tmp_path)
+    assert not report.equal and report.different[0]["max_abs_diff"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.eye(3).to_sparse(),
+        lambda: torch.eye(3).to_sparse_csr(),
+        lambda: torch.quantize_per_tensor(torch.linspace(-1, 1, 5), 0.1, 3, torch.qint8),
+        lambda: torch.empty(3, 4, device="meta"),
+        lambda: torch.nested.nested_tensor([torch.ones(2), torch.ones(3)]),
+    ],
+    ids=["sparse-coo", "sparse-csr", "quantized", "meta", "nested"],
+)
+def test_diff_compares_other_tensor_kinds_by_their_parts(tmp_path: Path, make: Any) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert _diff(make(), make(), tmp_path).equal
+
+
+def test_diff_finds_a_difference_inside_a_sparse_or_quantized_tensor(tmp_path: Path) -> None:
+    assert not _diff(torch.eye(3).to_sparse(), (2 * torch.eye(3)).to_sparse(), tmp_path).equal
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q1 = torch.quantize_per_tensor(torch.linspace(-1, 1, 5), 0.1, 3, torch.qint8)
+        q2 = torch.quantize_per_tensor(torch.linspace(-1, 1, 5), 0.2, 3, torch.qint8)
+    assert not _diff(q1, q2, tmp_path).equal

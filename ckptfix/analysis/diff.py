@@ -15,11 +15,11 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..fileio.ranges import OpenFiles
+from ..fileio.ranges import OpenFiles, read_all
 from ..model.data import tensor_c_bytes
 from ..model.dtypes import DTYPE_ITEMSIZE
 from ..model.paths import Path, format_path
-from ..model.refs import Reduce, TensorRef, is_tensor_like, is_torch_tensor
+from ..model.refs import Reduce, StorageRef, TensorRef, is_tensor_like, is_torch_tensor
 from ..model.walk import ATTRS, walk
 
 _MAX_LISTED = 50
@@ -39,7 +39,6 @@ class DiffReport:
     mismatched: list[dict[str, Any]] = field(default_factory=list)
     different: list[dict[str, Any]] = field(default_factory=list)
     values_differ: list[dict[str, Any]] = field(default_factory=list)
-    not_compared: list[str] = field(default_factory=list)
     hint: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -53,11 +52,17 @@ def flatten(root: Any) -> dict[str, Any]:
     leaves: dict[str, Any] = {}
 
     def into(path: Path, value: Any) -> bool:
+        if type(value) is Reduce:  # a sparse, quantized, nested or meta tensor: compared by its parts
+            return is_tensor_like(value)
         return isinstance(value, (Mapping, list, tuple)) and bool(value) and not is_tensor_like(value)
 
     for path, value in walk(root, lambda p, v: into(p, v) and ATTRS not in p, leaves=True):
-        if not into(path, value) and ATTRS not in path:  # _metadata is module versions, not values
+        if ATTRS in path:
+            continue  # _metadata is module versions, not values
+        if not into(path, value):
             leaves[format_path(path)] = value
+        elif type(value) is Reduce:
+            leaves[f"{format_path(path)}.<rebuilt by>"] = value.func.full
     return leaves
 
 
@@ -69,31 +74,58 @@ def _shape_of(t: Any) -> list[int]:
     return list(t.shape)
 
 
+#: dtypes torch cannot convert to float64/complex128 (no arithmetic): compared bit for bit only
+_NO_ARITHMETIC = ("bits", "float4")
+
+
 def _measure(a: bytes, b: bytes, dtype: str, shape: list[int], rtol: float, atol: float) -> dict[str, Any]:
-    """Decode two differing tensors (in torch) and say how far apart they are."""
+    """Decode two tensors whose bytes differ (in torch) and say how far apart they are.
+
+    Values are compared NaN-aware and part by part for complex numbers: two elements are equal
+    when every part is equal or NaN on both sides (a NaN payload difference is not a value
+    difference). Dtypes without arithmetic (bits*, float4) are compared bit for bit."""
     import torch
 
-    tdtype = getattr(torch, dtype)
-    ta = torch.frombuffer(bytearray(a), dtype=tdtype).reshape(shape)
-    tb = torch.frombuffer(bytearray(b), dtype=tdtype).reshape(shape)
     itemsize = DTYPE_ITEMSIZE[dtype]
     raw_a = torch.frombuffer(bytearray(a), dtype=torch.uint8).reshape(-1, itemsize)
     raw_b = torch.frombuffer(bytearray(b), dtype=torch.uint8).reshape(-1, itemsize)
     bit_different = (raw_a != raw_b).any(dim=1)
+    numel = int(raw_a.shape[0])
+    if dtype.startswith(_NO_ARITHMETIC):
+        count = int(bit_different.sum())
+        return {
+            "differing_elements": count,
+            "bit_differing_elements": count,
+            "numel": numel,
+            "max_abs_diff": None,
+            "max_rel_diff": None,
+            "within_tolerance": count == 0,
+        }
+    tdtype = getattr(torch, dtype)
     wide = torch.complex128 if tdtype.is_complex else torch.float64
-    fa, fb = ta.to(wide), tb.to(wide)
-    both_nan = torch.isnan(fa) & torch.isnan(fb)
-    delta = (fa - fb).abs()
-    delta = torch.where(both_nan, torch.zeros_like(delta), delta)
+    fa = torch.frombuffer(bytearray(a), dtype=tdtype).reshape(shape).to(wide).reshape(-1)
+    fb = torch.frombuffer(bytearray(b), dtype=tdtype).reshape(shape).to(wide).reshape(-1)
+    # parts: (n, 2) real/imaginary for complex, (n, 1) otherwise
+    pa = torch.view_as_real(fa) if tdtype.is_complex else fa.unsqueeze(1)
+    pb = torch.view_as_real(fb) if tdtype.is_complex else fb.unsqueeze(1)
+    both_nan = torch.isnan(pa) & torch.isnan(pb)
+    same = ((pa == pb) | both_nan).all(dim=1)
+    part_delta = torch.where(both_nan, torch.zeros_like(pa), (pa - pb).abs())
+    delta = part_delta.pow(2).sum(dim=1).sqrt() if tdtype.is_complex else part_delta[:, 0]
+    magnitude = pb.pow(2).sum(dim=1).sqrt() if tdtype.is_complex else pb[:, 0].abs()
     finite = torch.isfinite(delta)
     max_abs = float(delta[finite].max()) if finite.any() else float("inf")
-    rel = delta / fb.abs().clamp_min(torch.finfo(torch.float64).tiny)
-    max_rel = float(rel[finite].max()) if finite.any() else float("inf")
-    close = torch.isclose(fa, fb, rtol=rtol, atol=atol, equal_nan=True) if (rtol or atol) else ~bit_different
+    rel = delta / magnitude.clamp_min(torch.finfo(torch.float64).tiny)
+    measurable = finite & torch.isfinite(rel)  # a NaN part in B has no relative difference
+    max_rel = float(rel[measurable].max()) if measurable.any() else float("inf")
+    if rtol or atol:
+        close = torch.isclose(pa, pb, rtol=rtol, atol=atol, equal_nan=True).all(dim=1) if delta.numel() else same
+    else:
+        close = same
     return {
-        "differing_elements": int((~close).sum() if (rtol or atol) else bit_different.sum()),
+        "differing_elements": int((~close).sum()),
         "bit_differing_elements": int(bit_different.sum()),
-        "numel": int(ta.numel()),
+        "numel": numel,
         "max_abs_diff": max_abs if finite.all() else float("inf"),
         "max_rel_diff": max_rel if finite.all() else float("inf"),
         "within_tolerance": bool(close.all()),
@@ -117,12 +149,12 @@ def diff_trees(
             right_tensor = isinstance(right, TensorRef) or is_torch_tensor(right)
             if left_tensor and right_tensor:
                 _compare_tensor(report, path, left, right, files, rtol, atol)
+            elif type(left) is StorageRef and type(right) is StorageRef:
+                _compare_storage(report, path, left, right, files)
             elif left_tensor or right_tensor:
                 report.values_differ.append({"path": path, "a": type(left).__name__, "b": type(right).__name__})
             elif isinstance(left, Reduce) or isinstance(right, Reduce):
-                if is_tensor_like(left) or is_tensor_like(right):
-                    report.not_compared.append(path)
-                elif not (
+                if not (
                     isinstance(left, Reduce)
                     and isinstance(right, Reduce)
                     and left.func == right.func
@@ -139,7 +171,6 @@ def diff_trees(
         or report.mismatched
         or report.different
         or report.values_differ
-        or report.not_compared
     )
     return report
 
@@ -167,10 +198,20 @@ def _compare_tensor(
         report.tensors_equal += 1
         return
     measured = _measure(bytes_a, bytes_b, dtype_a, shape_a, rtol, atol)
-    if measured["within_tolerance"] and (rtol or atol):
+    if measured["within_tolerance"]:  # within rtol/atol, or only NaN payloads differ
         report.tensors_equal += 1
         return
     report.different.append({"path": path, "dtype": dtype_a, "shape": shape_a, **measured})
+
+
+def _compare_storage(report: DiffReport, path: str, left: StorageRef, right: StorageRef, files: OpenFiles) -> None:
+    """A storage a tensor kind is rebuilt from (a quantized tensor's): dtype, size and bytes."""
+    if (left.dtype, left.numel) != (right.dtype, right.numel):
+        report.mismatched.append(
+            {"path": path, "a": f"{left.dtype} storage of {left.numel}", "b": f"{right.dtype} storage of {right.numel}"}
+        )
+    elif left.source is None or right.source is None or read_all(left.source, files) != read_all(right.source, files):
+        report.values_differ.append({"path": path, "a": "storage bytes", "b": "other storage bytes"})
 
 
 def render(report: DiffReport) -> str:
@@ -187,14 +228,14 @@ def render(report: DiffReport) -> str:
     for m in report.mismatched[:_MAX_LISTED]:
         lines.append(f"shape/dtype differ: {m['path']}: {m['a']} vs {m['b']}")
     for d in report.different[:_MAX_LISTED]:
-        lines.append(
-            f"values differ: {d['path']}: {d['differing_elements']}/{d['numel']} elements, "
-            f"max abs diff {d['max_abs_diff']:.6g}, max rel diff {d['max_rel_diff']:.6g}"
+        how_far = (
+            f", max abs diff {d['max_abs_diff']:.6g}, max rel diff {d['max_rel_diff']:.6g}"
+            if d["max_abs_diff"] is not None
+            else " (compared bit for bit: no arithmetic on this dtype)"
         )
+        lines.append(f"values differ: {d['path']}: {d['differing_elements']}/{d['numel']} elements{how_far}")
     for v in report.values_differ[:_MAX_LISTED]:
         lines.append(f"value differs: {v['path']}: {v['a']} vs {v['b']}")
-    if report.not_compared:
-        lines.append(f"not compared (sparse/quantized/other tensor kinds): {', '.join(report.not_compared[:10])}")
     if report.hint:
         lines.append(f"hint: {report.hint}")
     lines.append(
