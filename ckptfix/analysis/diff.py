@@ -166,11 +166,7 @@ def diff_trees(
     if report.only_in_a and report.only_in_b:
         report.hint = _prefix_hint(report.only_in_a, report.only_in_b)
     report.equal = not (
-        report.only_in_a
-        or report.only_in_b
-        or report.mismatched
-        or report.different
-        or report.values_differ
+        report.only_in_a or report.only_in_b or report.mismatched or report.different or report.values_differ
     )
     return report
 

@@ -75,10 +75,9 @@ def _strict(what: str) -> Decorator:
 
 
 def _needs_rules(opts: ConvertOptions, own: dict[str, Any]) -> ConvertOptions:
-    rules = (*own["rules"], *opts.rename)
-    if not rules:
+    if not opts.rename:
         raise UsageError("rename needs at least one --rule 'REGEX=>REPLACEMENT'")
-    return replace(opts, rename=rules)
+    return opts
 
 
 def _needs_map_location(opts: ConvertOptions, own: dict[str, Any]) -> ConvertOptions:
@@ -179,16 +178,7 @@ WRITE_COMMANDS = (
       ckptfix rename in.pth out.pth --rule '^backbone\\.=>encoder.'
       ckptfix rename in.pth out.pth --rule '^(\\w+)\\.conv(\\d)=>\\1.convs.\\2' --dry-run
     """,
-        (
-            click.option(
-                "--rule",
-                "rules",
-                multiple=True,
-                metavar="RULE",
-                help="'REGEX=>REPLACEMENT', Python re syntax with backrefs; repeatable, applied in order.",
-            ),
-            _strict("no key matches"),
-        ),
+        (_strict("no key matches"),),
         _needs_rules,
     ),
     WriteCommand(

@@ -121,9 +121,12 @@ PIPELINE = apply(
         click.option("--add-prefix", metavar="P", help="Add this key prefix to keys lacking it."),
         click.option(
             "--rename",
+            "--rule",
+            "rename",
             multiple=True,
             metavar="RULE",
-            help="Rename state-dict keys: 'REGEX=>REPLACEMENT' (Python re, backrefs; repeatable, in order).",
+            help="Rename state-dict keys: 'REGEX=>REPLACEMENT' (Python re, backrefs; repeatable, in order; "
+            "--rule is the same option).",
         ),
         click.option(
             "--key",
