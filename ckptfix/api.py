@@ -16,12 +16,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .errors import UsageError
 from .formats.checkpoint import Checkpoint, read_checkpoint
 from .model.paths import format_path, get_at
 from .model.paths import select as select_path
-from .model.refs import Tree
+from .model.refs import OpaqueObject, Tree
+from .model.walk import walk
+from .pickling.globals import SANITIZABLE
+from .pickling.names import check_global_patterns
 from .transforms.fit import best_fit, shapes_of
 from .transforms.prefix import add_prefix, strip_prefix
+from .transforms.select import filter_tree
 
 if TYPE_CHECKING:
     from torch.nn import Module
@@ -45,6 +50,32 @@ def _materialize(ckpt: Checkpoint, root: Tree, map_location: MAP_LOCATION, mmap:
         return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
 
 
+def _read(
+    path: str | os.PathLike[str], unsafe_load: bool, allow_globals: Sequence[str], sanitize: bool
+) -> tuple[Checkpoint, Tree]:
+    """Read as the CLI does with ``--unsafe-load``, ``--allow-global`` and ``--sanitize``: the
+    checkpoint and its tree (sanitized when asked; the checkpoint's own root stays as read)."""
+    check_global_patterns(allow_globals)
+    allow = [*allow_globals, *(SANITIZABLE if sanitize else ())]
+    ckpt = read_checkpoint(path, unsafe_load=unsafe_load, allow_globals=allow)
+    if not sanitize:
+        return ckpt, ckpt.root
+    from .transforms.sanitize import sanitize as to_plain_data
+
+    return ckpt, to_plain_data(ckpt.root)[0]
+
+
+def _refuse_opaque(root: Tree) -> None:
+    """Objects kept by ``allow_globals`` cannot become real objects without running their code:
+    torch.load(weights_only=True) refuses them, and ckptfix does not import them."""
+    kept = sorted({value.name for _, value in walk(root) if isinstance(value, OpaqueObject)})
+    if kept:
+        raise UsageError(
+            f"the loaded tree would hold {', '.join(kept[:5])}, which cannot be built without running its code",
+            hint="pass sanitize=True to turn them into plain data, or select= the part that holds the weights",
+        )
+
+
 def load(
     path: str | os.PathLike[str],
     map_location: MAP_LOCATION = None,
@@ -52,6 +83,8 @@ def load(
     select: str | None = None,
     strip_prefixes: Sequence[str] = (),
     unsafe_load: bool = False,
+    allow_globals: Sequence[str] = (),
+    sanitize: bool = False,
     mmap: bool = True,
 ) -> Any:
     """What ``torch.load(path, map_location=...)`` returns, for any format ckptfix reads.
@@ -60,17 +93,20 @@ def load(
     allow-list raises :class:`~ckptfix.UnsafeInputError` before anything runs), and may be a
     .pth, a legacy torch file, a .safetensors file or a shard folder. ``select`` takes a
     sub-tree (``"state_dict"``), ``strip_prefixes`` strips key prefixes on the way.
+    ``allow_globals`` and ``sanitize`` read files holding other objects, as the CLI's
+    ``--allow-global`` and ``--sanitize`` do: what is returned must still be buildable without
+    running code (sanitized plain data, or a selected part without such objects).
 
     Example::
 
         sd = ckptfix.load("ddp_8gpu.pth", map_location="cpu", strip_prefixes=["module."])
     """
-    ckpt = read_checkpoint(path, unsafe_load=unsafe_load)
-    root = ckpt.root
+    ckpt, root = _read(path, unsafe_load, allow_globals, sanitize)
     if select:
         root = select_path(root, select, flag="select=")[1]
     for prefix in strip_prefixes:
         root = strip_prefix(root, prefix).root
+    _refuse_opaque(root)
     return _materialize(ckpt, root, map_location, mmap)
 
 
@@ -86,6 +122,8 @@ class LoadIntoReport:
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     map_location: str = ""
+    #: keys left out because their shape differs from the model's (``skip_mismatch=True``)
+    skipped: list[str] = field(default_factory=list)
 
 
 def load_into(
@@ -96,6 +134,9 @@ def load_into(
     strict: bool = True,
     select: str | None = None,
     unsafe_load: bool = False,
+    allow_globals: Sequence[str] = (),
+    sanitize: bool = False,
+    skip_mismatch: bool = False,
 ) -> LoadIntoReport:
     """Load any checkpoint into ``model``, whatever the wrapping on either side.
 
@@ -108,15 +149,19 @@ def load_into(
 
         report = ckptfix.load_into(model, "ddp_checkpoint.pth")
         print(report.stripped, report.missing)
+
+    ``allow_globals``/``sanitize`` read checkpoints that hold other objects (configs) beside the
+    weights; ``skip_mismatch=True`` leaves out keys whose shape differs from the model's (a new
+    head when fine-tuning) and lists them in ``skipped`` -- use it with ``strict=False``.
     """
     import torch
 
-    ckpt = read_checkpoint(path, unsafe_load=unsafe_load)
+    ckpt, tree = _read(path, unsafe_load, allow_globals, sanitize)
     if select:
-        plan = best_fit(ckpt.root, shapes_of(model.state_dict()), *select_path(ckpt.root, select, flag="select="))
+        plan = best_fit(tree, shapes_of(model.state_dict()), *select_path(tree, select, flag="select="))
     else:
-        plan = best_fit(ckpt.root, shapes_of(model.state_dict()))
-    root = get_at(ckpt.root, plan.state_dict)
+        plan = best_fit(tree, shapes_of(model.state_dict()))
+    root = get_at(tree, plan.state_dict)
     for prefix in plan.strips:
         root = strip_prefix(root, prefix).root
     if plan.add:
@@ -124,6 +169,12 @@ def load_into(
     if map_location is None:
         first = next(iter(model.state_dict().values()), None)
         map_location = str(first.device) if isinstance(first, torch.Tensor) else "cpu"
+    skipped: list[str] = []
+    if skip_mismatch and plan.shape_mismatches:
+        # drop them from the lazy tree, before any tensor data is read
+        skipped = sorted(m["key"] for m in plan.shape_mismatches)
+        root = filter_tree(root, ["".join(f"[{c}]" if c in "*?[" else c for c in k) for k in skipped], ())[0]
+    _refuse_opaque(root)
     state_dict = _materialize(ckpt, root, map_location, mmap=False)
     result = model.load_state_dict(state_dict, strict=strict)
     return LoadIntoReport(
@@ -135,4 +186,5 @@ def load_into(
         missing=list(result.missing_keys),
         unexpected=list(result.unexpected_keys),
         map_location=str(map_location),
+        skipped=skipped,
     )

@@ -213,3 +213,40 @@ def test_diff_finds_a_difference_inside_a_sparse_or_quantized_tensor(tmp_path: P
         q1 = torch.quantize_per_tensor(torch.linspace(-1, 1, 5), 0.1, 3, torch.qint8)
         q2 = torch.quantize_per_tensor(torch.linspace(-1, 1, 5), 0.2, 3, torch.qint8)
     assert not _diff(q1, q2, tmp_path).equal
+
+
+def test_api_reads_checkpoints_with_configs_like_the_cli(tmp_path: Path) -> None:
+    """load/load_into take allow_globals= and sanitize= as the CLI takes --allow-global/--sanitize."""
+    import argparse
+
+    from ckptfix import UnsafeInputError, UsageError
+
+    model = torch.nn.Linear(3, 2)
+    path = tmp_path / "train.pth"
+    torch.save({"state_dict": model.state_dict(), "args": argparse.Namespace(lr=0.1, name="run")}, path)
+    with pytest.raises(UnsafeInputError):
+        ckptfix.load(path)
+    loaded = ckptfix.load(path, sanitize=True)
+    assert loaded["args"] == {"lr": 0.1, "name": "run"}
+    assert torch.equal(loaded["state_dict"]["weight"], model.weight)
+    weights = ckptfix.load(path, allow_globals=["argparse.Namespace"], select="state_dict")
+    assert torch.equal(weights["bias"], model.bias)
+    with pytest.raises(UsageError, match="sanitize=True"):
+        ckptfix.load(path, allow_globals=["argparse.Namespace"])  # the Namespace cannot be built safely
+    fresh = torch.nn.Linear(3, 2)
+    report = ckptfix.load_into(fresh, path, allow_globals=["argparse.Namespace"])
+    assert report.missing == [] and torch.equal(fresh.weight, model.weight)
+
+
+def test_load_into_can_skip_shape_mismatched_keys(tmp_path: Path) -> None:
+    """Fine-tuning: a new head of another size; the backbone loads, the head is listed."""
+    pretrained = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 10))
+    path = tmp_path / "pretrained.pth"
+    torch.save({"model": pretrained.state_dict()}, path)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        ckptfix.load_into(model, path, strict=False)
+    report = ckptfix.load_into(model, path, strict=False, skip_mismatch=True)
+    assert report.skipped == ["1.bias", "1.weight"]
+    assert sorted(report.missing) == ["1.bias", "1.weight"]
+    assert torch.equal(model[0].weight, pretrained[0].weight)
