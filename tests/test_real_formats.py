@@ -250,3 +250,112 @@ def test_load_into_can_skip_shape_mismatched_keys(tmp_path: Path) -> None:
     assert report.skipped == ["1.bias", "1.weight"]
     assert sorted(report.missing) == ["1.bias", "1.weight"]
     assert torch.equal(model[0].weight, pretrained[0].weight)
+
+
+# --- torch.distributed.checkpoint folders, read without torch's pickle.load ------------------
+
+DCP_SHARDED = Path(__file__).resolve().parent.parent / "fixtures" / "dcp_sharded_2ranks"
+
+
+def _dcp_reference(folder: Path, tmp_path: Path) -> Any:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(folder, tmp_path / "reference.pth")
+    return torch.load(tmp_path / "reference.pth", weights_only=False)
+
+
+def test_dcp_sharded_by_two_ranks_is_assembled_like_torch(tmp_path: Path) -> None:
+    """fixtures/dcp_sharded_2ranks: 2 gloo ranks, DTensor Shard(0) (FSDP2's layout), odd sizes."""
+    ckpt = ckptfix.read_checkpoint(DCP_SHARDED)  # no --unsafe-load: nothing is unpickled by torch
+    assert ckpt.format == "dcp" and ckpt.lazy
+    reference = _dcp_reference(DCP_SHARDED, tmp_path)
+    out = tmp_path / "whole.pth"
+    ckptfix.convert(DCP_SHARDED, out)
+    assert_same_tree(torch.load(out, weights_only=True), reference)
+    st = tmp_path / "model.safetensors"
+    ckptfix.convert(DCP_SHARDED, st, ckptfix.ConvertOptions(select="model"))
+    from safetensors.torch import load_file
+
+    assert_same_tree(dict(load_file(st)), dict(reference["model"]), check_stride=False)
+
+
+def test_dcp_single_process_with_lists_and_values(tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path / "dcp"
+    state = {"model": {"module.w": torch.randn(3, 2)}, "opt": {"param_groups": [{"lr": 0.1, "params": [0]}]}, "step": 4}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(folder))
+    out = tmp_path / "stripped.pth"
+    report = ckptfix.convert(folder, out, ckptfix.ConvertOptions(strip_prefixes=("module.",)))
+    assert report.renamed == 1
+    expected = _dcp_reference(folder, tmp_path)
+    expected["model"] = {"w": expected["model"]["module.w"]}
+    assert_same_tree(torch.load(out, weights_only=True), expected)
+
+
+def _rewrite_metadata(folder: Path, edit: Any) -> None:
+    with open(folder / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # our own folder, made in the test
+    edit(metadata)
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def _dcp_copy(tmp_path: Path) -> Path:
+    import shutil
+
+    folder = tmp_path / "copy"
+    shutil.copytree(DCP_SHARDED, folder)
+    return folder
+
+
+def test_hostile_dcp_metadata_is_refused(tmp_path: Path) -> None:
+    """The .metadata pickle is read by the restricted reader: a payload is refused (exit 3) and
+    never runs; items must stay inside their folder and files; chunks must tile their tensor."""
+    import dataclasses
+
+    from ckptfix import BadInputError, UnsafeInputError
+
+    marker = tmp_path / "PWNED"
+
+    class Evil:
+        def __reduce__(self) -> Any:
+            return (os.system, (f"touch {marker}",))
+
+    import os
+
+    folder = _dcp_copy(tmp_path)
+    _rewrite_metadata(folder, lambda m: setattr(m, "planner_data", Evil()))
+    with pytest.raises(UnsafeInputError, match="hostile"):
+        ckptfix.read_checkpoint(folder)
+    assert not marker.exists()
+
+    def escape(m: Any) -> None:
+        key = next(iter(m.storage_data))
+        m.storage_data[key] = dataclasses.replace(m.storage_data[key], relative_path="../outside.distcp")
+
+    def past_the_end(m: Any) -> None:
+        key = next(iter(m.storage_data))
+        m.storage_data[key] = dataclasses.replace(m.storage_data[key], length=10**9)
+
+    def overlapping(m: Any) -> None:
+        chunks = m.state_dict_metadata["model.w"].chunks
+        chunks[1] = dataclasses.replace(chunks[1], offsets=chunks[0].offsets)
+
+    def too_big(m: Any) -> None:
+        m.state_dict_metadata["model.w"].size = torch.Size([7, 4])
+
+    for edit, match in (
+        (escape, "not a file in the folder"),
+        (past_the_end, "past the end"),
+        (overlapping, "chunk"),
+        (too_big, "elements"),
+    ):
+        folder = _dcp_copy(tmp_path / edit.__name__)
+        _rewrite_metadata(folder, edit)
+        with pytest.raises(BadInputError, match=match):
+            ckptfix.read_checkpoint(folder)

@@ -80,12 +80,10 @@ def _dcp_folder(path: Path) -> dict:
     return state
 
 
-def test_dcp_folder_needs_unsafe_load_then_converts(tmp_path: Path) -> None:
+def test_dcp_folder_converts_without_unsafe_load(tmp_path: Path) -> None:
+    """A genuine DCP folder's .metadata names only DCP's dataclasses: read as inert records."""
     state = _dcp_folder(tmp_path / "dcp")
-    refused = run_cli("convert", tmp_path / "dcp", tmp_path / "out.pth")
-    assert refused.returncode == 3 and "--unsafe-load" in refused.stderr and "pickle" in refused.stderr
-    assert not (tmp_path / "out.pth").exists()
-    result = run_cli("convert", tmp_path / "dcp", tmp_path / "out.pth", "--unsafe-load", "--select", "model")
+    result = run_cli("convert", tmp_path / "dcp", tmp_path / "out.pth", "--select", "model")
     assert result.returncode == 0, result.stderr
     model = TinyNet()
     model.load_state_dict(torch.load(tmp_path / "out.pth", weights_only=True), strict=True)

@@ -9,6 +9,7 @@ memory map -- so memory stays at one tensor's worth at most.
 
 from __future__ import annotations
 
+import io
 import mmap
 import os
 import zlib
@@ -67,21 +68,77 @@ class WindowedReader:
     ends; callers check lengths.
     """
 
-    def __init__(self, fd: int, window: int = 1 << 16) -> None:
+    def __init__(self, fd: int, window: int = 1 << 16, *, base: int = 0, end: int | None = None) -> None:
         self._fd = fd
         self._window = window
+        self._base = base  # offsets are relative to here (a FileSlice's start)
+        self._end = end  # and nothing at or past this relative offset is read
         self._start = 0
         self._buffer = b""
+
+    def _pread(self, size: int, offset: int) -> bytes:
+        if self._end is not None:
+            size = max(0, min(size, self._end - offset))
+        return os.pread(self._fd, size, self._base + offset)
 
     def read(self, offset: int, size: int) -> bytes:
         at = offset - self._start
         if at >= 0 and at + size <= len(self._buffer):
             return self._buffer[at : at + size]
         if size >= self._window:
-            return os.pread(self._fd, size, offset)
-        self._buffer = os.pread(self._fd, self._window, offset)
+            return self._pread(size, offset)
+        self._buffer = self._pread(self._window, offset)
         self._start = offset
         return self._buffer[:size]
+
+    @classmethod
+    def over(cls, f: BinaryIO) -> WindowedReader:
+        """A reader over the open file ``f``, or over just its part when it is a :class:`FileSlice`."""
+        if isinstance(f, FileSlice):
+            return cls(f.fileno(), base=f.base, end=f.size)
+        return cls(f.fileno())
+
+
+class FileSlice(io.RawIOBase):
+    """``size`` bytes of an open file from ``base`` on, read as if they were a whole file.
+
+    For a zip stored inside another file (each item of a torch.distributed.checkpoint
+    ``.distcp`` file is a ``torch.save`` zip): the zip reader's offsets are relative to the
+    slice, and no read reaches outside it. The file is not closed with the slice.
+    """
+
+    def __init__(self, f: BinaryIO, base: int, size: int) -> None:
+        super().__init__()
+        self._fd = f.fileno()
+        self.base, self.size = base, size
+        self._pos = 0
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        origin = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        self._pos = max(0, origin + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, size: int | None = -1) -> bytes:
+        left = max(0, self.size - self._pos)
+        count = left if size is None or size < 0 else min(size, left)
+        data = os.pread(self._fd, count, self.base + self._pos)
+        self._pos += len(data)
+        return data
+
+    def close(self) -> None:
+        pass  # the underlying file belongs to the caller
 
 
 class OpenFiles:

@@ -77,10 +77,11 @@ class ZipRecord:
     crc: int
     header_offset: int
 
-    def source(self, path: str) -> FileRange:
-        """The record's bytes as a :class:`FileRange` of the archive file ``path``."""
+    def source(self, path: str, base: int = 0) -> FileRange:
+        """The record's bytes as a :class:`FileRange` of the archive file ``path`` (whose zip
+        starts at ``base``: a zip stored inside another file)."""
         deflated = self.compressed_size if self.method == DEFLATED else None
-        return FileRange(path, self.data_offset, self.size, self.crc, deflated)
+        return FileRange(path, base + self.data_offset, self.size, self.crc, deflated)
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ def read_directory(f: BinaryIO, file_size: int, path: str) -> ZipDirectory:
     names = [_checked_name(entry.raw_name, path) for entry in entries]
     _refuse_name_clashes(names, path)
     records = ZipDirectory()
-    view = WindowedReader(f.fileno())
+    view = WindowedReader.over(f)
     for name, entry in zip(names, entries):
         _check_entry(entry, name, path)
         data_offset = _check_local_header(view, entry, name, file_size, path)

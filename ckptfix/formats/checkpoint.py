@@ -11,7 +11,7 @@ from typing import Any, BinaryIO
 
 from ..errors import BadInputError, UnsafeInputError
 from ..model.refs import Tree
-from .dcp import is_dcp_folder, read_dcp
+from .dcp import is_dcp_folder, read_dcp, read_dcp_safely
 from .detect import check_input, open_input, sniff
 from .legacy import load_with_torch, save_with_torch
 from .legacy_pickle import read_legacy
@@ -113,15 +113,16 @@ def read_checkpoint(
 
 def _read_folder(folder: Path, unsafe_load: bool, allow_globals: Sequence[str]) -> Checkpoint:
     if is_dcp_folder(folder):
-        if not unsafe_load:
-            raise BadInputError(
-                f"{folder}: a torch.distributed.checkpoint (DCP) folder; torch reads its .metadata with plain "
-                "pickle, which can run code from the file, so ckptfix reads DCP only with --unsafe-load "
-                "(trusted folders only)"
-            )
         size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
-        note = "DCP folder read through torch.distributed.checkpoint (--unsafe-load); tensors are in memory"
-        return Checkpoint(str(folder), FORMAT_DCP, read_dcp(folder), size, notes=[note], lazy=False)
+        globals_seen: set[str] = set()
+        try:
+            root = read_dcp_safely(folder, globals_seen, allow_globals)
+        except UnsafeInputError:
+            if not unsafe_load:
+                raise
+            note = "DCP folder read through torch.distributed.checkpoint (--unsafe-load); tensors are in memory"
+            return Checkpoint(str(folder), FORMAT_DCP, read_dcp(folder), size, notes=[note], lazy=False)
+        return Checkpoint(str(folder), FORMAT_DCP, root, size, globals_seen)
     found = find_index(folder)
     if found is None:
         raise BadInputError(

@@ -1,12 +1,17 @@
 """``torch.distributed.checkpoint`` (DCP) folders, the format FSDP and multi-node training write.
 
-Both directions go through torch's own code, which holds the whole state dict in memory.
+Reading needs no torch and runs nothing from the folder. torch reads a folder's ``.metadata``
+with plain ``pickle.load`` (torch 2.13, ``FileSystemReader.read_metadata``); ckptfix reads it with
+its restricted reader, where the metadata dataclasses (``Metadata``, ``TensorStorageMetadata``,
+``ChunkStorageMetadata`` ...: :data:`~ckptfix.pickling.globals.DCP_METADATA`) are inert records,
+and refuses anything else as for any pickle. Each item the metadata lists is a ``torch.save`` zip
+inside a ``.distcp`` file (a tensor chunk, or a non-tensor value): read by the torch zip reader
+over that byte range. A tensor saved in one chunk is a lazy reference into its ``.distcp``
+file; one saved in several (FSDP with 2+ ranks) is assembled by placing each chunk's bytes when
+it is written, one tensor in memory at a time.
 
-Reading is refused unless the user passes ``--unsafe-load``: torch reads a DCP folder's
-``.metadata`` with plain ``pickle.load`` (torch 2.13, ``FileSystemReader.read_metadata``), so a
-hostile folder runs code the moment torch opens it, and ckptfix cannot vet that file the way it
-vets ``data.pkl``. Writing is safe: ``torch.distributed.checkpoint.save`` on tensors ckptfix
-loaded with ``weights_only=True``.
+Writing goes through torch's ``torch.distributed.checkpoint.save`` on tensors ckptfix loaded
+with ``weights_only=True``; ``--unsafe-load`` still reads a folder through torch's own code.
 """
 
 from __future__ import annotations
@@ -15,18 +20,224 @@ import os
 import shutil
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from itertools import pairwise
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, cast
 
 from ..errors import BadInputError, CannotWriteError
-from ..model.refs import Tree
+from ..fileio.ranges import ComputedSource, FileSlice, OpenFiles
+from ..model.data import tensor_c_bytes
+from ..model.dtypes import DTYPE_ITEMSIZE
+from ..model.refs import Global, OpaqueObject, Reduce, TensorRef, Tree, tensor_from_range
+from ..pickling.globals import DCP_METADATA
+from ..pickling.reader import restricted_load
+from .detect import open_input
+from .torchzip import read_torch_zip
 
 METADATA_NAME = ".metadata"
 
 
 def is_dcp_folder(folder: Path) -> bool:
     return (folder / METADATA_NAME).is_file()
+
+
+#: what a .metadata pickle may name besides the DCP dataclasses: the checkpoint id's path
+_METADATA_ALLOW = (
+    *DCP_METADATA,
+    *(f"pathlib.{n}" for n in ("PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath")),
+)
+#: a .metadata is structure only; anything larger is hostile or not DCP
+MAX_METADATA_BYTES = 1 << 30
+#: chunks one tensor may be saved in (FSDP/DTensor: one per rank and shard)
+MAX_CHUNKS = 1 << 16
+
+
+def _fields(value: object, name: str, where: str) -> dict[str, object]:
+    """The fields of a DCP dataclass record (``NEWOBJ`` + ``BUILD`` with its ``__dict__``)."""
+    if not (isinstance(value, OpaqueObject) and value.global_.name == name and isinstance(value.state, dict)):
+        if isinstance(value, OpaqueObject) and value.global_.name == name and not value.args:
+            return {}  # a dataclass without fields (BytesStorageMetadata)
+        raise BadInputError(f"{where}: corrupt DCP metadata: expected a {name}, found {type(value).__name__}")
+    return value.state
+
+
+def _size(value: object, where: str) -> tuple[int, ...]:
+    """A ``torch.Size`` record as a tuple of non-negative ints."""
+    if isinstance(value, Reduce) and value.func.full == "torch.Size" and len(value.args) == 1:
+        value = value.args[0]
+    if not (isinstance(value, tuple) and all(type(v) is int and v >= 0 for v in value)):
+        raise BadInputError(f"{where}: corrupt DCP metadata: a size that is not a tuple of non-negative integers")
+    return value
+
+
+def read_dcp_safely(folder: Path, globals_seen: set[str], allow: Sequence[str] = ()) -> Tree:
+    """The folder's state dict as a lazy tree, read without torch and without running anything.
+
+    ``allow`` (``--allow-global``) applies to the non-tensor values, as for any checkpoint.
+    """
+    where = str(folder / METADATA_NAME)
+    f, size = open_input(folder / METADATA_NAME)
+    with f:
+        if size > MAX_METADATA_BYTES:
+            raise BadInputError(f"{where}: {size} bytes, too large for DCP metadata")
+        data = f.read(size)
+    metadata, _ = restricted_load(data, None, globals_seen, _METADATA_ALLOW)
+    fields = _fields(metadata, "Metadata", where)
+    described, items = fields.get("state_dict_metadata"), fields.get("storage_data")
+    planner = fields.get("planner_data") or {}
+    if not (isinstance(described, dict) and isinstance(items, dict) and isinstance(planner, dict)):
+        raise BadInputError(f"{where}: corrupt DCP metadata: no state_dict_metadata or storage_data table")
+    located: dict[str, list[tuple[tuple[int, ...] | None, dict[str, object]]]] = {}
+    for key, info in items.items():
+        index, stored = _fields(key, "MetadataIndex", where), _fields(info, "_StorageInfo", where)
+        if stored.get("transform_descriptors"):
+            raise BadInputError(f"{where}: DCP items saved with transforms (compression) are not supported yet")
+        offset = index.get("offset")
+        located.setdefault(str(index.get("fqn")), []).append((None if offset is None else _size(offset, where), stored))
+    tree: dict[object, object] = {}
+    with OpenFiles() as files:
+        for fqn, meta in described.items():
+            if not isinstance(fqn, str) or fqn not in located:
+                raise BadInputError(f"{where}: corrupt DCP metadata: no stored item for {fqn!r:.80}")
+            value = _read_entry(folder, fqn, meta, located[fqn], globals_seen, allow, files, where)
+            path = planner.get(fqn, tuple(fqn.split(".")))
+            _place(tree, path, value, where)
+    return tree
+
+
+def _read_item(
+    folder: Path, stored: dict[str, object], globals_seen: set[str], allow: Sequence[str], where: str
+) -> Tree:
+    """One item: the ``torch.save`` zip at (relative_path, offset, length), read in place."""
+    name, offset, length = stored.get("relative_path"), stored.get("offset"), stored.get("length")
+    if not (isinstance(name, str) and name and "/" not in name and "\\" not in name and name not in (".", "..")):
+        raise BadInputError(f"{where}: corrupt DCP metadata: item file {name!r:.80} is not a file in the folder")
+    if not (type(offset) is int and type(length) is int and offset >= 0 and length > 0):
+        raise BadInputError(f"{where}: corrupt DCP metadata: an item with a bad offset or length")
+    f, size = open_input(folder / name)
+    with f:
+        if offset + length > size:
+            raise BadInputError(f"{folder / name}: an item at {offset}+{length} runs past the end ({size} bytes)")
+        part = cast(BinaryIO, FileSlice(f, offset, length))  # a binary file (io.RawIOBase) over the item
+        root, _ = read_torch_zip(str(folder / name), part, length, globals_seen, allow)
+    return root
+
+
+def _read_entry(
+    folder: Path,
+    fqn: str,
+    meta: object,
+    stored: list[tuple[tuple[int, ...] | None, dict[str, object]]],
+    globals_seen: set[str],
+    allow: Sequence[str],
+    files: OpenFiles,
+    where: str,
+) -> Tree:
+    if isinstance(meta, OpaqueObject) and meta.global_.name == "BytesStorageMetadata":
+        return _read_item(folder, stored[0][1], globals_seen, allow, where)
+    fields = _fields(meta, "TensorStorageMetadata", where)
+    shape = _size(fields.get("size"), where)
+    properties = fields.get("properties")
+    # TensorProperties pickles its fields as a tuple (its own __getstate__): dtype comes first
+    state = properties.state if isinstance(properties, OpaqueObject) else None
+    if isinstance(state, tuple) and state:
+        dtype_global = state[0]
+    else:
+        dtype_global = _fields(properties, "TensorProperties", where).get("dtype")
+    if not (
+        isinstance(dtype_global, Global) and dtype_global.module == "torch" and dtype_global.name in DTYPE_ITEMSIZE
+    ):
+        raise BadInputError(f"{where}: {fqn}: not a torch dtype")
+    dtype = dtype_global.name
+    chunks_meta = fields.get("chunks")
+    if not isinstance(chunks_meta, list) or not chunks_meta or len(chunks_meta) > MAX_CHUNKS:
+        raise BadInputError(f"{where}: {fqn}: corrupt DCP metadata: no chunks or too many")
+    by_offset = {offsets: info for offsets, info in stored}
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...], TensorRef]] = []
+    for chunk in chunks_meta:
+        c = _fields(chunk, "ChunkStorageMetadata", where)
+        offsets, sizes = _size(c.get("offsets"), where), _size(c.get("sizes"), where)
+        if len(offsets) != len(shape) or len(sizes) != len(shape) or offsets not in by_offset:
+            raise BadInputError(f"{where}: {fqn}: a chunk that does not fit the tensor or has no stored item")
+        if any(o + n > s for o, n, s in zip(offsets, sizes, shape)):
+            raise BadInputError(f"{where}: {fqn}: a chunk reaches outside the tensor's shape")
+        piece = _read_item(folder, by_offset[offsets], globals_seen, allow, where)
+        if not (isinstance(piece, TensorRef) and piece.dtype == dtype and piece.shape == sizes):
+            raise BadInputError(f"{where}: {fqn}: a stored chunk is not a {dtype} tensor of shape {sizes}")
+        chunks.append((offsets, sizes, piece))
+    _check_tiling(shape, chunks, f"{where}: {fqn}")
+    if len(chunks) == 1:
+        return chunks[0][2]  # saved whole: a lazy reference into its .distcp file
+    itemsize = DTYPE_ITEMSIZE[dtype]
+    numel = 1
+    for n in shape:
+        numel *= n
+
+    def assemble(open_files: OpenFiles) -> bytes:
+        import numpy as np
+
+        whole = np.zeros((*shape, itemsize), dtype=np.uint8)
+        for offsets, sizes, piece in chunks:
+            part = np.frombuffer(tensor_c_bytes(piece, open_files), dtype=np.uint8).reshape(*sizes, itemsize)
+            whole[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = part
+        return whole.tobytes()
+
+    return tensor_from_range(dtype, shape, ComputedSource(numel * itemsize, assemble))
+
+
+def _check_tiling(
+    shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...], TensorRef]], what: str
+) -> None:
+    """The chunks cover the tensor exactly: volumes add up and no two overlap."""
+    volume = 1
+    for n in shape:
+        volume *= n
+    total = 0
+    for _, sizes, _ in chunks:
+        part = 1
+        for n in sizes:
+            part *= n
+        total += part
+    if total != volume:
+        raise BadInputError(f"{what}: its chunks hold {total} elements, the tensor {volume}")
+    boxes = sorted((offsets, sizes) for offsets, sizes, _ in chunks if all(sizes))
+    for i, (a_off, a_size) in enumerate(boxes):
+        for b_off, b_size in boxes[i + 1 :]:
+            if b_off[0] >= a_off[0] + a_size[0]:
+                break  # sorted by the first offset: nothing later overlaps a
+            if all(bo < ao + an and ao < bo + bn for ao, an, bo, bn in zip(a_off, a_size, b_off, b_size)):
+                raise BadInputError(f"{what}: two of its chunks overlap")
+
+
+def _place(tree: dict[object, object], path: object, value: object, where: str) -> None:
+    """Put ``value`` at ``path`` (keys; an int makes a list, as torch's unflatten does)."""
+    if not (isinstance(path, tuple) and path and all(type(k) in (str, int) for k in path)):
+        raise BadInputError(f"{where}: corrupt DCP metadata: a planner path that is not a tuple of names")
+    node: Any = tree
+    for key, following in pairwise(path):
+        fresh: Any = [] if type(following) is int else {}
+        if type(key) is int:
+            if not isinstance(node, list) or key > len(node) + MAX_CHUNKS:
+                raise BadInputError(f"{where}: corrupt DCP metadata: a list index where there is no list")
+            node.extend([None] * (key + 1 - len(node)))
+            if node[key] is None:
+                node[key] = fresh
+            node = node[key]
+        else:
+            if not isinstance(node, dict):
+                raise BadInputError(f"{where}: corrupt DCP metadata: two entries claim one place")
+            node = node.setdefault(key, fresh)
+    last = path[-1]
+    if type(last) is int:
+        if not isinstance(node, list) or last > len(node) + MAX_CHUNKS:
+            raise BadInputError(f"{where}: corrupt DCP metadata: a list index where there is no list")
+        node.extend([None] * (last + 1 - len(node)))
+        node[last] = value
+    elif isinstance(node, dict):
+        node[last] = value
+    else:
+        raise BadInputError(f"{where}: corrupt DCP metadata: two entries claim one place")
 
 
 def read_dcp(folder: Path) -> Tree:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, BinaryIO
 
 from ..errors import BadInputError, UnsafeInputError
-from ..fileio.ranges import OpenFiles
+from ..fileio.ranges import FileSlice, OpenFiles
 from ..fileio.ziparchive import STORED, ZipDirectory, ZipRecord, ZipWriter, read_directory, read_record_bytes
 from ..model.refs import Global, StorageRef, make_storage
 from ..model.walk import check_extents
@@ -144,7 +144,11 @@ def _read_versions(f: BinaryIO, records: Mapping[str, ZipRecord], path: str) -> 
 def read_torch_zip(
     path: str, f: BinaryIO, file_size: int, globals_seen: set[str], allow: Sequence[str] = ()
 ) -> tuple[Any, TorchZipArchive]:
-    """Parse a torch zip checkpoint into a tree of lazy references (no tensor data is read)."""
+    """Parse a torch zip checkpoint into a tree of lazy references (no tensor data is read).
+
+    ``f`` may be a :class:`~ckptfix.fileio.ranges.FileSlice` (a zip inside ``path``): storages
+    then point at their bytes in ``path`` itself."""
+    base = f.base if isinstance(f, FileSlice) else 0
     raw = read_checked_directory(f, file_size, path)
     if not raw:
         raise BadInputError(f"{path}: an empty zip archive, not a checkpoint")
@@ -184,7 +188,7 @@ def read_torch_zip(
             raise BadInputError(f"{path}: corrupt pickle: a storage view in a zip checkpoint")
         if record is None:
             raise BadInputError(f"{path}: storage {key!r} is referenced but its record data/{key} is missing")
-        storage = make_storage(storage_type, key, location, numel, record.source(path), order)
+        storage = make_storage(storage_type, key, location, numel, record.source(path, base), order)
         if record.size < storage.nbytes:
             raise BadInputError(
                 f"{path}: storage data/{key} holds {record.size} bytes but the checkpoint "

@@ -370,7 +370,9 @@ class ReaderHooks(Hooks):
         super().set_items(target, pairs)
 
     def check_key(self, key: Any) -> None:
-        if type(key) is Global:
+        # records hash by identity (no __hash__ of the pickle's choosing runs): DCP's metadata
+        # keys its storage table by MetadataIndex objects
+        if type(key) is Global or type(key) is OpaqueObject:
             return
         super().check_key(key)
 
