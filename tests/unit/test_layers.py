@@ -12,8 +12,9 @@ import ast
 from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-PACKAGE = Path(__file__).resolve().parent.parent / "ckptfix"
+PACKAGE = ROOT / "ckptfix"
 
 #: bottom first: a module may import from its own layer or any layer before it in this list
 LAYERS = [

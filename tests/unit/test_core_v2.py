@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from conftest import ROOT
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -22,7 +23,7 @@ from ckptfix.formats.torchzip import write_torch_zip
 from ckptfix.pickling.reader import restricted_load
 from ckptfix.pickling.writer import dumps
 
-PACKAGE = Path(__file__).resolve().parent.parent / "ckptfix"
+PACKAGE = ROOT / "ckptfix"
 
 #: functions allowed to call themselves, and why (none of them walks a checkpoint's tree)
 _RECURSION_ALLOWED = {
