@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, assert_same_tree, reference_strip, run_cli
+from conftest import FIXTURES, assert_same_tree, invoke_cli, reference_strip
 from models import TinyNet, tiny_net
 
 import ckptfix
@@ -42,7 +42,7 @@ def test_wrapped_fixture_strips_into_bare_model(tmp_path: Path, fixture: str, pr
     src = FIXTURES / fixture
     for i, prefix in enumerate(prefixes):
         out = tmp_path / f"step{i}.pth"
-        result = run_cli("strip-module", src, out, "--prefix", prefix)
+        result = invoke_cli("strip-module", src, out, "--prefix", prefix)
         assert result.returncode == 0, result.stderr
         src = out
     _assert_same_weights(_load_strict(src))
@@ -54,7 +54,7 @@ def test_wrapped_fixture_strips_into_bare_model(tmp_path: Path, fixture: str, pr
 
 def test_lightning_checkpoint_strips_model_prefix_and_keeps_the_rest(tmp_path: Path) -> None:
     out = tmp_path / "fixed.ckpt"
-    result = run_cli("strip-module", FIXTURES / "lightning_tinynet.ckpt", out, "--prefix", "model.")
+    result = invoke_cli("strip-module", FIXTURES / "lightning_tinynet.ckpt", out, "--prefix", "model.")
     assert result.returncode == 0, result.stderr
     fixed = torch.load(out, weights_only=True)
     original = torch.load(FIXTURES / "lightning_tinynet.ckpt", weights_only=True)
@@ -68,7 +68,7 @@ def test_lightning_checkpoint_strips_model_prefix_and_keeps_the_rest(tmp_path: P
 
 def test_add_module_output_loads_into_dataparallel(tmp_path: Path) -> None:
     out = tmp_path / "dp.pth"
-    assert run_cli("add-module", FIXTURES / "bare_tinynet.pth", out).returncode == 0
+    assert invoke_cli("add-module", FIXTURES / "bare_tinynet.pth", out).returncode == 0
     wrapped = torch.nn.DataParallel(TinyNet())
     wrapped.load_state_dict(torch.load(out, weights_only=True), strict=True)
     _assert_same_weights(wrapped.module)
@@ -90,7 +90,7 @@ def test_cuda_tagged_dataparallel_checkpoint_is_fixed_without_a_gpu(tmp_path: Pa
     _retag(FIXTURES / "dataparallel_tinynet.pth", tagged, "cuda:3")
     with pytest.raises(RuntimeError, match="CUDA"):
         torch.load(tagged, weights_only=True)  # what users hit on a CPU-only box
-    result = run_cli("strip-module", tagged, out)
+    result = invoke_cli("strip-module", tagged, out)
     assert result.returncode == 0, result.stderr
     assert ckptfix.inspect_checkpoint(out)["devices"] == {"cuda:3": 9}  # device tags kept
     _assert_same_weights(_load_strict(out))  # _load_strict maps to cpu
@@ -104,7 +104,7 @@ def test_gpu_saved_fixtures_when_present(tmp_path: Path) -> None:
     for src in gpu_files:
         prefix = "_orig_mod." if "compiled" in src.name else "module."
         out = tmp_path / src.name
-        result = run_cli("strip-module", src, out, "--prefix", prefix)
+        result = invoke_cli("strip-module", src, out, "--prefix", prefix)
         if "cuda1" in src.name:
             continue
         assert result.returncode == 0, result.stderr
@@ -112,7 +112,7 @@ def test_gpu_saved_fixtures_when_present(tmp_path: Path) -> None:
 
 
 def test_torchscript_archive_is_refused_with_advice(tmp_path: Path) -> None:
-    result = run_cli("strip-module", FIXTURES / "torchscript_tinynet.pt", tmp_path / "x.pth")
+    result = invoke_cli("strip-module", FIXTURES / "torchscript_tinynet.pt", tmp_path / "x.pth")
     assert result.returncode == 3
     assert "TorchScript" in result.stderr and "torch.jit.load" in result.stderr
     assert not (tmp_path / "x.pth").exists()
