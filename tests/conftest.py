@@ -423,14 +423,16 @@ def sharing_groups(tree: Any) -> set[frozenset[str]]:
     return {frozenset(g) for g in groups.values() if len(g) > 1}
 
 
-def reference_strip(path: Path, prefix: str = "module.") -> Any:
-    """What torch itself gives: load, consume_prefix_in_state_dict_if_present until done."""
+def reference_strip(path: Path, *prefixes: str) -> Any:
+    """What torch itself gives: load, then for each prefix in turn (default ``module.``),
+    consume_prefix_in_state_dict_if_present until no key has it."""
     from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
     tree = torch.load(path, weights_only=True)
-    for sd in _state_dicts(tree):
-        while any(k.startswith(prefix) for k in sd):
-            consume_prefix_in_state_dict_if_present(sd, prefix)
+    for prefix in prefixes or ("module.",):
+        for sd in _state_dicts(tree):
+            while any(k.startswith(prefix) for k in sd):
+                consume_prefix_in_state_dict_if_present(sd, prefix)
     return tree
 
 

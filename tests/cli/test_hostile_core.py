@@ -544,12 +544,14 @@ def test_legacy_view_key_colliding_with_a_root_key_reads_like_torch(legacy_heade
         legacy_header, tree, [("0", 4, _FOUR), ("1", 4, struct.pack("<4f", 10, 20, 30, 40))], tmp_path / "legacy.pth"
     )
     theirs = torch.load(src, weights_only=True)["sd"]
+    assert theirs["module.w1"].tolist() == [1.0, 2.0]
     out = tmp_path / "out.pth"
     result = ck("strip-module", src, out)
-    if result.returncode == 3:
+    if result.returncode == 3:  # refusing the ambiguous key is allowed (what ckptfix does today)
+        assert_refused(result, "storage key '0' names both a storage and a view of another storage", out=out)
         return
+    assert result.returncode == 0, result.stderr
     ours = torch.load(out, weights_only=True)["sd"]
-    assert theirs["module.w1"].tolist() == [1.0, 2.0]
     assert ours["w1"].tolist() == theirs["module.w1"].tolist()
 
 
@@ -641,10 +643,12 @@ def test_shared_dag_40_levels_deep_is_walked_once(dag40: Path, tmp_path: Path, c
     args = [a.format(src=dag40, tmp=tmp_path, copy=copy) for a in command]
     result = ck(*args, timeout=DAG_SECONDS)
     assert result.returncode == 0, result.stderr
-    written = [Path(a) for a in args[2:] if a.endswith(".pth")] + ([copy] if "--in-place" in args else [])
+    written = [Path(a) for a in args if a.startswith(str(tmp_path)) and a.endswith(".pth")]
+    if command[0] == "prune":  # --drop matches nothing, and the DAG holds no optimizer state
+        assert "nothing to prune" in result.stdout and not any(out.exists() for out in written)
+        return
+    assert written or command[0] in ("inspect", "diff", "verify", "scan"), args
     for out in written:
-        if not out.exists():
-            continue  # e.g. prune: nothing to prune
         assert_output_safe(out)
         loaded = torch.load(out, weights_only=True)
         node, depth = loaded, 0

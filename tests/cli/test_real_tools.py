@@ -5,7 +5,6 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-import pytest
 import torch
 from conftest import FIXTURES, assert_same_tree, invoke_cli
 from models import TinyNet, tiny_net
@@ -16,7 +15,7 @@ import ckptfix
 
 def _lightning_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     """Train a LightningModule wrapping TinyNet for two steps and save through the Trainer."""
-    pl = pytest.importorskip("pytorch_lightning")
+    import pytorch_lightning as pl  # a test dependency (pyproject's [test] extra): never skipped
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
