@@ -49,14 +49,12 @@ class TierError(RuntimeError):
 _current_test: Path | None = None
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     global _current_test
     _current_test = Path(item.path)
-    try:
-        return (yield)
-    finally:
-        _current_test = None
+    yield
+    _current_test = None
 
 
 def current_tier() -> str | None:
