@@ -68,6 +68,7 @@ def test_sigkill_mid_write_leaves_old_or_new_complete_file(big: dict, tmp_path: 
     outcomes: list[tuple[str, str, bool]] = []  # (when killed, what the destination was, temp left behind)
     write_seconds = None
     for when in ["after the rename", "as the temp file appears", *["during the write"] * 4]:
+        out.unlink(missing_ok=True)  # a new file: rewriting one in place makes ext4 flush it to disk first
         out.write_bytes(big["old"])
         inode = out.stat().st_ino
         proc = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

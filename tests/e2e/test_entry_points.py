@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, CliResult, invoke_cli, run_cli, run_cli_batch
+from conftest import FIXTURES, CliResult, invoke_cli, make_fit_setup, run_cli, run_cli_batch
 
 DP = FIXTURES / "dataparallel_tinynet.pth"
 LEGACY = FIXTURES / "legacy_dataparallel_tinynet.pth"
@@ -65,22 +65,37 @@ def test_in_process_runs_match_a_process() -> None:
 # --- fit --model: the interpreter's own sys.path ------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def shadow_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, tuple[dict[str, Path], CliResult]]:
+    """``fit --model`` from a folder full of shadows, through ``python -m`` and through the console
+    script (script=True), each in its own set of folders; the two processes side by side."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def run(script: bool) -> tuple[dict[str, Path], CliResult]:
+        setup = make_fit_setup(tmp_path_factory.mktemp("console-script" if script else "python-m"))
+        result = run_cli(
+            "fit",
+            setup["ckpt"],
+            setup["root"] / "out.pth",
+            "--model",
+            "ckptfix_shadowtest_models:build",
+            cwd=setup["work"],
+            env={"PYTHONPATH": str(setup["site"])},
+            script=script,
+        )
+        return setup, result
+
+    with ThreadPoolExecutor(2) as pool:
+        return dict(zip((False, True), pool.map(run, (False, True))))
+
+
 @pytest.mark.parametrize("script", [False, True], ids=["python-m", "console-script"])
-def test_fit_model_is_not_shadowed_by_files_in_the_current_folder(fit_setup: dict[str, Path], script: bool) -> None:
+def test_fit_model_is_not_shadowed_by_files_in_the_current_folder(shadow_runs: dict, script: bool) -> None:
     """``python -m`` puts the current folder first on sys.path, the console script its own folder:
     neither may let a file in the current folder stand in for the model's module, or for a stdlib
     module it imports (colorsys: already imported in pytest, so only a fresh process can tell)."""
-    root = fit_setup["root"]
-    result = run_cli(
-        "fit",
-        fit_setup["ckpt"],
-        root / "out.pth",
-        "--model",
-        "ckptfix_shadowtest_models:build",
-        cwd=fit_setup["work"],
-        env={"PYTHONPATH": str(fit_setup["site"])},
-        script=script,
-    )
+    setup, result = shadow_runs[script]
+    root = setup["root"]
     assert result.returncode == 0, result.stdout + result.stderr
     assert not (root / "shadow-models").exists(), "the model module came from the current folder"
     assert not (root / "shadow-colorsys").exists(), "a stdlib module came from the current folder"

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import CliResult, run_cli_batch
+from conftest import CliResult, run_cli_batch, run_cli_batches
 from hostile import (
     CRASHY,
     DEEP,
@@ -96,9 +96,8 @@ def _deep_json(folder: Path, where: str) -> Path:
 
 
 @pytest.fixture(scope="module")
-def deep_runs(base_zip: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[Any, tuple[Path, list[CliResult]]]:
-    """Every deep input below, each in its own folder, all its commands in one process.
-    Key -> (the folder, the results of its commands in order)."""
+def deep_cases(base_zip: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[Any, tuple[Path, list[list[Any]]]]:
+    """Every deep input below, each in its own folder: key -> (the folder, its command lines)."""
     cases: dict[Any, tuple[Path, list[list[Any]]]] = {}
     for name in sorted(CRASHY):
         folder = tmp_path_factory.mktemp("nesting")
@@ -123,8 +122,25 @@ def deep_runs(base_zip: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[
         folder = tmp_path_factory.mktemp("json")
         src = _deep_json(folder, where)
         cases["json", where] = folder, [["inspect", src], ["verify", src]]
-    results = iter(run_cli_batch([command for _, commands in cases.values() for command in commands]))
-    return {key: (folder, [next(results) for _ in commands]) for key, (folder, commands) in cases.items()}
+    return cases
+
+
+@pytest.fixture(scope="module")
+def process_runs(
+    deep_cases: dict[Any, tuple[Path, list[list[Any]]]], bomb_sources: list[Path]
+) -> dict[str, list[CliResult]]:
+    """The deep inputs' commands in one process, the bombs in another, the two side by side."""
+    deep = [command for _, commands in deep_cases.values() for command in commands]
+    return run_cli_batches({"deep": deep, "bombs": [("inspect", src) for src in bomb_sources]})
+
+
+@pytest.fixture(scope="module")
+def deep_runs(
+    deep_cases: dict[Any, tuple[Path, list[list[Any]]]], process_runs: dict[str, list[CliResult]]
+) -> dict[Any, tuple[Path, list[CliResult]]]:
+    """Key -> (the folder, the results of its commands in order)."""
+    results = iter(process_runs["deep"])
+    return {key: (folder, [next(results) for _ in commands]) for key, (folder, commands) in deep_cases.items()}
 
 
 #: inputs CPython hashes (dict keys, set elements) or so deep that any recursion left in C would
@@ -200,12 +216,16 @@ BOMBS = {  # a few bytes that declare gigabytes, or many cheap opcodes
 
 
 @pytest.fixture(scope="module")
-def bomb_runs(base_zip: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, CliResult]:
+def bomb_sources(base_zip: Path, tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    folder = tmp_path_factory.mktemp("bombs")
+    return [with_data_pkl(base_zip, data, folder / f"bomb{i}.pth") for i, data in enumerate(BOMBS.values())]
+
+
+@pytest.fixture(scope="module")
+def bomb_runs(process_runs: dict[str, list[CliResult]]) -> dict[str, CliResult]:
     """``inspect`` of every bomb, one process for all: each result carries its own seconds and the
     process's peak RSS after it (a peak only grows: the first bomb over the limit is the culprit)."""
-    folder = tmp_path_factory.mktemp("bombs")
-    sources = [with_data_pkl(base_zip, data, folder / f"bomb{i}.pth") for i, data in enumerate(BOMBS.values())]
-    return dict(zip(BOMBS, run_cli_batch([("inspect", src) for src in sources])))
+    return dict(zip(BOMBS, process_runs["bombs"]))
 
 
 @pytest.mark.parametrize("name", list(BOMBS))
