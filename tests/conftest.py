@@ -1,32 +1,383 @@
-"""Shared helpers: run the real CLI, compare checkpoints the way torch sees them."""
+"""Shared helpers: run the CLI (in-process or as a process), compare checkpoints the way torch sees them.
+
+The suite has three tiers, one folder each, and this file enforces them:
+
+* ``tests/unit/`` -- library calls only: no CLI, no process.
+* ``tests/cli/`` -- the command line in-process (:func:`invoke_cli`: ``ckptfix.cli.main`` under
+  click's ``CliRunner`` isolation), exit codes, stdout and stderr exactly as a user sees them.
+* ``tests/e2e/`` -- only what needs a real process: the console script and ``python -m ckptfix``,
+  signals, rlimits, "torch is never imported", inputs that may crash an interpreter or whose
+  memory is measured (:func:`run_cli`, :func:`run_cli_batch`, or ``subprocess`` directly).
+
+Spawning a process from outside ``tests/e2e/`` (through any API) and :func:`invoke_cli` from
+``tests/unit/`` raise :class:`TierError`. The summary line ``subprocess spawns: N`` counts them.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+import tempfile
+import warnings
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import settings as _hypothesis_settings
 
 ROOT = Path(__file__).resolve().parent.parent
+TESTS = ROOT / "tests"
 FIXTURES = ROOT / "fixtures"
 sys.path.insert(0, str(FIXTURES))
 
+# =========================================================================== tiers
 
-def run_cli(*args: Any, env: dict[str, str] | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``python -m ckptfix ARGS`` as a user would; returns the completed process."""
-    return subprocess.run(
-        [sys.executable, "-m", "ckptfix", *map(str, args)],
+
+class TierError(RuntimeError):
+    """A test used a helper (or spawned a process) its tier does not allow."""
+
+
+#: the test file being run (set around each test's setup, call and teardown, module fixtures included)
+_current_test: Path | None = None
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    global _current_test
+    _current_test = Path(item.path)
+    yield
+    _current_test = None
+
+
+def current_tier() -> str | None:
+    """``unit``, ``cli`` or ``e2e`` for the test now running (None outside tests or tiers)."""
+    if _current_test is None:
+        return None
+    try:
+        parts = _current_test.resolve().relative_to(TESTS).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 and parts[0] in ("unit", "cli", "e2e") else None
+
+
+def _require_tier(what: str, allowed: tuple[str, ...], hint: str) -> None:
+    tier = current_tier()
+    if tier not in allowed:
+        where = _current_test.relative_to(ROOT) if _current_test else "outside a test"
+        raise TierError(
+            f"{what} is for tests under {' or '.join(f'tests/{t}/' for t in allowed)} only, "
+            f"not {where} (tier {tier}): {hint}"
+        )
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Everything imported and collected so far (torch, hypothesis, the test modules) lives until
+    the end: freeze it, so the garbage collector stops re-scanning it (about 10 % of the run)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
+# --- every process spawned from pytest is counted, and refused outside tests/e2e/ ---------------
+
+SPAWNS: Counter[str] = Counter()
+_popen_init = subprocess.Popen.__init__
+
+
+def _counted_popen_init(self: subprocess.Popen, *args: Any, **kwargs: Any) -> None:
+    _require_tier(
+        "spawning a process",
+        ("e2e",),
+        "run the command line in-process with invoke_cli, or move the test to tests/e2e/ if it needs a process",
+    )
+    SPAWNS[str(_current_test.relative_to(TESTS)) if _current_test else "?"] += 1
+    _popen_init(self, *args, **kwargs)
+
+
+subprocess.Popen.__init__ = _counted_popen_init  # type: ignore[method-assign]
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if SPAWNS:
+        files = ", ".join(f"{name} {count}" for name, count in sorted(SPAWNS.items()))
+        terminalreporter.write_line(f"subprocess spawns: {sum(SPAWNS.values())} ({files})")
+    else:
+        terminalreporter.write_line("subprocess spawns: 0")
+
+
+# =========================================================================== running the CLI
+
+
+@dataclass
+class CliResult:
+    """What a user sees of one ``ckptfix`` run (the fields of ``subprocess.CompletedProcess``)."""
+
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    #: run_cli_batch only: the command's own wall time, the process's peak RSS after it, and
+    #: whether ``torch`` was in ``sys.modules`` after it
+    seconds: float = 0.0
+    maxrss_mib: int | None = None
+    torch_imported: bool | None = None
+
+
+class DeadlineExceeded(BaseException):
+    """Raised in a command that runs too long (a BaseException: ckptfix's error handling cannot swallow it)."""
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, what: str = "the command") -> Iterator[None]:
+    """Interrupt in-process work that takes longer than ``seconds``: a hang fails, it does not block.
+    SIGALRM interrupts blocking system calls (opening a FIFO) and Python loops alike."""
+
+    def expire(signum: int, frame: Any) -> None:
+        raise DeadlineExceeded(f"{what} still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _outside_the_environment(module: Any) -> bool:
+    """A module imported from somewhere that is neither Python, site-packages nor ckptfix itself
+    (``fit --model`` imports from test folders): dropped after an in-process run, as a process
+    would forget it."""
+    where = getattr(module, "__file__", None) or next(iter(getattr(module, "__path__", None) or []), None)
+    if not where:
+        return False
+    where = os.path.realpath(where)
+    keep = {os.path.realpath(p) for p in (sys.prefix, sys.base_prefix, sys.exec_prefix, ROOT / "ckptfix")}
+    return not any(where == k or where.startswith(k + os.sep) for k in keep)
+
+
+def invoke_cli(
+    *args: Any,
+    env: Mapping[str, str | None] | None = None,
+    timeout: float = 120,
+    cwd: str | Path = ROOT,
+    umask: int | None = None,
+    sys_path_0: str | Path | None = None,
+) -> CliResult:
+    """``ckptfix ARGS`` in-process: the console script's own ``ckptfix.cli.main`` (which maps every
+    exception to one stderr line and an exit code, then calls ``sys.exit``) under click's
+    ``CliRunner`` isolation. Returns the real exit code, stdout and stderr, separately.
+
+    An exception that escapes ``main`` (none should: an unexpected one is its exit 5) propagates
+    into the test, never hidden in a result. Per run, as in a fresh process: ``cwd`` (the checkout,
+    as ``python -m ckptfix`` was run from), ``env`` overrides, ``umask``, warnings printed to stderr
+    under Python's default filters; afterwards the cwd, umask, ``sys.path``, signal handlers and
+    environment are restored and modules imported from outside Python and ckptfix (``fit --model``)
+    are forgotten. ``sys_path_0``: what ``sys.path[0]`` is during the run (``python -m`` puts the
+    current folder there). ``timeout``: seconds before the run is interrupted as a hang.
+    """
+    _require_tier(
+        "invoke_cli (the CLI in-process)",
+        ("cli", "e2e"),
+        "unit tests call the library; move CLI tests to tests/cli/",
+    )
+    import click.formatting
+    from click.testing import CliRunner
+
+    from ckptfix.cli import main
+
+    argv = [str(a) for a in args]
+    saved_cwd, saved_path, saved_modules = os.getcwd(), list(sys.path), set(sys.modules)
+    saved_signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    saved_umask = os.umask(umask) if umask is not None else None
+    code: Any = None
+    try:
+        # stdout is not a terminal: click wraps help at COLUMNS, else shutil's fallback of 80 columns
+        # (CliRunner would force 80, where a process piped to another wraps at 78)
+        columns = {} if os.environ.get("COLUMNS") else {"COLUMNS": "80"}
+        with CliRunner().isolation(env={**columns, **(env or {})}) as (out, err, _), warnings.catch_warnings():
+            click.formatting.FORCED_WIDTH = None  # restored by the isolation
+            warnings.showwarning = warnings._showwarning_orig  # type: ignore[attr-defined]
+            warnings.resetwarnings()  # a fresh interpreter's filters: show each warning, not deprecations
+            for category in (DeprecationWarning, PendingDeprecationWarning, ImportWarning, ResourceWarning):
+                warnings.simplefilter("ignore", category)
+            os.chdir(cwd)
+            if sys_path_0 is not None:
+                sys.path.insert(0, str(sys_path_0))
+            try:
+                with deadline(timeout, f"ckptfix {' '.join(argv)}"):
+                    main(argv)
+            except SystemExit as exc:
+                code = exc.code
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            stdout, stderr = out.getvalue().decode("utf-8", "replace"), err.getvalue().decode("utf-8", "replace")
+    finally:
+        os.chdir(saved_cwd)
+        sys.path[:] = saved_path
+        for name in set(sys.modules) - saved_modules:
+            if _outside_the_environment(sys.modules[name]):
+                del sys.modules[name]
+        for signum, handler in saved_signals.items():
+            signal.signal(signum, handler)
+        if saved_umask is not None:
+            os.umask(saved_umask)
+    if code is None:
+        raise AssertionError(f"ckptfix.cli.main({argv}) returned instead of exiting")
+    if not isinstance(code, int):  # what the interpreter does with sys.exit("text")
+        stderr += f"{code}\n"
+        code = 1
+    return CliResult(argv, code, stdout, stderr)
+
+
+def run_cli(
+    *args: Any,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 120,
+    cwd: str | Path = ROOT,
+    script: bool = False,
+    umask: int | None = None,
+) -> CliResult:
+    """``python -m ckptfix ARGS`` (or the installed ``ckptfix`` console script) as a real process:
+    tests/e2e/ only. ``env`` is added to the environment; ``umask`` is set in the child."""
+    _require_tier("run_cli (a process per command)", ("e2e",), "use invoke_cli to run the CLI in-process")
+    launcher = [str(Path(sys.executable).with_name("ckptfix"))] if script else [sys.executable, "-m", "ckptfix"]
+    proc = subprocess.run(
+        [*launcher, *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout,
         env={**os.environ, **(env or {})},
-        cwd=ROOT,
+        cwd=cwd,
+        preexec_fn=(lambda: os.umask(umask)) if umask is not None else None,
     )
+    return CliResult([str(a) for a in args], proc.returncode, proc.stdout, proc.stderr)
+
+
+_BATCH_RUNNER = """\
+import contextlib, io, json, resource, signal, sys, time
+from ckptfix.cli import main
+
+class Deadline(BaseException):
+    pass
+
+def expire(signum, frame):
+    raise Deadline()
+
+signal.signal(signal.SIGALRM, expire)
+jobs = json.load(open(sys.argv[1]))
+timeout, isolate_torch = float(sys.argv[3]), sys.argv[4] == "1"
+with open(sys.argv[2], "a") as results:
+    for args in jobs:
+        out, err = io.StringIO(), io.StringIO()
+        code, started = None, time.perf_counter()
+        signal.setitimer(signal.ITIMER_REAL, timeout)
+        try:
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+                try:
+                    main(args)
+                except SystemExit as exc:
+                    code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        except Deadline:
+            code = 124
+            err.write(f"still running after {timeout} s (a hang)\\n")
+        finally:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        if code is None:
+            code = -1
+            err.write("main() returned instead of exiting\\n")
+        record = {
+            "returncode": code,
+            "stdout": out.getvalue(),
+            "stderr": err.getvalue(),
+            "seconds": time.perf_counter() - started,
+            "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+            "torch_imported": "torch" in sys.modules,
+        }
+        results.write(json.dumps(record) + "\\n")
+        results.flush()
+        if isolate_torch and record["torch_imported"]:
+            break  # the commands after this one get a process without torch
+"""
+
+
+def run_cli_batch(
+    commands: Sequence[Sequence[Any]], *, timeout: float = 60, limit_as: int | None = None, isolate_torch: bool = False
+) -> list[CliResult]:
+    """Many command lines through ``ckptfix.cli.main`` in ONE fresh ``python`` process, in order:
+    tests/e2e/ only. For inputs that may kill an interpreter (a crash cannot take pytest down),
+    whose memory is measured (``maxrss_mib``: the process's peak RSS after each command; it only
+    grows, so the first command over a limit is the one that crossed it), under an address-space
+    limit (``limit_as`` bytes, the whole process), or that must not import torch (``torch_imported``;
+    with ``isolate_torch``, a command that imported it is the last its process runs).
+
+    A command killed by a signal (negative returncode, the process's stderr) or running past
+    ``timeout`` (returncode 124) is reported as such, and the commands after it run in a new process.
+    """
+    _require_tier("run_cli_batch (a process)", ("e2e",), "use invoke_cli to run the CLI in-process")
+    remaining = [[str(a) for a in command] for command in commands]
+    results: list[CliResult] = []
+
+    def limit() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
+
+    with tempfile.TemporaryDirectory(prefix="ckptfix-batch-") as tmp:
+        while remaining:
+            jobs, out = Path(tmp) / "jobs.json", Path(tmp) / f"results-{len(results)}.jsonl"
+            jobs.write_text(json.dumps(remaining))
+            try:
+                proc = subprocess.run(
+                    [sys.executable, "-c", _BATCH_RUNNER, str(jobs), str(out), str(timeout), str(int(isolate_torch))],
+                    capture_output=True,
+                    text=True,
+                    cwd=ROOT,
+                    timeout=timeout * len(remaining) + 60,
+                    preexec_fn=limit if limit_as is not None else None,
+                )
+                returncode, stderr = proc.returncode, proc.stderr
+            except subprocess.TimeoutExpired as exc:  # stuck where SIGALRM cannot reach (C code)
+                returncode, stderr = 124, f"{exc.stderr or ''}the batch process hung and was killed"
+            if not out.exists():  # it failed before its first command (the file is opened after the imports)
+                results += [CliResult(args, returncode or -1, "", stderr) for args in remaining]
+                break
+            done = [json.loads(line) for line in out.read_text().splitlines()]
+            for args, record in zip(remaining, done):
+                results.append(CliResult(args, **record))
+            if len(done) == len(remaining):
+                break
+            if returncode == 0 and done and done[-1]["torch_imported"] and isolate_torch:
+                remaining = remaining[len(done) :]  # stopped on purpose: the rest in a new process
+                continue
+            # the process died (or hung) in the command after the last one it reported
+            results.append(CliResult(remaining[len(done)], returncode if returncode else -1, "", stderr))
+            remaining = remaining[len(done) + 1 :]
+    return results
+
+
+def run_cli_batches(
+    groups: Mapping[Any, Sequence[Sequence[Any]]], *, timeout: float = 60
+) -> dict[Any, list[CliResult]]:
+    """:func:`run_cli_batch` for each group, the groups' processes side by side (two cores)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(groups)) as pool:
+        futures = {key: pool.submit(run_cli_batch, commands, timeout=timeout) for key, commands in groups.items()}
+        return {key: future.result() for key, future in futures.items()}
+
+
+# =========================================================================== comparing checkpoints
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -90,14 +441,16 @@ def sharing_groups(tree: Any) -> set[frozenset[str]]:
     return {frozenset(g) for g in groups.values() if len(g) > 1}
 
 
-def reference_strip(path: Path, prefix: str = "module.") -> Any:
-    """What torch itself gives: load, consume_prefix_in_state_dict_if_present until done."""
+def reference_strip(path: Path, *prefixes: str) -> Any:
+    """What torch itself gives: load, then for each prefix in turn (default ``module.``),
+    consume_prefix_in_state_dict_if_present until no key has it."""
     from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
     tree = torch.load(path, weights_only=True)
-    for sd in _state_dicts(tree):
-        while any(k.startswith(prefix) for k in sd):
-            consume_prefix_in_state_dict_if_present(sd, prefix)
+    for prefix in prefixes or ("module.",):
+        for sd in _state_dicts(tree):
+            while any(k.startswith(prefix) for k in sd):
+                consume_prefix_in_state_dict_if_present(sd, prefix)
     return tree
 
 
@@ -120,9 +473,43 @@ def no_temp_files(folder: Path) -> bool:
     return not any(p.name.endswith(".ckptfix-tmp") for p in folder.iterdir())
 
 
-# CI runs a fixed set of generated examples (reproducible verdicts); local runs explore new ones.
-from hypothesis import settings as _hypothesis_settings  # noqa: E402
+# =========================================================================== fit --model folders
 
-_hypothesis_settings.register_profile("ci", derandomize=True, print_blob=True)
+#: a module defining the model ``fit --model MODULE:build`` imports
+FIT_MODULE = "import torch\n\ndef build():\n    return torch.nn.Linear(3, 2)\n"
+
+
+def fit_marker_module(marker: Path) -> str:
+    return f"open({str(marker)!r}, 'w').write('imported')\n" + FIT_MODULE.replace("Linear(3, 2)", "Conv2d(7, 7, 7)")
+
+
+@pytest.fixture
+def fit_setup(tmp_path: Path) -> dict[str, Path]:
+    return make_fit_setup(tmp_path)
+
+
+def make_fit_setup(tmp_path: Path) -> dict[str, Path]:
+    """An installed-like module folder (on PYTHONPATH), a working folder holding shadows of it
+    and of a stdlib module that the installed one imports, and a DataParallel checkpoint."""
+    site, work, models = tmp_path / "site", tmp_path / "work", tmp_path / "models"
+    for folder in (site, work, models):
+        folder.mkdir()
+    (site / "ckptfix_shadowtest_models.py").write_text(
+        "import colorsys  # stdlib, imported by nothing else\n" + FIT_MODULE
+    )
+    (work / "ckptfix_shadowtest_models.py").write_text(fit_marker_module(tmp_path / "shadow-models"))
+    (work / "colorsys.py").write_text(fit_marker_module(tmp_path / "shadow-colorsys"))
+    (models / "ckptfix_localtest_models.py").write_text(FIT_MODULE)
+    torch.save(torch.nn.DataParallel(torch.nn.Linear(3, 2)).state_dict(), tmp_path / "ddp.pth")
+    return {"root": tmp_path, "site": site, "work": work, "models": models, "ckpt": tmp_path / "ddp.pth"}
+
+
+# =========================================================================== hypothesis
+
+# CI (CI=1, set by .ci/run) runs a fixed set of generated examples: the same verdict on every run.
+# Tests that set max_examples themselves keep their count; the profile fixes everything else.
+_hypothesis_settings.register_profile(
+    "ci", derandomize=True, database=None, max_examples=50, deadline=None, print_blob=True
+)
 if os.environ.get("CI"):
     _hypothesis_settings.load_profile("ci")

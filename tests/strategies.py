@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from conftest import FIXTURES
 from hypothesis import strategies as st
 
 ALL_DTYPES = [
@@ -69,3 +70,53 @@ def flat_state_dicts(draw: st.DrawFn, dtypes: list[torch.dtype] = SAFETENSORS_DT
         tensor = draw_laid_out_tensor(draw, data, draw(st.sampled_from(dtypes)), sd)
         sd[name] = tensor
     return sd
+
+
+# --------------------------------------------------------------------------- fuzzing seeds
+
+FUZZ_SOURCES = [
+    FIXTURES / name
+    for name in (
+        "dataparallel_tinynet.pth",
+        "lightning_tinynet.ckpt",
+        "legacy_dataparallel_tinynet.pth",
+        "compile_ddp_tinynet.pth",
+    )
+]
+
+
+def _safetensors_bytes() -> bytes:
+    from safetensors.torch import save
+
+    return save({"a.weight": torch.arange(12.0).reshape(3, 4), "b": torch.ones(2, dtype=torch.int64)})
+
+
+#: real files of every format, for the fuzzers to mutate
+SEEDS = [p.read_bytes() for p in FUZZ_SOURCES] + [_safetensors_bytes()]
+
+
+@st.composite
+def mutated(draw: st.DrawFn) -> bytes:
+    """A seed with 1-4 flips, truncations, splices, insertions, deletions or overwrites."""
+    data = bytearray(draw(st.sampled_from(SEEDS)))
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "truncate", "splice", "insert", "delete", "overwrite"]))
+        if not data:
+            break
+        at = draw(st.integers(0, len(data) - 1))
+        if op == "flip":
+            data[at] ^= 1 << draw(st.integers(0, 7))
+        elif op == "truncate":
+            del data[at:]
+        elif op == "splice":
+            other = draw(st.sampled_from(SEEDS))
+            start = draw(st.integers(0, len(other) - 1))
+            data[at:] = other[start : start + draw(st.integers(1, 4096))]
+        elif op == "insert":
+            data[at:at] = draw(st.binary(min_size=1, max_size=64))
+        elif op == "delete":
+            del data[at : at + draw(st.integers(1, 256))]
+        else:
+            chunk = draw(st.binary(min_size=1, max_size=16))
+            data[at : at + len(chunk)] = chunk
+    return bytes(data)

@@ -15,13 +15,12 @@ import warnings
 import zipfile
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import no_temp_files, run_cli, tensor_bytes
+from conftest import invoke_cli, no_temp_files, tensor_bytes
 from safetensors.torch import load_file
 
 from ckptfix.errors import BadInputError
@@ -287,9 +286,8 @@ def base(tmp_path: Path) -> bytes:
 
 
 def _run_all(*commands: list) -> list:
-    """Run CLI commands side by side (each is its own process)."""
-    with ThreadPoolExecutor(len(commands)) as pool:
-        return list(pool.map(lambda args: run_cli(*args), commands))
+    """Run CLI commands one after the other (in-process)."""
+    return [invoke_cli(*args) for args in commands]
 
 
 def _one_line(stderr: str) -> str:
@@ -414,7 +412,7 @@ def test_unknown_records_are_not_carried_into_outputs(tmp_path: Path, base: byte
     """A record torch never reads is left out of every output (a note says so), not copied unchecked."""
     src, out = tmp_path / "extra.pth", tmp_path / "out.pth"
     src.write_bytes(_rezip(base, add=(("archive/extra/notes.txt", b"anything at all"),)))
-    result = run_cli("strip-module", src, out)
+    result = invoke_cli("strip-module", src, out)
     assert result.returncode == 0, result.stderr
     assert "archive/extra/notes.txt" in result.stderr and "not written to outputs" in result.stderr
     with zipfile.ZipFile(out) as z:
@@ -422,17 +420,17 @@ def test_unknown_records_are_not_carried_into_outputs(tmp_path: Path, base: byte
     assert not any("notes" in n for n in names)
     assert names[-2:] == ["version", ".data/serialization_id"]
     assert set(torch.load(out, weights_only=True)) == {"w", "b", "n"}
-    assert run_cli("scan", src).returncode == 0
+    assert invoke_cli("scan", src).returncode == 0
 
 
 def test_version_records_are_checked_and_kept(tmp_path: Path, base: bytes) -> None:
     kept, out = tmp_path / "kept.pth", tmp_path / "out.pth"
     kept.write_bytes(_rezip(base, add=(("archive/.data/version", b"3\n"),)))
-    assert run_cli("strip-module", kept, out).returncode == 0
+    assert invoke_cli("strip-module", kept, out).returncode == 0
     with zipfile.ZipFile(out) as z:
         assert z.read("archive/.data/version") == b"3\n" and z.read("archive/version") == b"3\n"
     bogus = tmp_path / "bogus.pth"
     bogus.write_bytes(_rezip(base, replace={"archive/version": b"3; rm -rf ~\n"}))
-    result = run_cli("strip-module", bogus, tmp_path / "out2.pth")
+    result = invoke_cli("strip-module", bogus, tmp_path / "out2.pth")
     assert result.returncode == 3 and "not a version number" in _one_line(result.stderr)
     assert not (tmp_path / "out2.pth").exists()

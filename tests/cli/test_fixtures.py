@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, assert_same_tree, reference_strip, run_cli
+from conftest import FIXTURES, assert_same_tree, invoke_cli, reference_strip
 from models import TinyNet, tiny_net
 
 import ckptfix
@@ -42,19 +42,17 @@ def test_wrapped_fixture_strips_into_bare_model(tmp_path: Path, fixture: str, pr
     src = FIXTURES / fixture
     for i, prefix in enumerate(prefixes):
         out = tmp_path / f"step{i}.pth"
-        result = run_cli("strip-module", src, out, "--prefix", prefix)
+        result = invoke_cli("strip-module", src, out, "--prefix", prefix)
         assert result.returncode == 0, result.stderr
         src = out
     _assert_same_weights(_load_strict(src))
-    assert_same_tree(
-        torch.load(src, weights_only=True),
-        reference_strip(FIXTURES / fixture, prefixes[-1]) if len(prefixes) == 1 else torch.load(src, weights_only=True),
-    )
+    # torch's own fix: consume_prefix_in_state_dict_if_present, once per prefix, in the same order
+    assert_same_tree(torch.load(src, weights_only=True), reference_strip(FIXTURES / fixture, *prefixes))
 
 
 def test_lightning_checkpoint_strips_model_prefix_and_keeps_the_rest(tmp_path: Path) -> None:
     out = tmp_path / "fixed.ckpt"
-    result = run_cli("strip-module", FIXTURES / "lightning_tinynet.ckpt", out, "--prefix", "model.")
+    result = invoke_cli("strip-module", FIXTURES / "lightning_tinynet.ckpt", out, "--prefix", "model.")
     assert result.returncode == 0, result.stderr
     fixed = torch.load(out, weights_only=True)
     original = torch.load(FIXTURES / "lightning_tinynet.ckpt", weights_only=True)
@@ -68,7 +66,7 @@ def test_lightning_checkpoint_strips_model_prefix_and_keeps_the_rest(tmp_path: P
 
 def test_add_module_output_loads_into_dataparallel(tmp_path: Path) -> None:
     out = tmp_path / "dp.pth"
-    assert run_cli("add-module", FIXTURES / "bare_tinynet.pth", out).returncode == 0
+    assert invoke_cli("add-module", FIXTURES / "bare_tinynet.pth", out).returncode == 0
     wrapped = torch.nn.DataParallel(TinyNet())
     wrapped.load_state_dict(torch.load(out, weights_only=True), strict=True)
     _assert_same_weights(wrapped.module)
@@ -90,29 +88,57 @@ def test_cuda_tagged_dataparallel_checkpoint_is_fixed_without_a_gpu(tmp_path: Pa
     _retag(FIXTURES / "dataparallel_tinynet.pth", tagged, "cuda:3")
     with pytest.raises(RuntimeError, match="CUDA"):
         torch.load(tagged, weights_only=True)  # what users hit on a CPU-only box
-    result = run_cli("strip-module", tagged, out)
+    result = invoke_cli("strip-module", tagged, out)
     assert result.returncode == 0, result.stderr
     assert ckptfix.inspect_checkpoint(out)["devices"] == {"cuda:3": 9}  # device tags kept
     _assert_same_weights(_load_strict(out))  # _load_strict maps to cpu
 
 
+#: what fixtures/make_gpu_fixtures.py always writes (gpu_cuda1_tinynet.pth only with a second GPU)
+GPU_FIXTURES = {
+    "gpu_dataparallel_tinynet.pth": "module.",
+    "gpu_ddp_tinynet.pth": "module.",
+    "gpu_compiled_tinynet.pth": "_orig_mod.",
+}
+
+
+def check_gpu_fixtures(folder: Path, tmp_path: Path) -> list[str]:
+    """Strip every GPU-saved TinyNet in ``folder`` and load it strictly on the CPU; the files checked."""
+    found = sorted(p.name for p in folder.glob("gpu_*_tinynet.pth"))
+    assert set(GPU_FIXTURES) <= set(found), f"make_gpu_fixtures.py writes all of {sorted(GPU_FIXTURES)}: {found}"
+    for name in found:
+        src, out = folder / name, tmp_path / name
+        devices = ckptfix.inspect_checkpoint(src)["devices"]
+        assert set(devices) <= {"cuda:0", "cuda:1"} and sum(devices.values()) == 9, (name, devices)
+        if name == "gpu_cuda1_tinynet.pth":  # a bare model's state dict, saved on the second GPU
+            result = invoke_cli("strip-module", src, out)
+            assert result.returncode == 0 and "no key starts with 'module.'" in result.stdout, result.stderr
+            assert not out.exists() and devices == {"cuda:1": 9}
+            _assert_same_weights(_load_strict(src))
+            continue
+        result = invoke_cli("strip-module", src, out, "--prefix", GPU_FIXTURES[name])
+        assert result.returncode == 0, (name, result.stderr)
+        assert ckptfix.inspect_checkpoint(out)["devices"] == devices  # device tags kept
+        model = _load_strict(out)  # maps to the CPU
+        expected = tiny_net()
+        for param, value in expected.named_parameters():
+            assert torch.equal(model.get_parameter(param), value.detach()), (name, param)
+        if "compiled" in name:  # saved after one compiled forward pass: BatchNorm counted one more batch
+            assert model.bn1.num_batches_tracked.item() == expected.bn1.num_batches_tracked.item() + 1
+        else:
+            _assert_same_weights(model)
+    return found
+
+
 def test_gpu_saved_fixtures_when_present(tmp_path: Path) -> None:
     """GPU-made fixtures (fixtures/make_gpu_fixtures.py) strip and load strictly on the CPU."""
-    gpu_files = sorted(FIXTURES.glob("gpu_*_tinynet.pth"))
-    if not gpu_files:
-        pytest.skip("no GPU-saved fixtures committed yet (needs a session with a GPU)")
-    for src in gpu_files:
-        prefix = "_orig_mod." if "compiled" in src.name else "module."
-        out = tmp_path / src.name
-        result = run_cli("strip-module", src, out, "--prefix", prefix)
-        if "cuda1" in src.name:
-            continue
-        assert result.returncode == 0, result.stderr
-        _assert_same_weights(_load_strict(out))
+    if not list(FIXTURES.glob("gpu_*")):
+        pytest.skip("no GPU-saved fixtures (fixtures/gpu_*.pth): make them with fixtures/make_gpu_fixtures.py on CUDA")
+    assert check_gpu_fixtures(FIXTURES, tmp_path)
 
 
 def test_torchscript_archive_is_refused_with_advice(tmp_path: Path) -> None:
-    result = run_cli("strip-module", FIXTURES / "torchscript_tinynet.pt", tmp_path / "x.pth")
+    result = invoke_cli("strip-module", FIXTURES / "torchscript_tinynet.pt", tmp_path / "x.pth")
     assert result.returncode == 3
     assert "TorchScript" in result.stderr and "torch.jit.load" in result.stderr
     assert not (tmp_path / "x.pth").exists()

@@ -5,9 +5,8 @@ from __future__ import annotations
 import warnings
 from pathlib import Path
 
-import pytest
 import torch
-from conftest import FIXTURES, assert_same_tree, run_cli
+from conftest import FIXTURES, assert_same_tree, invoke_cli
 from models import TinyNet, tiny_net
 from safetensors.torch import load_file
 
@@ -16,7 +15,7 @@ import ckptfix
 
 def _lightning_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     """Train a LightningModule wrapping TinyNet for two steps and save through the Trainer."""
-    pl = pytest.importorskip("pytorch_lightning")
+    import pytorch_lightning as pl  # a test dependency (pyproject's [test] extra): never skipped
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -55,14 +54,16 @@ def test_lightning_trainer_checkpoint_to_safetensors_and_bare_pth(tmp_path: Path
     info = ckptfix.inspect_checkpoint(ckpt)
     assert [sd["path"] for sd in info["state_dicts"]] == ["state_dict"]
     assert info["state_dicts"][0]["prefixes"][0]["prefix"] == "model."
-    result = run_cli("convert", ckpt, tmp_path / "w.safetensors", "--select", "state_dict", "--strip-prefix", "model.")
+    result = invoke_cli(
+        "convert", ckpt, tmp_path / "w.safetensors", "--select", "state_dict", "--strip-prefix", "model."
+    )
     assert result.returncode == 0, result.stderr
     model = TinyNet()
     model.load_state_dict(load_file(tmp_path / "w.safetensors"), strict=True)
     for name, value in weights.items():
         assert torch.equal(model.state_dict()[name], value), name
     fixed = tmp_path / "fixed.ckpt"
-    assert run_cli("strip-module", ckpt, fixed, "--prefix", "model.").returncode == 0
+    assert invoke_cli("strip-module", ckpt, fixed, "--prefix", "model.").returncode == 0
     original, stripped = torch.load(ckpt, weights_only=False), torch.load(fixed, weights_only=False)
     assert set(stripped["state_dict"]) == set(weights)
     for key in original:
@@ -83,7 +84,7 @@ def _dcp_folder(path: Path) -> dict:
 def test_dcp_folder_converts_without_unsafe_load(tmp_path: Path) -> None:
     """A genuine DCP folder's .metadata names only DCP's dataclasses: read as inert records."""
     state = _dcp_folder(tmp_path / "dcp")
-    result = run_cli("convert", tmp_path / "dcp", tmp_path / "out.pth", "--select", "model")
+    result = invoke_cli("convert", tmp_path / "dcp", tmp_path / "out.pth", "--select", "model")
     assert result.returncode == 0, result.stderr
     model = TinyNet()
     model.load_state_dict(torch.load(tmp_path / "out.pth", weights_only=True), strict=True)
@@ -95,7 +96,7 @@ def test_pth_to_dcp_folder_reads_back_with_torch(tmp_path: Path) -> None:
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     out = tmp_path / "dcp_out"
-    result = run_cli(
+    result = invoke_cli(
         "convert", FIXTURES / "dataparallel_tinynet.pth", out, "--format", "dcp", "--strip-prefix", "module."
     )
     assert result.returncode == 0, result.stderr
@@ -108,5 +109,5 @@ def test_pth_to_dcp_folder_reads_back_with_torch(tmp_path: Path) -> None:
     assert set(back) == set(expected)
     for name, value in expected.items():
         assert torch.equal(back[name], value), name
-    again = run_cli("convert", FIXTURES / "dataparallel_tinynet.pth", out, "--format", "dcp")
+    again = invoke_cli("convert", FIXTURES / "dataparallel_tinynet.pth", out, "--format", "dcp")
     assert again.returncode == 4 and "--force" in again.stderr

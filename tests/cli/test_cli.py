@@ -1,17 +1,15 @@
-"""The command line as users drive it: options, reports, exit codes, and no torch import."""
+"""The command line as users drive it: options, reports, exit codes (the entry points and the no-torch
+import check are in tests/e2e/test_entry_points.py)."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections import OrderedDict
 from pathlib import Path
 
-import pytest
 import torch
-from conftest import FIXTURES, ROOT, run_cli
+from conftest import FIXTURES, invoke_cli
 
 DP = FIXTURES / "dataparallel_tinynet.pth"
 COMMANDS = [
@@ -31,31 +29,23 @@ COMMANDS = [
 
 
 def test_version_and_help_with_examples() -> None:
-    version = run_cli("--version")
+    version = invoke_cli("--version")
     assert version.returncode == 0 and "ckptfix, version" in version.stdout
-    top = run_cli("--help")
+    top = invoke_cli("--help")
     assert top.returncode == 0 and "Exit codes" in top.stdout
     for command in COMMANDS:
-        result = run_cli(command, "--help")
+        result = invoke_cli(command, "--help")
         assert result.returncode == 0, command
         assert "Example" in result.stdout and f"ckptfix {command}" in result.stdout, command
 
 
-def test_console_script_and_module_entry_point(tmp_path: Path) -> None:
-    script = Path(sys.executable).with_name("ckptfix")
-    result = subprocess.run([script, "strip-module", DP, tmp_path / "a.pth"], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    assert run_cli("strip-module", DP, tmp_path / "b.pth").returncode == 0
-    assert (tmp_path / "a.pth").read_bytes() == (tmp_path / "b.pth").read_bytes()
-
-
 def test_unknown_option_is_usage_error() -> None:
-    result = run_cli("strip-module", "--no-such-option")
+    result = invoke_cli("strip-module", "--no-such-option")
     assert result.returncode == 2 and "No such option" in result.stderr
 
 
 def test_json_report(tmp_path: Path) -> None:
-    result = run_cli("strip-module", DP, tmp_path / "out.pth", "--json")
+    result = invoke_cli("strip-module", DP, tmp_path / "out.pth", "--json")
     assert result.returncode == 0
     report = json.loads(result.stdout)
     assert report["written"] and report["renamed"] == 9 and report["input_format"] == "torch-zip"
@@ -65,7 +55,7 @@ def test_json_report(tmp_path: Path) -> None:
 
 def test_dry_run_writes_nothing_and_lists_renames(tmp_path: Path) -> None:
     out = tmp_path / "out.pth"
-    result = run_cli("strip-module", DP, out, "--dry-run")
+    result = invoke_cli("strip-module", DP, out, "--dry-run")
     assert result.returncode == 0 and not out.exists()
     assert "module.bn1.running_mean -> bn1.running_mean" in result.stdout
     assert "dry run" in result.stdout
@@ -74,20 +64,20 @@ def test_dry_run_writes_nothing_and_lists_renames(tmp_path: Path) -> None:
 def test_refuses_to_overwrite_without_force(tmp_path: Path) -> None:
     out = tmp_path / "out.pth"
     out.write_bytes(b"precious")
-    result = run_cli("strip-module", DP, out)
+    result = invoke_cli("strip-module", DP, out)
     assert result.returncode == 4 and "--force" in result.stderr
     assert out.read_bytes() == b"precious"
-    assert run_cli("strip-module", DP, out, "--force").returncode == 0
+    assert invoke_cli("strip-module", DP, out, "--force").returncode == 0
     assert set(torch.load(out, weights_only=True)) == set(torch.load(FIXTURES / "bare_tinynet.pth"))
 
 
 def test_output_same_as_input_needs_in_place(tmp_path: Path) -> None:
     src = tmp_path / "model.pth"
     src.write_bytes(DP.read_bytes())
-    same = run_cli("strip-module", src, src, "--force")
+    same = invoke_cli("strip-module", src, src, "--force")
     assert same.returncode == 2 and "--in-place" in same.stderr
     assert src.read_bytes() == DP.read_bytes()
-    in_place = run_cli("strip-module", src, "--in-place")
+    in_place = invoke_cli("strip-module", src, "--in-place")
     assert in_place.returncode == 0, in_place.stderr
     assert all(not k.startswith("module.") for k in torch.load(src, weights_only=True))
     assert [p.name for p in tmp_path.iterdir()] == ["model.pth"]
@@ -95,9 +85,9 @@ def test_output_same_as_input_needs_in_place(tmp_path: Path) -> None:
 
 def test_nothing_to_strip_exit_0_or_1_with_strict(tmp_path: Path) -> None:
     bare = FIXTURES / "bare_tinynet.pth"
-    plain = run_cli("strip-module", bare, tmp_path / "out.pth")
+    plain = invoke_cli("strip-module", bare, tmp_path / "out.pth")
     assert plain.returncode == 0 and "no key starts with 'module.'" in plain.stdout
-    strict = run_cli("strip-module", bare, tmp_path / "out.pth", "--strict")
+    strict = invoke_cli("strip-module", bare, tmp_path / "out.pth", "--strict")
     assert strict.returncode == 1 and "no key starts with" in strict.stderr
     assert not (tmp_path / "out.pth").exists()
 
@@ -105,7 +95,7 @@ def test_nothing_to_strip_exit_0_or_1_with_strict(tmp_path: Path) -> None:
 def test_collision_names_both_keys_and_writes_nothing(tmp_path: Path) -> None:
     src = tmp_path / "clash.pth"
     torch.save({"fc.weight": torch.zeros(1), "module.fc.weight": torch.ones(1)}, src)
-    result = run_cli("strip-module", src, tmp_path / "out.pth")
+    result = invoke_cli("strip-module", src, tmp_path / "out.pth")
     assert result.returncode == 1
     assert "'fc.weight'" in result.stderr and "'module.fc.weight'" in result.stderr
     assert not (tmp_path / "out.pth").exists()
@@ -115,29 +105,29 @@ def test_key_restricts_to_one_state_dict(tmp_path: Path) -> None:
     sd = torch.nn.DataParallel(torch.nn.Linear(2, 2)).state_dict()
     src, out = tmp_path / "two.pth", tmp_path / "out.pth"
     torch.save({"model": sd, "ema": OrderedDict(sd), "epoch": 1}, src)
-    result = run_cli("strip-module", src, out, "--key", "ema", "--json")
+    result = invoke_cli("strip-module", src, out, "--key", "ema", "--json")
     assert result.returncode == 0, result.stderr
     fixed = torch.load(out, weights_only=True)
     assert set(fixed["ema"]) == {"weight", "bias"} and set(fixed["model"]) == {"module.weight", "module.bias"}
-    missing = run_cli("strip-module", src, out, "--key", "nope", "--force")
+    missing = invoke_cli("strip-module", src, out, "--key", "nope", "--force")
     assert missing.returncode == 2 and "nope" in missing.stderr
 
 
 def test_prefix_without_dot_is_completed(tmp_path: Path) -> None:
-    result = run_cli("strip-module", FIXTURES / "compiled_tinynet.pth", tmp_path / "o.pth", "--prefix", "_orig_mod")
+    result = invoke_cli("strip-module", FIXTURES / "compiled_tinynet.pth", tmp_path / "o.pth", "--prefix", "_orig_mod")
     assert result.returncode == 0 and "'_orig_mod.'" in result.stdout
 
 
 def test_add_module_leaves_prefixed_keys_alone(tmp_path: Path) -> None:
     src, out = tmp_path / "mixed.pth", tmp_path / "out.pth"
     torch.save({"module.a": torch.zeros(1), "b": torch.ones(1)}, src)
-    result = run_cli("add-module", src, out, "--json")
+    result = invoke_cli("add-module", src, out, "--json")
     assert json.loads(result.stdout)["renamed"] == 1
     assert list(torch.load(out, weights_only=True)) == ["module.a", "module.b"]
 
 
 def test_inspect_reports_layout_prefixes_devices_and_globals() -> None:
-    result = run_cli("inspect", FIXTURES / "lightning_tinynet.ckpt", "--json")
+    result = invoke_cli("inspect", FIXTURES / "lightning_tinynet.ckpt", "--json")
     assert result.returncode == 0
     info = json.loads(result.stdout)
     # the weights, plus Adam's step, exp_avg and exp_avg_sq for each of the 6 parameters
@@ -150,7 +140,7 @@ def test_inspect_reports_layout_prefixes_devices_and_globals() -> None:
     assert kinds["optimizer_states.0"] == "optimizer state"
     assert info["devices"] == {"cpu": 27}
     assert "torch._utils._rebuild_tensor_v2" in info["globals"]
-    text = run_cli("inspect", DP).stdout
+    text = invoke_cli("inspect", DP).stdout
     assert "'module.' on 9/9 keys" in text and "devices: cpu x9" in text
 
 
@@ -158,46 +148,12 @@ def test_inspect_reports_shared_storage(tmp_path: Path) -> None:
     src = tmp_path / "tied.pth"
     weight = torch.zeros(3, 2)
     torch.save({"emb.weight": weight, "head.weight": weight}, src)
-    info = json.loads(run_cli("inspect", src, "--json").stdout)
+    info = json.loads(invoke_cli("inspect", src, "--json").stdout)
     assert info["shared_storages"] == [{"storage": "0", "tensors": ["emb.weight", "head.weight"]}]
-
-
-LEGACY = FIXTURES / "legacy_dataparallel_tinynet.pth"
-
-
-@pytest.mark.parametrize(
-    "args",
-    [
-        ["inspect", DP],
-        ["strip-module", DP, "OUT"],
-        ["add-module", DP, "OUT"],
-        ["--help"],
-        ["inspect", LEGACY],
-        ["strip-module", LEGACY, "OUT"],
-        ["scan", DP, LEGACY],
-        ["verify", DP, LEGACY],
-        ["diff", DP, DP],
-        ["remap", DP, "OUT", "--map-location", "cuda:1"],
-    ],
-)
-def test_torch_is_not_imported(tmp_path: Path, args: list) -> None:
-    args = [str(tmp_path / "out.pth") if a == "OUT" else str(a) for a in args]
-    code = (
-        "import sys; from ckptfix.cli import main\n"
-        "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
-        "assert 'torch' not in sys.modules, 'torch was imported'\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, cwd=ROOT)
-    assert result.returncode == 0, result.stderr
 
 
 def test_output_mode_follows_umask(tmp_path: Path) -> None:
     out = tmp_path / "out.pth"
-    result = subprocess.run(
-        ["sh", "-c", f'umask 027 && "{sys.executable}" -m ckptfix strip-module "{DP}" "{out}"'],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
+    result = invoke_cli("strip-module", DP, out, umask=0o027)
     assert result.returncode == 0, result.stderr
     assert os.stat(out).st_mode & 0o777 == 0o640

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES, run_cli
+from conftest import FIXTURES, invoke_cli
 
 SAFE_GLOBALS = ["--allow-global", "argparse.Namespace", "--allow-global", "numpy.*", "--allow-global", "pathlib.*"]
 
@@ -39,9 +39,9 @@ def _training_checkpoint(path: Path) -> dict:
 def test_allow_global_passes_objects_through_unchanged(tmp_path: Path) -> None:
     src, out = tmp_path / "train.pth", tmp_path / "out.pth"
     _training_checkpoint(src)
-    refused = run_cli("strip-module", src, out)
+    refused = invoke_cli("strip-module", src, out)
     assert refused.returncode == 3 and "--allow-global argparse.Namespace" in refused.stderr
-    result = run_cli("strip-module", src, out, *SAFE_GLOBALS)
+    result = invoke_cli("strip-module", src, out, *SAFE_GLOBALS)
     assert result.returncode == 0, result.stderr
     original, fixed = torch.load(src, weights_only=False), torch.load(out, weights_only=False)
     assert set(fixed["state_dict"]) == {"weight", "bias"}
@@ -56,7 +56,7 @@ def test_allow_global_passes_objects_through_unchanged(tmp_path: Path) -> None:
 def test_sanitize_output_loads_with_weights_only(tmp_path: Path) -> None:
     src, out = tmp_path / "train.pth", tmp_path / "clean.pth"
     original = _training_checkpoint(src)
-    result = run_cli("strip-module", src, out, "--sanitize", "--json")
+    result = invoke_cli("strip-module", src, out, "--sanitize", "--json")
     assert result.returncode == 0, result.stderr
     replaced = {r["path"]: r["global"] for r in json.loads(result.stdout)["sanitized"]}
     assert replaced["args"] == "argparse.Namespace" and replaced["out_dir"] == "pathlib.PurePosixPath"
@@ -78,7 +78,7 @@ class _Custom:
 def test_sanitize_refuses_what_it_cannot_convert(tmp_path: Path) -> None:
     src = tmp_path / "obj.pth"
     torch.save({"w": torch.ones(1), "odd": np.array(["a", "b"])}, src)
-    result = run_cli("convert", src, tmp_path / "out.pth", "--sanitize")
+    result = invoke_cli("convert", src, tmp_path / "out.pth", "--sanitize")
     assert result.returncode == 2 and "only numeric dtypes" in result.stderr
 
 
@@ -123,11 +123,11 @@ def test_hostile_pickles_never_run_in_any_command(tmp_path: Path, legacy: bool) 
             ["diff", src, src],
             ["fit", src, tmp_path / "o.pth", "--reference", src],
         ):
-            result = run_cli(*args)
+            result = invoke_cli(*args)
             assert result.returncode in (1, 3), (name, args[0], result.stderr)
             assert name in result.stderr or name.split(".")[1] in result.stderr or args[0] == "verify"
             assert not marker.exists(), f"{name} ran during {args[0]}"
-        scanned = run_cli("scan", src, "--json")
+        scanned = invoke_cli("scan", src, "--json")
         assert scanned.returncode == 1 and not marker.exists()
         dangerous = json.loads(scanned.stdout)["files"][0]["dangerous"]
         assert any(name.split(".")[1] in d for d in dangerous), dangerous
@@ -138,10 +138,10 @@ def test_allowing_a_dangerous_name_still_never_calls_it(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     src, out = tmp_path / "evil.pth", tmp_path / "out.pth"
     torch.save({"state_dict": {"module.w": torch.ones(1)}, "x": _payloads(marker)["os.system"]}, src)
-    result = run_cli("strip-module", src, out, "--allow-global", "posix.system", "--allow-global", "os.system")
+    result = invoke_cli("strip-module", src, out, "--allow-global", "posix.system", "--allow-global", "os.system")
     assert result.returncode == 0, result.stderr
     assert not marker.exists()
-    assert run_cli("scan", out).returncode == 1  # the payload is carried, and still flagged
+    assert invoke_cli("scan", out).returncode == 1  # the payload is carried, and still flagged
     assert not marker.exists()
 
 
@@ -156,13 +156,13 @@ def test_scan_finds_nested_and_stack_global_payloads(tmp_path: Path) -> None:
 
     torch.save({"w": LoadFromBytes()}, tmp_path / "nested.pth")
     (tmp_path / "proto4.pkl").write_bytes(pickle.dumps(_payloads(marker)["os.system"], protocol=4))
-    report = json.loads(run_cli("scan", tmp_path / "nested.pth", tmp_path / "proto4.pkl", "--json").stdout)
+    report = json.loads(invoke_cli("scan", tmp_path / "nested.pth", tmp_path / "proto4.pkl", "--json").stdout)
     nested, proto4 = report["files"]
     assert "torch.storage._load_from_bytes" in nested["dangerous"] and "os.system" in nested["dangerous"]
     assert any(g["where"].endswith("(nested pickle)") for g in nested["globals"])
     assert proto4["dangerous"] == ["os.system"]  # STACK_GLOBAL resolved from the pushed strings
     assert not marker.exists()
-    safe = run_cli("scan", FIXTURES / "dataparallel_tinynet.pth", FIXTURES / "legacy_dataparallel_tinynet.pth")
+    safe = invoke_cli("scan", FIXTURES / "dataparallel_tinynet.pth", FIXTURES / "legacy_dataparallel_tinynet.pth")
     assert safe.returncode == 0 and "dangerous" not in safe.stdout
 
 
@@ -184,6 +184,6 @@ def _with_data_pkl(payload: bytes, dest: Path) -> None:
 )
 def test_hostile_pickle_structures_fail_fast(tmp_path: Path, payload: bytes) -> None:
     _with_data_pkl(payload, tmp_path / "h.pth")
-    result = run_cli("strip-module", tmp_path / "h.pth", tmp_path / "out.pth", timeout=30)
+    result = invoke_cli("strip-module", tmp_path / "h.pth", tmp_path / "out.pth", timeout=30)
     assert result.returncode in (0, 3), result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) <= 1

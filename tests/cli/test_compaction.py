@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from conftest import run_cli
+from conftest import invoke_cli
 
 import ckptfix
 
@@ -16,7 +16,7 @@ def test_small_slice_of_large_storage_costs_little(tmp_path: Path) -> None:
     tied = torch.randn(64)
     torch.save({"module.head": head, "module.a": tied, "module.b": tied, "module.c": tied[8:16]}, tmp_path / "in.pth")
     assert (tmp_path / "in.pth").stat().st_size > 4 << 20  # torch.save wrote the whole 4 MiB storage
-    assert run_cli("strip-module", tmp_path / "in.pth", tmp_path / "out.pth").returncode == 0
+    assert invoke_cli("strip-module", tmp_path / "in.pth", tmp_path / "out.pth").returncode == 0
     assert (tmp_path / "out.pth").stat().st_size < 10 * 4 + (64 << 10)
     out = torch.load(tmp_path / "out.pth", weights_only=True)
     assert torch.equal(out["head"], head)

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import no_temp_files, run_cli
+from conftest import invoke_cli, no_temp_files
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -85,7 +85,7 @@ def test_non_regular_inputs_are_refused_without_opening_them(tmp_path: Path, cas
     with tempfile.TemporaryDirectory(prefix="ckf") as short:
         src = make(Path(short) if case == "socket" else tmp_path)
         # a FIFO that were opened would block forever: the timeout turns a hang into a failure
-        result = run_cli(command, src, *([out] if command == "convert" else []), timeout=60)
+        result = invoke_cli(command, src, *([out] if command == "convert" else []), timeout=60)
     if command == "verify":
         assert result.returncode == 1 and "FAIL" in result.stderr and words in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
@@ -98,13 +98,13 @@ def test_folder_whose_index_is_a_fifo_is_refused(tmp_path: Path) -> None:
     folder = tmp_path / "model"
     folder.mkdir()
     _fifo(folder, "weights.index.json")  # found by the *.index.json glob, not by a hub name
-    _assert_refused(run_cli("inspect", folder, timeout=60), "named pipe")
+    _assert_refused(invoke_cli("inspect", folder, timeout=60), "named pipe")
 
 
 def test_symlink_to_a_checkpoint_is_read(tmp_path: Path) -> None:
     torch.save({"w": torch.arange(4.0)}, tmp_path / "real.pth")
     (tmp_path / "link.pth").symlink_to(tmp_path / "real.pth")
-    result = run_cli("convert", tmp_path / "link.pth", tmp_path / "out.safetensors")
+    result = invoke_cli("convert", tmp_path / "link.pth", tmp_path / "out.safetensors")
     assert result.returncode == 0, result.stderr
     with safe_open(tmp_path / "out.safetensors", "pt") as f:
         assert torch.equal(f.get_tensor("w"), torch.arange(4.0))
@@ -195,9 +195,9 @@ def test_hostile_safetensors_refused_like_the_library(tmp_path: Path, case: str)
     with pytest.raises(Exception):  # noqa: B017 (the library raises SafetensorError or its own kinds)
         _library_reads(src)
     out = tmp_path / "out.pth"
-    _assert_refused(run_cli("convert", src, out), words)
+    _assert_refused(invoke_cli("convert", src, out), words)
     assert not out.exists() and no_temp_files(tmp_path)
-    verify = run_cli("verify", src)
+    verify = invoke_cli("verify", src)
     assert verify.returncode == 1 and "FAIL" in verify.stderr and "Traceback" not in verify.stderr, verify.stderr
     with pytest.raises(BadInputError):
         ckptfix.read_checkpoint(src)
@@ -225,7 +225,7 @@ def test_what_the_library_accepts_is_read(tmp_path: Path, case: str) -> None:
     ckpt = ckptfix.read_checkpoint(src)
     assert sorted(ckpt.root) == sorted(expected)
     assert {k: list(t.shape) for k, t in ckpt.root.items()} == {k: list(t.shape) for k, t in expected.items()}
-    verify = run_cli("verify", src)
+    verify = invoke_cli("verify", src)
     assert verify.returncode == 0, verify.stderr
 
 
@@ -251,8 +251,8 @@ def test_repeated_keys_are_refused_though_the_library_keeps_the_last(
     src = tmp_path / "dup.safetensors"
     src.write_bytes(_st(header, data))
     assert {k: t.dtype for k, t in _library_reads(src).items()} == library_sees
-    _assert_refused(run_cli("inspect", src), "appears twice")
-    assert run_cli("verify", src).returncode == 1
+    _assert_refused(invoke_cli("inspect", src), "appears twice")
+    assert invoke_cli("verify", src).returncode == 1
 
 
 # --- 3. HF shard indexes ------------------------------------------------------------------------
@@ -309,18 +309,18 @@ def test_index_shard_names_stay_in_the_folder_and_are_not_indexes(tmp_path: Path
         _write_index(folder, {"a": "model-00001-of-00002.safetensors"}, "other.index.json")
     index = _write_index(folder, {"a": "model-00001-of-00002.safetensors", "b": bad})
     for target in (index, folder):
-        _assert_refused(run_cli("inspect", target, timeout=60), words)
+        _assert_refused(invoke_cli("inspect", target, timeout=60), words)
     out = tmp_path / "out.safetensors"
-    _assert_refused(run_cli("convert", index, out, timeout=60), words)
+    _assert_refused(invoke_cli("convert", index, out, timeout=60), words)
     assert not out.exists()
-    assert run_cli("verify", index).returncode == 1
+    assert invoke_cli("verify", index).returncode == 1
 
 
 def test_index_naming_a_link_to_its_own_folder_terminates(tmp_path: Path) -> None:
     folder = _shard_folder(tmp_path)
     (folder / "loop").symlink_to(folder)  # a plain name, but a folder: reading it would recurse
     index = _write_index(folder, {"a": "model-00001-of-00002.safetensors", "b": "loop"})
-    _assert_refused(run_cli("inspect", index), "not a regular file")
+    _assert_refused(invoke_cli("inspect", index), "not a regular file")
 
 
 @pytest.mark.parametrize(
@@ -341,14 +341,14 @@ def test_index_naming_a_link_to_its_own_folder_terminates(tmp_path: Path) -> Non
 )
 def test_malformed_index_documents_are_refused(tmp_path: Path, document: bytes, words: str) -> None:
     index = _write_index(_shard_folder(tmp_path), document)
-    _assert_refused(run_cli("inspect", index), words)
-    assert run_cli("verify", index).returncode == 1
+    _assert_refused(invoke_cli("inspect", index), words)
+    assert invoke_cli("verify", index).returncode == 1
 
 
 def test_a_valid_index_still_reads(tmp_path: Path) -> None:
     folder = _shard_folder(tmp_path)
     _write_index(folder, {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"})
-    assert run_cli("verify", folder).returncode == 0
+    assert invoke_cli("verify", folder).returncode == 0
     tree = ckptfix.read_checkpoint(folder).root
     assert sorted(tree) == ["a", "b"]
 
@@ -384,14 +384,14 @@ def test_sanitize_refuses_arrays_whose_shape_does_not_match_their_bytes(
 ) -> None:
     src, out = tmp_path / "train.pth", tmp_path / "clean.pth"
     torch.save({"w": torch.ones(2), "array": _PickledArray(shape, raw)}, src)
-    _assert_refused(run_cli("convert", src, out, "--sanitize"), "cannot sanitize a corrupt numpy array")
+    _assert_refused(invoke_cli("convert", src, out, "--sanitize"), "cannot sanitize a corrupt numpy array")
     assert not out.exists() and no_temp_files(tmp_path)
 
 
 def test_sanitize_still_converts_an_honest_array(tmp_path: Path) -> None:
     src, out = tmp_path / "train.pth", tmp_path / "clean.pth"
     torch.save({"array": _PickledArray((2, 2), np.arange(4, dtype="<f4").tobytes())}, src)
-    result = run_cli("convert", src, out, "--sanitize")
+    result = invoke_cli("convert", src, out, "--sanitize")
     assert result.returncode == 0, result.stderr
     assert torch.equal(torch.load(out, weights_only=True)["array"], torch.arange(4.0).reshape(2, 2))
 
@@ -412,7 +412,7 @@ def _expanded(tmp_path: Path, rows: int = 10**6, cols: int = 10**6) -> Path:
 def test_stride_zero_view_is_refused_before_writing(tmp_path: Path, target: str, extra: list[str]) -> None:
     src = _expanded(tmp_path)
     out = tmp_path / target
-    result = run_cli("convert", src, str(out) + ("/" if target.endswith("/") else ""), *extra, timeout=60)
+    result = invoke_cli("convert", src, str(out) + ("/" if target.endswith("/") else ""), *extra, timeout=60)
     _assert_refused(result, "'w'", "stride [0, 0]", "--max-expand")
     assert not out.exists() or not any(out.iterdir())
     assert no_temp_files(tmp_path)
@@ -429,26 +429,26 @@ def test_stride_zero_view_is_refused_before_writing(tmp_path: Path, target: str,
 def test_every_writing_command_has_the_budget(tmp_path: Path, command: list[str]) -> None:
     src = _expanded(tmp_path)
     args = [a.format(src=src, tmp=tmp_path) for a in command]
-    _assert_refused(run_cli(*args, timeout=60), "--max-expand")
+    _assert_refused(invoke_cli(*args, timeout=60), "--max-expand")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["expanded.pth"]
 
 
 def test_max_expand_raises_and_lowers_the_budget(tmp_path: Path) -> None:
     src = _expanded(tmp_path, 1000, 1000)  # 4 MB once written out, under the 1 GiB default
     out = tmp_path / "out.safetensors"
-    assert run_cli("convert", src, tmp_path / "default.safetensors").returncode == 0
-    _assert_refused(run_cli("convert", src, out, "--max-expand", "1MB"), "'w'", "--max-expand")
+    assert invoke_cli("convert", src, tmp_path / "default.safetensors").returncode == 0
+    _assert_refused(invoke_cli("convert", src, out, "--max-expand", "1MB"), "'w'", "--max-expand")
     assert not out.exists()
-    result = run_cli("convert", src, out, "--max-expand", "4000000")
+    result = invoke_cli("convert", src, out, "--max-expand", "4000000")
     assert result.returncode == 0, result.stderr
     assert torch.equal(_library_reads(out)["w"], torch.zeros(1000, 1000))
-    usage = run_cli("convert", src, tmp_path / "x.safetensors", "--max-expand", "lots")
+    usage = invoke_cli("convert", src, tmp_path / "x.safetensors", "--max-expand", "lots")
     assert usage.returncode == 2 and "invalid size" in usage.stderr
 
 
 def test_views_stay_views_in_pth_output(tmp_path: Path) -> None:
     src, out = _expanded(tmp_path), tmp_path / "out.pth"
-    result = run_cli("convert", src, out, "--max-expand", "1KB")  # .pth keeps the 4-byte storage
+    result = invoke_cli("convert", src, out, "--max-expand", "1KB")  # .pth keeps the 4-byte storage
     assert result.returncode == 0, result.stderr
     w = torch.load(out, weights_only=True, mmap=True)["w"]
     assert w.shape == (10**6, 10**6) and w.stride() == (0, 0) and w.untyped_storage().nbytes() == 4
@@ -460,7 +460,7 @@ def test_many_overlapping_views_add_up(tmp_path: Path) -> None:
     src = tmp_path / "views.pth"
     torch.save({f"t{i:04d}": base[i:] for i in range(2000)}, src)
     out = tmp_path / "out.safetensors"
-    _assert_refused(run_cli("convert", src, out), "the tensors would be written out", "largest", "--max-expand")
+    _assert_refused(invoke_cli("convert", src, out), "the tensors would be written out", "largest", "--max-expand")
     assert not out.exists()
 
 
@@ -471,7 +471,7 @@ def test_budget_applies_to_tensors_read_through_torch(tmp_path: Path) -> None:
     src, out = tmp_path / "unsafe.pth", tmp_path / "out.safetensors"
     torch.save({"w": torch.zeros(1).expand(10**6, 10**6), "f": fractions.Fraction(1, 3)}, src)
     assert not ckptfix.read_checkpoint(src, unsafe_load=True).lazy
-    result = run_cli("convert", src, out, "--unsafe-load", "--drop", "f", timeout=60)
+    result = invoke_cli("convert", src, out, "--unsafe-load", "--drop", "f", timeout=60)
     _assert_refused(result, "'w'", "--max-expand")
     assert not out.exists()
 

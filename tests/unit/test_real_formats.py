@@ -114,21 +114,6 @@ def test_every_safetensors_output_loads_with_huggingface_hub(tmp_path: Path) -> 
         assert torch.equal(fresh[0].weight, model[0].weight)
 
 
-@pytest.mark.parametrize(
-    ("alias", "dtype"), [("fp16", torch.float16), ("bf16", torch.bfloat16), ("half", torch.float16)]
-)
-def test_dtype_aliases(tmp_path: Path, alias: str, dtype: torch.dtype) -> None:
-    from click.testing import CliRunner
-
-    from ckptfix.cli import cli
-
-    src, out = tmp_path / "m.pth", tmp_path / "o.pth"
-    torch.save({"w": torch.linspace(0, 1, 5)}, src)
-    result = CliRunner().invoke(cli, ["convert", str(src), str(out), "--dtype", alias])
-    assert result.exit_code == 0, result.output
-    assert torch.load(out, weights_only=True)["w"].dtype == dtype
-
-
 def test_scan_reads_shard_folders_indexes_and_dcp_folders(tmp_path: Path) -> None:
     """scan takes every input the readers take; a shard's finding says which shard."""
     import warnings
@@ -254,7 +239,7 @@ def test_load_into_can_skip_shape_mismatched_keys(tmp_path: Path) -> None:
 
 # --- torch.distributed.checkpoint folders, read without torch's pickle.load ------------------
 
-DCP_SHARDED = Path(__file__).resolve().parent.parent / "fixtures" / "dcp_sharded_2ranks"
+DCP_SHARDED = Path(__file__).resolve().parents[2] / "fixtures" / "dcp_sharded_2ranks"
 
 
 def _dcp_reference(folder: Path, tmp_path: Path) -> Any:

@@ -9,7 +9,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import FIXTURES, no_temp_files, run_cli
+from conftest import FIXTURES, invoke_cli, no_temp_files
 
 DP = FIXTURES / "dataparallel_tinynet.pth"
 
@@ -54,7 +54,7 @@ def test_not_a_checkpoint(tmp_path: Path, name: str, command: str) -> None:
     src = tmp_path / "model.pth"
     src.write_bytes(data)
     out = tmp_path / "out.pth"
-    result = run_cli(command, src, *([out] if command != "inspect" else []))
+    result = invoke_cli(command, src, *([out] if command != "inspect" else []))
     assert result.returncode == 3, result.stderr
     assert expected.lower() in result.stderr.lower(), result.stderr
     assert "Traceback" not in result.stderr
@@ -68,7 +68,7 @@ def test_every_truncation_point_fails_cleanly(tmp_path: Path) -> None:
     src = tmp_path / "cut.pth"
     for cut in range(0, len(good), 97):
         src.write_bytes(good[:cut])
-        result = run_cli("strip-module", src, tmp_path / "out.pth")
+        result = invoke_cli("strip-module", src, tmp_path / "out.pth")
         assert result.returncode == 3, (cut, result.stderr)
         assert "Traceback" not in result.stderr and not (tmp_path / "out.pth").exists()
 
@@ -79,26 +79,26 @@ def test_storage_record_shorter_than_its_tensors_is_refused(tmp_path: Path) -> N
         for info in z.infolist():
             data = z.read(info)
             out.writestr(info.filename, data[:4] if info.filename.endswith("/data/0") else data)
-    result = run_cli("strip-module", src, tmp_path / "out.pth")
+    result = invoke_cli("strip-module", src, tmp_path / "out.pth")
     assert result.returncode == 3 and "truncated or corrupt" in result.stderr
 
 
 def test_missing_input_and_directory(tmp_path: Path) -> None:
-    missing = run_cli("strip-module", tmp_path / "nope.pth", tmp_path / "out.pth")
+    missing = invoke_cli("strip-module", tmp_path / "nope.pth", tmp_path / "out.pth")
     assert missing.returncode == 3 and "no such file" in missing.stderr
-    folder = run_cli("inspect", tmp_path)
+    folder = invoke_cli("inspect", tmp_path)
     assert folder.returncode == 3 and "a folder without a checkpoint" in folder.stderr
 
 
 def test_unwritable_destination_is_exit_4(tmp_path: Path) -> None:
     """A folder nobody may create files in (sysfs refuses even root): exit 4, one line."""
-    result = run_cli("strip-module", DP, "/sys/out.pth")
+    result = invoke_cli("strip-module", DP, "/sys/out.pth")
     assert result.returncode == 4, result.stderr
     assert "cannot write" in result.stderr and len(result.stderr.strip().splitlines()) == 1
 
 
 def test_missing_output_folder_is_exit_4(tmp_path: Path) -> None:
-    result = run_cli("strip-module", DP, tmp_path / "no" / "such" / "out.pth")
+    result = invoke_cli("strip-module", DP, tmp_path / "no" / "such" / "out.pth")
     assert result.returncode == 4 and "does not exist" in result.stderr
 
 
@@ -113,10 +113,10 @@ def test_safetensors_whose_header_length_looks_like_a_pickle_header(tmp_path: Pa
 def test_zip_wrapping_a_checkpoint_says_so(tmp_path: Path) -> None:
     with zipfile.ZipFile(tmp_path / "download.zip", "w") as z:
         z.write(DP, "weights/model.pth")
-    result = run_cli("inspect", tmp_path / "download.zip")
+    result = invoke_cli("inspect", tmp_path / "download.zip")
     assert result.returncode == 3 and "containing weights/model.pth: extract" in result.stderr
 
 
 def test_inspect_prints_the_diagnosis_first() -> None:
-    first = run_cli("inspect", FIXTURES / "legacy_dataparallel_tinynet.pth").stdout.splitlines()[0]
+    first = invoke_cli("inspect", FIXTURES / "legacy_dataparallel_tinynet.pth").stdout.splitlines()[0]
     assert "legacy format" in first

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, no_temp_files, run_cli
+from conftest import FIXTURES, invoke_cli, no_temp_files
 
 import ckptfix
 from ckptfix.errors import UnsafeInputError
@@ -73,7 +73,7 @@ def test_malicious_pickles_are_refused_and_nothing_runs(tmp_path: Path, command:
     marker = tmp_path / "pwned"
     for global_name, path in _malicious_checkpoints(tmp_path, marker).items():
         args = [command, path] + ([tmp_path / "out.pth"] if command != "inspect" else [])
-        result = run_cli(*args)
+        result = invoke_cli(*args)
         assert result.returncode == 3, (global_name, result.stderr)
         assert global_name in result.stderr
         # a file that runs code is hostile: no hint to load it or keep that global
@@ -118,9 +118,9 @@ def test_unsafe_load_reads_a_trusted_checkpoint_with_foreign_objects(tmp_path: P
     src, out = tmp_path / "args.pth", tmp_path / "out.pth"
     sd = torch.nn.DataParallel(torch.nn.Linear(2, 2)).state_dict()
     torch.save({"state_dict": sd, "args": argparse.Namespace(lr=0.1)}, src)
-    refused = run_cli("strip-module", src, out)
+    refused = invoke_cli("strip-module", src, out)
     assert refused.returncode == 3 and "argparse.Namespace" in refused.stderr
-    accepted = run_cli("strip-module", src, out, "--unsafe-load")
+    accepted = invoke_cli("strip-module", src, out, "--unsafe-load")
     assert accepted.returncode == 0, accepted.stderr
     fixed = torch.load(out, weights_only=False)
     assert fixed["args"].lr == 0.1
@@ -143,5 +143,5 @@ def test_memory_bomb_arguments_are_refused(tmp_path: Path) -> None:
     payload = b"\x80\x02c__builtin__\nbytearray\nq\x00\x8a\x06\x00\x10\xa5\xd4\xe8\x00\x85R."
     path = tmp_path / "bomb.pth"
     _replace_data_pkl(FIXTURES / "bare_tinynet.pth", path, payload)
-    result = run_cli("inspect", path)
+    result = invoke_cli("inspect", path)
     assert result.returncode == 3 and "bytearray" in result.stderr

@@ -78,6 +78,7 @@ def test_torch_offset_calculating_loader_accepts_output(tmp_path: Path) -> None:
     finally:
         config.load.calculate_storage_offsets = False
     assert_same_tree(fast, torch.load(out, weights_only=True))
+    assert_same_tree(fast["state_dict"], reference_strip(FIXTURES / "lightning_tinynet.ckpt", "model.")["state_dict"])
 
 
 def test_zip64_records_load_in_torch_and_zipfile(tmp_path: Path) -> None:

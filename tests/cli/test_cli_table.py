@@ -107,3 +107,14 @@ def test_json_on_error_is_one_object_on_stdout(capsys: pytest.CaptureFixture[str
         assert document["schema_version"] == 1 and document["ok"] is False
         assert document["exit_code"] == code and code in (2, 3)
         assert document["error"]["message"] and err.count("\n") >= 1
+
+
+@pytest.mark.parametrize(
+    ("alias", "dtype"), [("fp16", torch.float16), ("bf16", torch.bfloat16), ("half", torch.float16)]
+)
+def test_dtype_aliases(capsys: pytest.CaptureFixture[str], tmp_path: Path, alias: str, dtype: torch.dtype) -> None:
+    src, out = tmp_path / "m.pth", tmp_path / "o.pth"
+    torch.save({"w": torch.linspace(0, 1, 5)}, src)
+    code, _, err = run(capsys, "convert", src, out, "--dtype", alias)
+    assert code == 0, err
+    assert torch.load(out, weights_only=True)["w"].dtype == dtype

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import torch
-from conftest import FIXTURES, run_cli
+from conftest import FIXTURES, invoke_cli
 from models import TinyNet
 from safetensors.torch import load_file
 
@@ -28,7 +28,7 @@ def test_publish_name_matches_sha256_and_torch_hub_accepts_it(tmp_path: Path) ->
     src = _retagged_lightning(tmp_path)
     (tmp_path / "release").mkdir()
     for fmt in ("safetensors", "pth"):
-        result = run_cli("publish", src, tmp_path / "release", "--name", "tinynet", "--format", fmt, "--json")
+        result = invoke_cli("publish", src, tmp_path / "release", "--name", "tinynet", "--format", fmt, "--json")
         assert result.returncode == 0, result.stderr
         report = json.loads(result.stdout)
         path = Path(report["path"])

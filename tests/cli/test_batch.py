@@ -7,7 +7,7 @@ import zipfile
 from pathlib import Path
 
 import torch
-from conftest import FIXTURES, assert_same_tree, reference_strip, run_cli
+from conftest import FIXTURES, assert_same_tree, invoke_cli, reference_strip
 
 import ckptfix
 from ckptfix.model.walk import iter_storages
@@ -29,7 +29,7 @@ def _many(folder: Path, count: int) -> list[Path]:
 
 def test_two_hundred_files_with_two_jobs_match_torch(tmp_path: Path) -> None:
     inputs = _many(tmp_path / "in", 200)
-    result = run_cli("strip-module", *inputs, "-o", tmp_path / "out", "--jobs", "2", "--json", timeout=300)
+    result = invoke_cli("strip-module", *inputs, "-o", tmp_path / "out", "--jobs", "2", "--json", timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
     assert report["written"] == 200 and report["failed"] == 0 and report["exit_code"] == 0
@@ -43,7 +43,7 @@ def test_broken_inputs_with_continue_on_error(tmp_path: Path) -> None:
     inputs = _many(tmp_path / "in", 50)
     for index, junk in ((5, b""), (20, b"<html>404</html>"), (41, inputs[41].read_bytes()[:100])):
         inputs[index].write_bytes(junk)
-    result = run_cli(
+    result = invoke_cli(
         "strip-module",
         tmp_path / "in",
         "-o",
@@ -67,7 +67,7 @@ def test_broken_inputs_with_continue_on_error(tmp_path: Path) -> None:
 def test_default_stops_at_the_first_failure(tmp_path: Path) -> None:
     inputs = _many(tmp_path / "in", 6)
     inputs[2].write_bytes(b"not a checkpoint")
-    result = run_cli("strip-module", *inputs, "-o", tmp_path / "out", "--jobs", "1", "--json")
+    result = invoke_cli("strip-module", *inputs, "-o", tmp_path / "out", "--jobs", "1", "--json")
     assert result.returncode == 3
     report = json.loads(result.stdout)
     assert report["stopped_early"] and [f["status"] for f in report["files"]] == ["written", "written", "failed"]
@@ -79,7 +79,7 @@ def test_report_order_does_not_depend_on_jobs(tmp_path: Path) -> None:
     reports = []
     for jobs in ("1", "3"):
         out = tmp_path / f"out{jobs}"
-        result = run_cli("strip-module", *inputs, "-o", out, "--jobs", jobs, "--json")
+        result = invoke_cli("strip-module", *inputs, "-o", out, "--jobs", jobs, "--json")
         reports.append(
             [(Path(f["input"]).name, f["status"], Path(f["output"]).name) for f in json.loads(result.stdout)["files"]]
         )
@@ -89,48 +89,48 @@ def test_report_order_does_not_depend_on_jobs(tmp_path: Path) -> None:
 def test_in_place_with_backup_and_format_change(tmp_path: Path) -> None:
     inputs = _many(tmp_path / "in", 3)
     originals = [p.read_bytes() for p in inputs]
-    result = run_cli("strip-module", *inputs, "--in-place", "--backup", ".orig")
+    result = invoke_cli("strip-module", *inputs, "--in-place", "--backup", ".orig")
     assert result.returncode == 0, result.stderr
     for path, original in zip(inputs, originals):
         assert Path(str(path) + ".orig").read_bytes() == original
         assert all(not k.startswith("module.") for k in torch.load(path, weights_only=True))
-    converted = run_cli("convert", *inputs, "-o", tmp_path / "st", "--format", "safetensors")
+    converted = invoke_cli("convert", *inputs, "-o", tmp_path / "st", "--format", "safetensors")
     assert converted.returncode == 0
     assert sorted(p.name for p in (tmp_path / "st").iterdir()) == [p.stem + ".safetensors" for p in inputs]
 
 
 def test_batch_usage_errors(tmp_path: Path) -> None:
     inputs = _many(tmp_path / "in", 3)
-    assert run_cli("strip-module", *inputs).returncode == 2  # three paths, no -o
+    assert invoke_cli("strip-module", *inputs).returncode == 2  # three paths, no -o
     (tmp_path / "b").mkdir()
     (tmp_path / "b" / inputs[0].name).write_bytes(inputs[0].read_bytes())
-    clash = run_cli("strip-module", inputs[0], tmp_path / "b" / inputs[0].name, "-o", tmp_path / "out")
+    clash = invoke_cli("strip-module", inputs[0], tmp_path / "b" / inputs[0].name, "-o", tmp_path / "out")
     assert clash.returncode == 2 and "would both be written" in clash.stderr
 
 
 def test_progress_lines_and_quiet(tmp_path: Path) -> None:
     inputs = _many(tmp_path / "in", 3)
-    lines = run_cli("strip-module", *inputs, "-o", tmp_path / "out")
+    lines = invoke_cli("strip-module", *inputs, "-o", tmp_path / "out")
     assert lines.returncode == 0 and lines.stderr.count("wrote") == 3
     assert "3 written, 0 unchanged, 0 failed" in lines.stdout
-    quiet = run_cli("strip-module", *inputs, "-o", tmp_path / "out2", "--quiet")
+    quiet = invoke_cli("strip-module", *inputs, "-o", tmp_path / "out2", "--quiet")
     assert quiet.returncode == 0 and quiet.stdout == "" and quiet.stderr == ""
 
 
 def test_verify_gate(tmp_path: Path) -> None:
-    ok = run_cli("verify", FIXTURES / "bare_tinynet.pth", "--expect-prefix", "none", "--expect-device", "cpu")
+    ok = invoke_cli("verify", FIXTURES / "bare_tinynet.pth", "--expect-prefix", "none", "--expect-device", "cpu")
     assert ok.returncode == 0, ok.stderr
-    legacy = run_cli("verify", FIXTURES / "legacy_dataparallel_tinynet.pth", FIXTURES / "lightning_tinynet.ckpt")
+    legacy = invoke_cli("verify", FIXTURES / "legacy_dataparallel_tinynet.pth", FIXTURES / "lightning_tinynet.ckpt")
     assert legacy.returncode == 0 and "2 ok, 0 failed" in legacy.stdout
-    wrapped = run_cli("verify", FIXTURES / "dataparallel_tinynet.pth", "--expect-prefix", "none", "--json")
+    wrapped = invoke_cli("verify", FIXTURES / "dataparallel_tinynet.pth", "--expect-prefix", "none", "--json")
     assert wrapped.returncode == 1
     assert "wrapper prefix" in json.loads(wrapped.stdout)["files"][0]["problems"][0]
-    assert run_cli("verify", FIXTURES / "dataparallel_tinynet.pth", "--expect-prefix", "module.").returncode == 0
+    assert invoke_cli("verify", FIXTURES / "dataparallel_tinynet.pth", "--expect-prefix", "module.").returncode == 0
     ckpt = ckptfix.read_checkpoint(FIXTURES / "bare_tinynet.pth")
     for storage in iter_storages(ckpt.root):
         storage.location = "cuda:0"
     ckptfix.write_checkpoint(ckpt, ckpt.root, tmp_path / "gpu.pth")
-    gpu = run_cli("verify", tmp_path / "gpu.pth", "--expect-device", "cpu")
+    gpu = invoke_cli("verify", tmp_path / "gpu.pth", "--expect-device", "cpu")
     assert gpu.returncode == 1 and "cuda:0" in gpu.stderr
 
 
@@ -144,11 +144,11 @@ def test_verify_catches_a_corrupted_record(tmp_path: Path) -> None:
     start = header + 30 + name_len + extra_len  # the record's data, as the local header places it
     data[start + 3] ^= 0xFF
     (tmp_path / "flipped.pth").write_bytes(bytes(data))
-    result = run_cli("verify", tmp_path / "flipped.pth")
+    result = invoke_cli("verify", tmp_path / "flipped.pth")
     assert result.returncode == 1 and "data/0: CRC32" in result.stderr
     shards = tmp_path / "shards"
     ckptfix.convert(FIXTURES / "bare_tinynet.pth", str(shards) + "/", ckptfix.ConvertOptions(max_shard_size=300))
-    assert run_cli("verify", shards).returncode == 0
+    assert invoke_cli("verify", shards).returncode == 0
     next(shards.glob("model-00001-*")).unlink()
-    broken = run_cli("verify", shards)
+    broken = invoke_cli("verify", shards)
     assert broken.returncode == 1 and "is missing" in broken.stderr

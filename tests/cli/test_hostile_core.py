@@ -9,30 +9,22 @@ on ckptfix's allow-list or given with ``--allow-global``.
 
 Tests marked ``xfail(strict=True)`` document bugs found by this file (the reason says exactly
 what happens); they turn into failures the day the bug is fixed, so the marker is removed then.
-Commands run in-process (``ckptfix.cli.main``, the same function ``python -m ckptfix`` runs)
-unless the input may kill the interpreter, hang, or its memory is measured: those run as
-subprocesses.
+Commands run in-process (``ckptfix.cli.main``, the same function ``python -m ckptfix`` runs);
+inputs that may kill the interpreter, or whose memory is measured, run as processes in
+tests/e2e/test_hostile_processes.py. The builders and checks are in tests/hostile.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import fnmatch
-import io
 import json
 import os
 import pickle
-import pickletools
 import random
 import re
-import resource
 import shutil
-import signal
 import struct
-import subprocess
-import sys
-import time
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -41,352 +33,62 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import ROOT
+from hostile import (
+    CRASHY,
+    DEPTH_REFUSED,
+    HOOKS,
+    NAMESPACE,
+    POSIX_STATE,
+    PROTO,
+    allow_args,
+    assert_no_signal,
+    assert_output_safe,
+    assert_refused,
+    assert_verify_fails,
+    binbytes,
+    ck,
+    ckpt,
+    data_pkl,
+    g,
+    get,
+    id_reuse_key,
+    items,
+    key_of,
+    legacy_file,
+    make_base_zip,
+    make_legacy_header,
+    n,
+    pickle_globals,
+    pid,
+    put,
+    su,
+    system_call,
+    tensor,
+    tensor_v3,
+    tup,
+    u,
+    with_data_pkl,
+)
 
 from ckptfix.analysis.scan import _plain, scan_path
-from ckptfix.cli import main as cli_main
 from ckptfix.errors import CkptfixError
 from ckptfix.model.refs import make_storage
-from ckptfix.pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS, ReaderHooks
+from ckptfix.pickling.reader import ReaderHooks
 from ckptfix.pickling.recording import RecordingHooks
 from ckptfix.pickling.vm import PickleVM
 from ckptfix.pickling.writer import dumps
-
-# =========================================================================== pickle assembly
-
-PROTO = b"\x80\x02"
-HOOKS = b"ccollections\nOrderedDict\n)R"  # the empty backward hooks torch.save writes per tensor
-
-
-def u(text: str) -> bytes:
-    """BINUNICODE"""
-    raw = text.encode("utf-8", "surrogatepass")
-    return b"X" + struct.pack("<I", len(raw)) + raw
-
-
-def su(text: str) -> bytes:
-    """SHORT_BINUNICODE (protocol 4)"""
-    raw = text.encode()
-    return b"\x8c" + bytes([len(raw)]) + raw
-
-
-def g(module: str, name: str) -> bytes:
-    """GLOBAL"""
-    return b"c" + module.encode() + b"\n" + name.encode() + b"\n"
-
-
-def n(value: int) -> bytes:
-    """The shortest int opcode: BININT1 / BININT / LONG1."""
-    if 0 <= value < 256:
-        return b"K" + bytes([value])
-    if -(2**31) <= value < 2**31:
-        return b"J" + struct.pack("<i", value)
-    raw = value.to_bytes((value.bit_length() + 8) // 8, "little", signed=True)
-    return b"\x8a" + bytes([len(raw)]) + raw
-
-
-def tup(values: Any) -> bytes:
-    return b"(" + b"".join(n(v) for v in values) + b"t"
-
-
-def put(index: int) -> bytes:
-    return b"q" + bytes([index])
-
-
-def get(index: int) -> bytes:
-    return b"h" + bytes([index])
-
-
-def binbytes(data: bytes) -> bytes:
-    return b"B" + struct.pack("<I", len(data)) + data
-
-
-def items(*pairs: tuple[str, bytes]) -> bytes:
-    """EMPTY_DICT MARK key value ... SETITEMS"""
-    return b"}(" + b"".join(u(k) + v for k, v in pairs) + b"u"
-
-
-def pid(
-    key: str = "0",
-    numel: int = 4,
-    cls: bytes | None = None,
-    *,
-    legacy: bool = False,
-    view: tuple[str, int, int] | None = None,
-) -> bytes:
-    """A storage persistent id: ("storage", cls, key, "cpu", numel[, view]) BINPERSID."""
-    tail = b""
-    if legacy:
-        tail = b"N" if view is None else b"(" + u(view[0]) + n(view[1]) + n(view[2]) + b"t"
-    return b"(" + u("storage") + (cls or g("torch", "FloatStorage")) + u(key) + u("cpu") + n(numel) + tail + b"tQ"
-
-
-def tensor(storage: bytes | None = None, offset: int = 0, size: Any = (4,), stride: Any = (1,)) -> bytes:
-    """_rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict()); ``size``/``stride``
-    are int tuples or ready opcodes."""
-    size_ops = size if isinstance(size, bytes) else tup(size)
-    stride_ops = stride if isinstance(stride, bytes) else tup(stride)
-    return (
-        g("torch._utils", "_rebuild_tensor_v2")
-        + b"("
-        + (storage if storage is not None else pid())
-        + n(offset)
-        + size_ops
-        + stride_ops
-        + b"\x89"
-        + HOOKS
-        + b"tR"
-    )
-
-
-def tensor_v3(storage: bytes, dtype: bytes, offset: int = 0, size: Any = (4,), stride: Any = (1,)) -> bytes:
-    return (
-        g("torch._utils", "_rebuild_tensor_v3")
-        + b"("
-        + storage
-        + n(offset)
-        + tup(size)
-        + tup(stride)
-        + b"\x89"
-        + HOOKS
-        + dtype
-        + b"tR"
-    )
-
-
-def ckpt(extra: bytes | None = None, weight: bytes | None = None) -> bytes:
-    """``{"sd": {"module.w": weight}, "x": extra}``: strip-module has a state dict to change, and
-    ``extra`` rides beside it."""
-    pairs = [("sd", items(("module.w", weight if weight is not None else tensor())))]
-    if extra is not None:
-        pairs.append(("x", extra))
-    return PROTO + items(*pairs) + b"."
-
-
-#: the state a laundering BUILD would give a Global marker: "become os.system"
-POSIX_STATE = items(("module", u("posix")), ("name", u("system")))
-
-
-def system_call(marker: Path, proto: int = 2) -> bytes:
-    """A pickle that runs ``touch marker`` when unpickled."""
-
-    class Evil:
-        def __reduce__(self) -> Any:
-            return (os.system, (f"touch {marker}",))
-
-    return pickle.dumps(Evil(), protocol=proto)
-
 
 # =========================================================================== files
 
 
 @pytest.fixture(scope="module")
 def base_zip(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A genuine torch.save zip: one float32 storage data/0 of 16 bytes (arange(4))."""
-    path = tmp_path_factory.mktemp("base") / "base.pth"
-    torch.save({"module.w": torch.arange(4.0)}, path)
-    return path
-
-
-def with_data_pkl(base: Path, payload: bytes, dest: Path, compress: int = zipfile.ZIP_STORED) -> Path:
-    with zipfile.ZipFile(base) as z, zipfile.ZipFile(dest, "w") as out:
-        for info in z.infolist():
-            if info.filename.endswith("/data.pkl"):
-                out.writestr(info.filename, payload, compress_type=compress)
-            else:
-                out.writestr(info.filename, z.read(info))
-    return dest
+    return make_base_zip(tmp_path_factory.mktemp("base"))
 
 
 @pytest.fixture(scope="module")
 def legacy_header() -> bytes:
-    """The first three pickles of a legacy torch file (magic, protocol 1001, sys_info), from torch."""
-    buffer = io.BytesIO()
-    torch.save({"w": torch.zeros(1)}, buffer, _use_new_zipfile_serialization=False)
-    data, pos = buffer.getvalue(), 0
-    for _ in range(3):
-        pos += list(pickletools.genops(data[pos:]))[-1][2] + 1
-    return data[:pos]
-
-
-def legacy_file(header: bytes, tree: bytes, storages: list[tuple[str, int, bytes]], dest: Path) -> Path:
-    """header + the tree pickle + the storage key list + per storage: int64 count, raw bytes."""
-    data = header + tree + pickle.dumps([k for k, _, _ in storages], protocol=2)
-    for _, count, raw in storages:
-        data += struct.pack("<q", count) + raw
-    dest.write_bytes(data)
-    return dest
-
-
-def data_pkl(path: Path) -> bytes:
-    with zipfile.ZipFile(path) as z:
-        return z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
-
-
-# =========================================================================== running ckptfix
-
-
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-def ck(*args: Any) -> Result:
-    """``ckptfix ARGS`` in-process, through the same ``main`` as the console script."""
-    out, err = io.StringIO(), io.StringIO()
-    previous = signal.getsignal(signal.SIGTERM)
-    code: Any = 0
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            try:
-                cli_main([str(a) for a in args])
-            except SystemExit as exc:
-                code = exc.code
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    return Result(code if isinstance(code, int) else 0, out.getvalue(), err.getvalue())
-
-
-def sub(*args: Any, timeout: float = 60, limit_as: int | None = None) -> Result:
-    """``python -m ckptfix ARGS`` in a subprocess (for inputs that could kill the interpreter)."""
-    preexec = None
-    if limit_as is not None:
-
-        def preexec() -> None:
-            resource.setrlimit(resource.RLIMIT_AS, (limit_as, limit_as))
-
-    proc = subprocess.run(
-        [sys.executable, "-m", "ckptfix", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-        preexec_fn=preexec,
-    )
-    return Result(proc.returncode, proc.stdout, proc.stderr)
-
-
-_MEASURED = """\
-import resource, sys
-from ckptfix.cli import main
-try:
-    main(sys.argv[2:])
-finally:
-    with open(sys.argv[1], "w") as f:
-        f.write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))
-"""
-
-
-def sub_measured(tmp_path: Path, *args: Any, timeout: float = 60) -> tuple[Result, float, int]:
-    """A subprocess run that also returns its wall time and its own peak RSS in MiB (measured
-    inside the child, so the parent's pages at fork do not count)."""
-    rss_file = tmp_path / "rss.txt"
-    started = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-c", _MEASURED, str(rss_file), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=ROOT,
-    )
-    seconds = time.perf_counter() - started
-    return Result(proc.returncode, proc.stdout, proc.stderr), seconds, int(rss_file.read_text()) // 1024
-
-
-class DeadlineExceeded(BaseException):
-    """Raised by :func:`deadline` (a BaseException, so ckptfix's own error handling cannot swallow it)."""
-
-
-@contextlib.contextmanager
-def deadline(seconds: float) -> Any:
-    """Interrupt an in-process run that takes longer than ``seconds`` (a hang fails, not blocks)."""
-
-    def expire(signum: int, frame: Any) -> None:
-        raise DeadlineExceeded(f"still running after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
-def assert_refused(result: Result, *needles: str, out: Path | None = None) -> None:
-    """Exit 3, exactly one stderr line that names the problem, no traceback, no output file."""
-    assert result.returncode == 3, (result.returncode, result.stderr[-2000:])
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr[-2000:]
-    assert lines[0].startswith("ckptfix: error: "), lines
-    assert "Traceback" not in result.stderr and "internal error" not in result.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    if out is not None:
-        assert not out.exists(), f"{out} was written"
-        assert not any(p.name.endswith(".ckptfix-tmp") for p in out.parent.iterdir())
-
-
-def assert_verify_fails(result: Result, *needles: str) -> None:
-    """``verify`` reports a problem as exit 1 with one FAIL line (it never raises)."""
-    assert result.returncode == 1, (result.returncode, result.stderr[-2000:], result.stdout[-500:])
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("FAIL "), result.stderr[-2000:]
-    assert "Traceback" not in result.stderr and "internal error" not in result.stderr
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-
-
-def assert_no_signal(result: Result) -> None:
-    assert result.returncode >= 0, f"killed by signal {-result.returncode}"
-    assert result.returncode != 5, result.stderr[-2000:]
-    assert "Traceback" not in result.stderr
-
-
-# =========================================================================== output proof
-
-_PY2_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg"}
-
-
-def pickle_globals(data: bytes) -> set[str]:
-    """Every global a pickle names, read with pickletools (not with ckptfix). GLOBAL and INST carry
-    the name in the opcode; STACK_GLOBAL takes it from the stack, which ckptfix's protocol-2
-    writer never uses: meeting one fails the proof rather than guessing."""
-    names: set[str] = set()
-    for opcode, arg, pos in pickletools.genops(data):
-        if opcode.name in ("GLOBAL", "INST"):
-            module, name = arg.split(" ", 1)
-            names.add(f"{_PY2_MODULES.get(module, module)}.{name}")
-        assert opcode.name != "STACK_GLOBAL", f"STACK_GLOBAL at byte {pos}: global names not provable statically"
-    return names
-
-
-def output_globals(path: Path) -> set[str]:
-    """The globals a written output can make a loader resolve: its one data.pkl's (zip), none for
-    safetensors (a JSON header and raw bytes)."""
-    if zipfile.is_zipfile(path):
-        with zipfile.ZipFile(path) as z:
-            pickles = [name for name in z.namelist() if name.lower().endswith(".pkl")]
-            assert len(pickles) == 1 and pickles[0].endswith("/data.pkl"), pickles
-            return pickle_globals(z.read(pickles[0]))
-    header_len = struct.unpack("<Q", path.read_bytes()[:8])[0]
-    json.loads(path.read_bytes()[8 : 8 + header_len])  # a safetensors file: no code can be referenced
-    return set()
-
-
-def assert_output_safe(path: Path, allow: tuple[str, ...] = ()) -> None:
-    """The pickletools-level proof: the output names only allow-listed globals or --allow-global ones."""
-    assert path.exists(), path
-    unexpected = {
-        name
-        for name in output_globals(path)
-        if name not in TORCH_GLOBALS
-        and name not in PYTHON_GLOBALS
-        and not any(fnmatch.fnmatchcase(name, pattern) for pattern in allow)
-    }
-    assert not unexpected, f"{path} references {sorted(unexpected)}"
+    return make_legacy_header()
 
 
 def test_output_proof_catches_what_it_must(tmp_path: Path) -> None:
@@ -488,14 +190,10 @@ def _laundering() -> dict[str, Variant]:
 LAUNDERING = _laundering()
 
 
-def _allow_args(allow: tuple[str, ...]) -> list[str]:
-    return [arg for name in allow for arg in ("--allow-global", name)]
-
-
 def assert_every_command_refuses(src: Path, tmp_path: Path, *needles: str, allow: tuple[str, ...] = ()) -> None:
     """inspect, strip-module IN OUT, convert IN OUT.safetensors: exit 3 naming the problem, nothing
     written; verify: one FAIL line, exit 1."""
-    extra = _allow_args(allow)
+    extra = allow_args(allow)
     out_pth, out_st = tmp_path / "out.pth", tmp_path / "out.safetensors"
     assert_refused(ck("inspect", src, *extra), *needles)
     assert_refused(ck("strip-module", src, out_pth, *extra), *needles, out=out_pth)
@@ -508,7 +206,7 @@ def test_laundering_is_refused_by_every_command(base_zip: Path, tmp_path: Path, 
     variant = LAUNDERING[name]
     clean = with_data_pkl(base_zip, variant.clean, tmp_path / "clean.pth")
     written = tmp_path / "clean-out.pth"
-    result = ck("strip-module", clean, written, *_allow_args(variant.allow))
+    result = ck("strip-module", clean, written, *allow_args(variant.allow))
     assert result.returncode == 0, f"the clean twin must read: {result.stderr}"
     assert_output_safe(written, variant.allow)
     src = with_data_pkl(base_zip, variant.hostile, tmp_path / "hostile.pth")
@@ -535,22 +233,6 @@ def test_scan_never_calls_a_laundering_pickle_ok(base_zip: Path, tmp_path: Path,
     result = ck("scan", src)
     assert result.returncode in (1, 3), result.stdout
     assert not result.stdout.startswith("ok "), result.stdout
-
-
-def test_laundering_through_the_real_cli_runs_nothing(base_zip: Path, tmp_path: Path) -> None:
-    """The same through ``python -m ckptfix``: a GLOBAL marker BUILT into os.system, then called
-    with a touch payload. Refused at the BUILD, nothing executed, nothing written."""
-    marker = tmp_path / "PWNED"
-    call = g("torch", "FloatStorage") + POSIX_STATE + b"b" + u(f"touch {marker}") + b"\x85R"
-    src = with_data_pkl(base_zip, ckpt(call), tmp_path / "hostile.pth")
-    out = tmp_path / "out.pth"
-    assert_refused(sub("strip-module", src, out), "BUILD on a Global", out=out)
-    assert_refused(
-        sub("convert", src, tmp_path / "o.safetensors", "--select", "sd"),
-        "BUILD on a Global",
-        out=tmp_path / "o.safetensors",
-    )
-    assert not marker.exists()
 
 
 # --- torch.storage._load_from_bytes and the other never-allowed names ----------------------------
@@ -592,8 +274,6 @@ def test_torch_load_under_its_module_name_is_never_allowed_either(base_zip: Path
 
 
 # --- pickles carried as bytes inside an allowed-by-name object ----------------------------------
-
-NAMESPACE = ("argparse.Namespace",)
 
 
 def _namespace_file(path: Path, proto: int = 2, **fields: Any) -> Path:
@@ -757,13 +437,6 @@ def test_tensor_whose_element_count_overflows_is_refused_like_torch(base_zip: Pa
     assert_every_command_refuses(src, tmp_path, "module.w")
 
 
-def test_expanding_a_stride_0_view_into_safetensors_is_bounded(base_zip: Path, tmp_path: Path) -> None:
-    src = with_data_pkl(base_zip, ckpt(weight=tensor(size=(2**34,), stride=(0,))), tmp_path / "h.pth")
-    out = tmp_path / "o.safetensors"
-    result = sub("convert", src, out, "--select", "sd", timeout=60, limit_as=2 << 30)
-    assert_refused(result, out=out)
-
-
 def _mutated_size_variants() -> dict[str, tuple[bytes, Any]]:
     """A tensor whose size/stride is a list the pickle keeps (memo) and appends to after the
     tensor was built; the list itself is also kept under "x" (real data, so it must stay [2, 2, 7])."""
@@ -871,12 +544,14 @@ def test_legacy_view_key_colliding_with_a_root_key_reads_like_torch(legacy_heade
         legacy_header, tree, [("0", 4, _FOUR), ("1", 4, struct.pack("<4f", 10, 20, 30, 40))], tmp_path / "legacy.pth"
     )
     theirs = torch.load(src, weights_only=True)["sd"]
+    assert theirs["module.w1"].tolist() == [1.0, 2.0]
     out = tmp_path / "out.pth"
     result = ck("strip-module", src, out)
-    if result.returncode == 3:
+    if result.returncode == 3:  # refusing the ambiguous key is allowed (what ckptfix does today)
+        assert_refused(result, "storage key '0' names both a storage and a view of another storage", out=out)
         return
+    assert result.returncode == 0, result.stderr
     ours = torch.load(out, weights_only=True)["sd"]
-    assert theirs["module.w1"].tolist() == [1.0, 2.0]
     assert ours["w1"].tolist() == theirs["module.w1"].tolist()
 
 
@@ -966,13 +641,14 @@ def test_shared_dag_40_levels_deep_is_walked_once(dag40: Path, tmp_path: Path, c
     copy = tmp_path / "copy.pth"
     shutil.copy(dag40, copy)
     args = [a.format(src=dag40, tmp=tmp_path, copy=copy) for a in command]
-    with deadline(DAG_SECONDS):
-        result = ck(*args)
+    result = ck(*args, timeout=DAG_SECONDS)
     assert result.returncode == 0, result.stderr
-    written = [Path(a) for a in args[2:] if a.endswith(".pth")] + ([copy] if "--in-place" in args else [])
+    written = [Path(a) for a in args if a.startswith(str(tmp_path)) and a.endswith(".pth")]
+    if command[0] == "prune":  # --drop matches nothing, and the DAG holds no optimizer state
+        assert "nothing to prune" in result.stdout and not any(out.exists() for out in written)
+        return
+    assert written or command[0] in ("inspect", "diff", "verify", "scan"), args
     for out in written:
-        if not out.exists():
-            continue  # e.g. prune: nothing to prune
         assert_output_safe(out)
         loaded = torch.load(out, weights_only=True)
         node, depth = loaded, 0
@@ -988,74 +664,20 @@ def test_allowed_objects_sharing_a_subtree_are_walked_once(base_zip: Path, tmp_p
     namespace = g("argparse", "Namespace") + put(2) + b"0"
     many = b"](" + (get(2) + get(1) + b"\x85R") * count + b"e"
     src = with_data_pkl(base_zip, ckpt(shared + namespace + many), tmp_path / "h.pth")
-    try:
-        result = sub("inspect", src, "--allow-global", "argparse.Namespace", timeout=2)
-    except subprocess.TimeoutExpired:
-        pytest.fail("inspect did not finish within 2 s (a linear walk takes well under 1 s)")
+    result = ck("inspect", src, "--allow-global", "argparse.Namespace", timeout=2)  # a linear walk: well under 1 s
     assert result.returncode == 0, result.stderr
 
 
 # =========================================================================== 4. depth
 
-DEEP = 500_000
 
-
-def _key(key: bytes) -> bytes:
-    """``{key: 1}`` as the "x" value."""
-    return ckpt(b"}" + key + n(1) + b"s")
-
-
-DEPTH_REFUSED = {
-    "tuple key 500 000 deep": _key(u("x") + b"\x85" * DEEP),
-    "frozenset key 500 000 deep": _key(b"(" * DEEP + b"\x91" * DEEP),
-    "tuple and frozenset key alternating": _key(b"(" * (DEEP // 2) + u("x") + b"\x85\x91" * (DEEP // 2)),
-    "set element 500 000 deep": ckpt(b"\x8f(" + u("x") + b"\x85" * DEEP + b"\x90"),
-    "frozenset of a deep tuple": _key(b"(" + u("x") + b"\x85" * DEEP + b"\x91"),
-    "list 500 000 deep": ckpt(b"]" * DEEP + b"a" * (DEEP - 1)),
-    "list 1100 deep": ckpt(b"]" * 1100 + b"a" * 1099),
-    "dict 1100 deep": ckpt((b"}" + u("k")) * 1100 + b"N" + b"s" * 1100),
-    "tuple 1100 deep as a value": ckpt(u("x") + b"\x85" * 1100),
-    "_metadata 2000 deep": ckpt(
-        g("collections", "OrderedDict")
-        + b")R"
-        + b"}"
-        + u("_metadata")
-        + (b"}" + u("k")) * 2000
-        + b"N"
-        + b"s" * 2000
-        + b"s"
-        + b"b"
-    ),
-    "tensor metadata 2000 deep": ckpt(
-        weight=g("torch._utils", "_rebuild_tensor_v2")
-        + b"("
-        + pid()
-        + n(0)
-        + tup((4,))
-        + tup((1,))
-        + b"\x89"
-        + HOOKS
-        + b"]" * 2000
-        + b"a" * 1999
-        + b"tR"
-    ),
-    "torch.Size args 2000 deep": ckpt(g("torch", "Size") + b"]" * 2000 + b"a" * 1999 + b"\x85R"),
-    "allowed object state 2000 deep": ckpt(g("argparse", "Namespace") + b")\x81" + b"]" * 2000 + b"a" * 1999 + b"b"),
-}
-
-
-#: inputs CPython hashes (dict keys, set elements) or so deep that any recursion left in C would overflow the
-#: C stack: a crash there would take pytest down with it, so they run in a subprocess
-_CRASHY = {name for name in DEPTH_REFUSED if "key" in name or "set" in name or "500 000" in name}
-
-
-@pytest.mark.parametrize("name", list(DEPTH_REFUSED))
+@pytest.mark.parametrize("name", [name for name in DEPTH_REFUSED if name not in CRASHY])
 def test_nesting_beyond_the_limit_is_refused_without_a_crash(base_zip: Path, tmp_path: Path, name: str) -> None:
+    """The inputs that cannot crash an interpreter; the others: tests/e2e/test_hostile_processes.py."""
     src = with_data_pkl(base_zip, DEPTH_REFUSED[name], tmp_path / "deep.pth")
-    allow = _allow_args(NAMESPACE) if "allowed" in name else []
-    run = sub if name in _CRASHY else ck
+    allow = allow_args(NAMESPACE) if "allowed" in name else []
     for args in (("inspect", src, *allow), ("strip-module", src, tmp_path / "o.pth", *allow), ("scan", src)):
-        result = run(*args)
+        result = ck(*args)
         assert_no_signal(result)
         if args[0] == "scan":
             assert result.returncode in (0, 3), result.stdout  # deep but nothing dangerous
@@ -1063,45 +685,8 @@ def test_nesting_beyond_the_limit_is_refused_without_a_crash(base_zip: Path, tmp
         assert_refused(result, "deep", out=tmp_path / "o.pth")
 
 
-_SEGV = "the process dies by SIGSEGV (returncode -11) while hashing"
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param("builtins.frozenset"),
-        pytest.param("builtins.set"),
-    ],
-)
-def test_set_builders_check_element_depth(base_zip: Path, tmp_path: Path, name: str) -> None:
-    module, func = name.split(".")
-    deep = u("x") + b"\x85" * DEEP
-    src = with_data_pkl(base_zip, ckpt(g(module, func) + deep + b"\x85\x85R"), tmp_path / "deep.pth")
-    result = sub("inspect", src)
-    assert_no_signal(result)
-    assert_refused(result, "deep")
-
-
-def _id_reuse_key(depth: int) -> bytes:
-    """A tuple chain ``depth`` deep used as a key, whose last TUPLE1 reuses the address of a small key
-    tuple checked (and cached by id) just before and then freed: CPython's 1-tuple free list hands a
-    freed address to the next 1-tuple. A hundred such keys are freed, so whichever address comes
-    next is a cached one."""
-    chain = u("x") + b"\x85" * (depth - 1)
-    small = b"}" + b"".join(u(f"a{i}") + b"\x85" + n(1) + b"s" for i in range(100)) + b"0"  # checked, popped
-    return ckpt(b"}" + chain + small + b"\x85" + n(1) + b"s")
-
-
-def test_key_depth_cache_cannot_be_fooled_by_address_reuse(base_zip: Path, tmp_path: Path) -> None:
-    src = with_data_pkl(base_zip, _id_reuse_key(DEEP), tmp_path / "deep.pth")
-    for args in (("inspect", src), ("scan", src)):
-        result = sub(*args)
-        assert_no_signal(result)
-        assert result.returncode == 3 and "deep" in result.stdout + result.stderr
-
-
 def test_key_depth_cache_address_reuse_small(base_zip: Path, tmp_path: Path) -> None:
-    src = with_data_pkl(base_zip, _id_reuse_key(1100), tmp_path / "deep.pth")
+    src = with_data_pkl(base_zip, id_reuse_key(1100), tmp_path / "deep.pth")
     assert_refused(ck("inspect", src), "deep")
 
 
@@ -1110,7 +695,7 @@ def test_keys_have_their_own_smaller_depth_limit(base_zip: Path, tmp_path: Path,
     """Dict keys nest at most 100 deep (MAX_KEY_NESTING): CPython hashes, compares and repr()s a
     nested tuple recursively in C, so a 999-deep key -- within the 1000 limit for values -- made
     inspect and diff exit 5. At 100 every command handles it; deeper is exit 3 at read time."""
-    src = with_data_pkl(base_zip, _key(u("x") + b"\x85" * (depth - 1)), tmp_path / "deep.pth")
+    src = with_data_pkl(base_zip, key_of(u("x") + b"\x85" * (depth - 1)), tmp_path / "deep.pth")
     if depth > 100:
         for args in (("inspect", src), ("strip-module", src, tmp_path / "o.pth"), ("scan", src)):
             result = ck(*args)
@@ -1125,12 +710,11 @@ def test_keys_have_their_own_smaller_depth_limit(base_zip: Path, tmp_path: Path,
 
 @pytest.mark.parametrize("depth", [600, 999])
 def test_lists_within_the_limit_work_everywhere(base_zip: Path, tmp_path: Path, depth: int) -> None:
-    """One limit, enforced while reading: what the reader accepts every command handles (exit 0)."""
+    """One limit, enforced while reading: what the reader accepts every command handles (exit 0).
+    (inspect, whose report nests as deep: tests/e2e/test_hostile_processes.py.)"""
     src = with_data_pkl(base_zip, ckpt(b"]" * depth + b"a" * (depth - 1)), tmp_path / "deep.pth")
     out = tmp_path / "o.pth"
     for args in (
-        ("inspect", src),
-        ("inspect", "--json", src),
         ("strip-module", src, out),
         ("verify", src),
         ("convert", src, tmp_path / "c.pth"),
@@ -1138,7 +722,7 @@ def test_lists_within_the_limit_work_everywhere(base_zip: Path, tmp_path: Path, 
         ("verify", out),
         ("scan", src),
     ):
-        result = sub(*args) if args[0] == "inspect" else ck(*args)
+        result = ck(*args)
         assert result.returncode == 0, (args, result.stderr[-500:])
     assert_output_safe(out)
     value, levels = torch.load(out, weights_only=True)["x"], 0
@@ -1147,66 +731,7 @@ def test_lists_within_the_limit_work_everywhere(base_zip: Path, tmp_path: Path, 
     assert levels == depth - 1
 
 
-@pytest.mark.parametrize("where", ["safetensors header", "shard index"])
-def test_deeply_nested_json_is_refused(tmp_path: Path, where: str) -> None:
-    deep = "[" * 100_000 + "]" * 100_000
-    if where == "safetensors header":
-        header = ('{"x": ' + deep + ', "w": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}').encode()
-        src = tmp_path / "deep.safetensors"
-        src.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
-    else:
-        from safetensors.torch import save_file
-
-        save_file({"w": torch.zeros(1)}, tmp_path / "m-1.safetensors")
-        src = tmp_path / "model.safetensors.index.json"
-        src.write_text('{"metadata": {"x": ' + deep + '}, "weight_map": {"w": "m-1.safetensors"}}')
-    assert_refused(sub("inspect", src))
-    assert_verify_fails(sub("verify", src))
-
-
 # =========================================================================== 5. bombs
-
-_Q = struct.Struct("<Q").pack
-_I4 = struct.Struct("<I").pack
-
-BOMBS = {  # a few bytes that declare gigabytes, or many cheap opcodes
-    "BINBYTES8 of 2 GB": PROTO + b"\x8e" + _Q(2**31) + b"abc.",
-    "BYTEARRAY8 of 2 GB": PROTO + b"\x96" + _Q(2**31) + b"abc.",
-    "BINUNICODE8 of 2 GB": PROTO + b"\x8d" + _Q(2**31) + b"abc.",
-    "BINUNICODE8 of 2**63": PROTO + b"\x8d" + _Q(2**63) + b"abc.",
-    "BINBYTES of 4 GB": PROTO + b"B" + _I4(2**32 - 1) + b"abc.",
-    "BINUNICODE of 4 GB": PROTO + b"X" + _I4(2**32 - 1) + b"abc.",
-    "BINSTRING of 2 GB": PROTO + b"T" + struct.pack("<i", 2**31 - 1) + b"abc.",
-    "FRAME of 2**63": b"\x80\x04\x95" + _Q(2**63) + b"N.",
-    "LONG4 of 100 MB": PROTO + b"\x8b" + struct.pack("<i", 100 << 20) + b"\x01" * 64 + b".",
-    "INT with 100 000 digits": PROTO + b"I" + b"7" * 100_000 + b"\n.",
-    "LONG with 100 000 digits": PROTO + b"L" + b"7" * 100_000 + b"L\n.",
-    "INT with 5 000 digits": PROTO + b"I" + b"7" * 5_000 + b"\n.",
-    "10 million EMPTY_DICT": PROTO + b"](" + b"}" * 10_000_000 + b"e.",  # a valid list of them
-    "memo index 700 000 000": PROTO + b"}r" + _I4(700_000_000) + b"j" + _I4(699_999_999) + b".",
-    # proportional to its size: may be read (exit 0) or refused, but bounded like the rest
-    "a million sparse memo entries": PROTO + b"N" + b"".join(b"r" + _I4(7 * i + 3) for i in range(1_000_000)) + b".",
-    "2 million DUPs": PROTO + b"N" + b"2" * 2_000_000 + b".",
-}
-
-
-@pytest.mark.parametrize("name", list(BOMBS))
-def test_bomb_is_refused_fast_and_small(base_zip: Path, tmp_path: Path, name: str) -> None:
-    src = with_data_pkl(base_zip, BOMBS[name], tmp_path / "bomb.pth")
-    result, seconds, rss_mib = sub_measured(tmp_path, "inspect", src)
-    if name == "a million sparse memo entries" and result.returncode == 0:
-        assert not result.stderr
-    else:
-        assert_refused(result)
-    assert seconds < 10, seconds
-    assert rss_mib < 1024, f"peak RSS {rss_mib} MiB"
-
-
-def test_deflated_pickle_bomb_is_bounded_by_the_file(base_zip: Path, tmp_path: Path) -> None:
-    payload = PROTO + b"]" * (15 << 20) + b"."
-    src = with_data_pkl(base_zip, payload, tmp_path / "bomb.pth", compress=zipfile.ZIP_DEFLATED)
-    assert src.stat().st_size < 64 << 10
-    assert_refused(sub("inspect", src, limit_as=512 << 20, timeout=60))
 
 
 def test_deflated_genuine_storage_reads(tmp_path: Path) -> None:
@@ -1221,6 +746,9 @@ def test_deflated_genuine_storage_reads(tmp_path: Path) -> None:
 
 
 # =========================================================================== 6. scan
+
+_Q = struct.Struct("<Q").pack
+_I4 = struct.Struct("<I").pack
 
 
 def _touch(marker: Path) -> bytes:
@@ -1573,16 +1101,12 @@ def test_scan_of_unhashable_set_elements_is_not_an_internal_error(
 def test_fifo_input_is_refused_not_waited_on(tmp_path: Path) -> None:
     fifo = tmp_path / "model.pth"
     os.mkfifo(fifo)
-    try:
-        result = sub("inspect", fifo, timeout=1.5)
-    except subprocess.TimeoutExpired:
-        pytest.fail("inspect blocked on a FIFO")
-    assert_refused(result)
+    assert_refused(ck("inspect", fifo, timeout=1.5))  # blocked on the FIFO, it fails here
 
 
 @pytest.mark.parametrize("command", ["inspect", "verify", "scan"])
 def test_dev_zero_is_refused(command: str) -> None:
-    result = sub(command, "/dev/zero", timeout=10)
+    result = ck(command, "/dev/zero", timeout=10)
     assert result.returncode in (1, 3) and "Traceback" not in result.stderr
 
 

@@ -15,7 +15,7 @@ import pytest
 
 import ckptfix
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 INIT = REPO / "ckptfix" / "__init__.py"
 
 

@@ -1,0 +1,117 @@
+"""Global names and --allow-global patterns, checked by the library (the command line's handling
+of them: tests/cli/test_cli_safety.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from ckptfix.errors import UsageError
+from ckptfix.pickling.names import (
+    check_global_patterns,
+    global_pattern_problem,
+    is_dotted_identifier,
+    is_global_pattern,
+)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "os",
+        "os.path",
+        "torch._utils._rebuild_tensor_v2",
+        "collections.OrderedDict",
+        "Outer.Inner",
+        "_codecs",
+        "numpy.core.multiarray.scalar",
+        "a1.b2",
+        "class",
+    ],
+)
+def test_dotted_identifiers_accepted(name: str) -> None:
+    assert is_dotted_identifier(name)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "",
+        ".",
+        "a.",
+        ".a",
+        "a..b",
+        "a b",
+        "a\nb",
+        "os.system\nGLOBAL",
+        "a\x00",
+        "a\tb",
+        "1a",
+        "a.1b",
+        "a-b",
+        "a/b",
+        "é",
+        "numpy.*",
+        "a\rb",
+        "\x1b[31m",
+        "torch.\u200bTensor",
+        None,
+        b"os.path",
+    ],
+)
+def test_non_identifiers_refused(name: Any) -> None:
+    assert not is_dotted_identifier(name)
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "numpy.*",
+        "argparse.Namespace",
+        "*",
+        "*.*",
+        "pathlib.*Path",
+        "mod.Conf[AB]",
+        "mod.v?",
+        "a.b[!c-d]e",
+        "_private.x",
+    ],
+)
+def test_glob_patterns_accepted(pattern: str) -> None:
+    assert is_global_pattern(pattern) and global_pattern_problem(pattern) is None
+    check_global_patterns([pattern])
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "",
+        "os.system\nGLOBAL",
+        "numpy.*\n",
+        "a b",
+        "a\x00b",
+        "\x00",
+        ".a",
+        "a.",
+        "a..b",
+        ".",
+        "*.",
+        "1abc",
+        "é.x",
+        "a.[.]",
+        "x[]",
+        "x[",
+        "x]",
+        "a/b",
+        "a\tb",
+        "a;b",
+        "os.system\x1b[2K",
+    ],
+)
+def test_bad_glob_patterns_refused(pattern: str) -> None:
+    assert not is_global_pattern(pattern)
+    with pytest.raises(UsageError) as info:
+        check_global_patterns(["numpy.*", pattern])
+    message = str(info.value)
+    assert "\n" not in message and repr(pattern) in message
