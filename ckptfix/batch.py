@@ -174,7 +174,7 @@ def process_one(
         report = convert(in_path, out_path, options, command=command, progress=progress)
         result.report = report.to_dict()
         result.message = report.message
-        result.status = "written" if report.written else "unchanged"
+        result.status = "unchanged" if report.unchanged or not report.written else "written"
         result.bytes_out = report.output_bytes or 0
         if backup_path is not None and not report.written:
             backup_path.unlink(missing_ok=True)

@@ -24,8 +24,9 @@ from typing import TYPE_CHECKING, Any, Literal
 from .analysis.inspect import describe_tree, summarize
 from .errors import BadInputError, CannotWriteError, CheckFailedError, UsageError
 from .fileio.atomic import atomic_output, check_destination
+from .fileio.ranges import FileRange, OpenFiles, OutputStream
 from .fileio.sizes import parse_size
-from .formats.checkpoint import Checkpoint, read_checkpoint
+from .formats.checkpoint import FORMAT_SAFETENSORS, FORMAT_TORCH_LEGACY, FORMAT_TORCH_ZIP, Checkpoint, read_checkpoint
 from .formats.detect import FILE_FORMATS, OUTPUT_FORMATS, PTH_SUFFIXES
 from .formats.safetensors import (
     check_torch_expand_budget,
@@ -121,6 +122,8 @@ class Report:
     output_format: str
     dry_run: bool
     written: bool = False
+    #: nothing needed changing: OUT (if written) holds the input's content as it was
+    unchanged: bool = False
     renamed: int = 0
     state_dicts: list[dict[str, Any]] = field(default_factory=list)
     selected: str | None = None
@@ -412,14 +415,50 @@ def convert(
     )
     root = apply_transforms(ckpt, opts, report)
     if opts.require_change and not report.changed:
-        report.message = _nothing_to_do(ckpt, report)
-        report.seconds = time.perf_counter() - started
+        why = _nothing_to_do(ckpt, report)
+        report.unchanged = True
         if opts.strict:
-            raise CheckFailedError(report.message)
+            raise CheckFailedError(f"{why}; nothing written")
+        if opts.in_place or opts.dry_run:  # the file stays as it is
+            report.message = f"{why}; nothing written"
+            report.seconds = time.perf_counter() - started
+            return report
+        # OUT was named: it exists afterwards, so `a && b` chains and batch folders never miss a
+        # file -- a byte-for-byte copy when the format stays (reflinked where the file system can)
+        if _same_format(ckpt, kind, file_format):
+            _copy_whole(ckpt, Path(out_path), report)
+        else:
+            _write(ckpt, root, Path(out_path), kind, file_format, max_bytes, opts, report, progress)
+        report.message = f"{why}; wrote {out_path} unchanged"
+        report.notes.append(f"{why}: {out_path} is the input unchanged")
+        report.seconds = time.perf_counter() - started
         return report
     _write(ckpt, root, Path(out_path), kind, file_format, max_bytes, opts, report, progress)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _same_format(ckpt: Checkpoint, kind: str, file_format: str) -> bool:
+    """Whether OUT would be the input's own format, so a byte copy is the right output."""
+    if kind != "file" or not Path(ckpt.path).is_file():
+        return False
+    return (ckpt.format, file_format) in (
+        (FORMAT_TORCH_ZIP, "pth"),
+        (FORMAT_TORCH_LEGACY, "pth"),
+        (FORMAT_SAFETENSORS, "safetensors"),
+    )
+
+
+def _copy_whole(ckpt: Checkpoint, out: Path, report: Report) -> None:
+    """OUT as a copy of the input file, through the same atomic write as any output."""
+    check_destination(ckpt.path, str(out), overwrite=True, in_place=False)
+    with atomic_output(out) as f, OpenFiles() as files:
+        stream = OutputStream(f)
+        stream.copy(FileRange(ckpt.path, 0, ckpt.file_size), files)
+        stream.flush()
+    report.written = True
+    report.outputs = [str(out)]
+    report.output_bytes = out.stat().st_size
 
 
 def _size_option(value: str | int | None) -> int | None:
@@ -439,13 +478,13 @@ def expand_budget(max_expand: str | int | None, input_bytes: int) -> int:
 
 
 def _nothing_to_do(ckpt: Checkpoint, report: Report) -> str:
-    """Why nothing is written: every requested step's reason (each changed nothing)."""
+    """Why there is nothing to change: every requested step's reason (each changed nothing)."""
     renames = [s for s in report.steps if s.requested.startswith(("strip ", "add ", "rename "))]
     if renames and not report.state_dicts:
         layout = ", ".join(e["path"] for e in describe_tree(ckpt.root)[:8])
-        return f"{report.input}: found no state dict to change (layout: {layout}); nothing written"
+        return f"{report.input}: found no state dict to change (layout: {layout})"
     why = "; ".join(s.unchanged for s in report.steps) or "no change was asked for"
-    return f"{report.input}: {why}; nothing written"
+    return f"{report.input}: {why}"
 
 
 def _write(

@@ -87,9 +87,12 @@ def test_nothing_to_strip_exit_0_or_1_with_strict(tmp_path: Path) -> None:
     bare = FIXTURES / "bare_tinynet.pth"
     plain = invoke_cli("strip-module", bare, tmp_path / "out.pth")
     assert plain.returncode == 0 and "no key starts with 'module.'" in plain.stdout
-    strict = invoke_cli("strip-module", bare, tmp_path / "out.pth", "--strict")
+    # OUT exists all the same (a && b chains never miss a file): the input, byte for byte
+    assert (tmp_path / "out.pth").read_bytes() == bare.read_bytes()
+    assert "is the input unchanged" in plain.stderr
+    strict = invoke_cli("strip-module", bare, tmp_path / "strict.pth", "--strict")
     assert strict.returncode == 1 and "no key starts with" in strict.stderr
-    assert not (tmp_path / "out.pth").exists()
+    assert not (tmp_path / "strict.pth").exists()
 
 
 def test_collision_names_both_keys_and_writes_nothing(tmp_path: Path) -> None:

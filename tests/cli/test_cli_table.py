@@ -72,17 +72,36 @@ def test_a_preset_refusal_is_a_usage_error(capsys: pytest.CaptureFixture[str], d
     assert run(capsys, "remap", ddp, ddp.with_name("r.pth"))[0] == 2
 
 
-def test_nothing_written_names_every_requested_step(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    """The message is built from the steps: each one that changed nothing says why."""
+def test_nothing_to_change_names_every_requested_step(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """The message is built from the steps: each one that changed nothing says why. OUT is
+    still written (the input unchanged) unless --strict, and --in-place leaves the file alone."""
     path = tmp_path / "bare.pth"
     torch.save({"w": torch.ones(2)}, path)
     out = tmp_path / "out.pth"
-    code, stdout, _ = run(capsys, "rename", path, out, "--rule", "^nomatch=>x", "--strip-prefix", "model.")
-    assert code == 0 and not out.exists()
+    code, stdout, err = run(capsys, "rename", path, out, "--rule", "^nomatch=>x", "--strip-prefix", "model.")
+    assert code == 0 and out.read_bytes() == path.read_bytes()
     assert "no key starts with 'model.'" in stdout and "no key matches the rename rules" in stdout
-    assert stdout.rstrip().endswith("nothing written")
-    code, _, err = run(capsys, "rename", path, out, "--rule", "^nomatch=>x", "--strict")
-    assert code == 1 and "no key matches the rename rules" in err
+    assert stdout.rstrip().endswith("unchanged") and "is the input unchanged" in err
+    code, _, err = run(capsys, "rename", path, tmp_path / "strict.pth", "--rule", "^nomatch=>x", "--strict")
+    assert code == 1 and "no key matches the rename rules" in err and not (tmp_path / "strict.pth").exists()
+    before = path.stat().st_mtime_ns
+    code, stdout, _ = run(capsys, "rename", path, "--in-place", "--rule", "^nomatch=>x")
+    assert code == 0 and path.stat().st_mtime_ns == before
+
+
+def test_batch_with_nothing_to_change_still_fills_the_output_folder(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, ddp: Path
+) -> None:
+    import json
+
+    bare = tmp_path / "bare.pth"
+    torch.save({"w": torch.ones(2)}, bare)
+    out_dir = tmp_path / "out"
+    code, stdout, _ = run(capsys, "strip-module", ddp, bare, "-o", out_dir, "--json")
+    document = json.loads(stdout)
+    assert code == 0 and [f["status"] for f in document["files"]] == ["written", "unchanged"]
+    assert sorted(p.name for p in out_dir.iterdir()) == ["bare.pth", "ddp.pth"]
+    assert all(Path(f["output"]).exists() for f in document["files"])
 
 
 def test_max_shard_size_with_a_file_name_is_a_usage_error(capsys: pytest.CaptureFixture[str], ddp: Path) -> None:

@@ -100,8 +100,9 @@ def test_bad_map_location_is_usage_error_naming_the_part(tmp_path: Path, spec: s
 def test_remap_with_nothing_to_change_writes_nothing(tmp_path: Path) -> None:
     result = invoke_cli("remap", DP, tmp_path / "out.pth", "--map-location", "cpu")
     assert result.returncode == 0 and "no device tag changes" in result.stdout
-    assert not (tmp_path / "out.pth").exists()
-    assert invoke_cli("remap", DP, tmp_path / "out.pth", "--map-location", "cpu", "--strict").returncode == 1
+    assert (tmp_path / "out.pth").read_bytes() == DP.read_bytes()  # an unchanged copy
+    assert invoke_cli("remap", DP, tmp_path / "strict.pth", "--map-location", "cpu", "--strict").returncode == 1
+    assert not (tmp_path / "strict.pth").exists()
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
