@@ -272,8 +272,9 @@ def _sharing(root: Any) -> set[frozenset[str]]:
     return {frozenset(g) for g in groups.values() if len(g) > 1}
 
 
-def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> Any:
-    """Run the transform steps of the pipeline on ``ckpt``'s tree; record them in ``report``."""
+def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out_format: str | None = None) -> Any:
+    """Run the transform steps of the pipeline on ``ckpt``'s tree; record them in ``report``.
+    ``out_format``: what will be written, where it changes what a step can do."""
     root = select_path(ckpt.root, opts.select)[1] if opts.select else ckpt.root
     steps = report.steps
     done: tuple[str, ...]
@@ -335,7 +336,11 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report) -> 
             f"{verb} {len(c.renamed)}/{c.keys} keys in {c.path or '(top level)'}" for c in result.changes if c.renamed
         )
         steps.append(Step(label, done, why))
-    if opts.map_location:
+    if opts.map_location and out_format == "safetensors":
+        # safetensors stores no device tags: a move would be claimed and then not written
+        why = "a safetensors output has no device tags (its loader's device argument decides)"
+        steps.append(Step(f"--map-location {opts.map_location}", (), why))
+    elif opts.map_location:
         if not ckpt.lazy:
             raise UsageError(f"--map-location cannot be applied to a {ckpt.format} file read through torch")
         root, report.devices = remap_devices(root, opts.map_location)
@@ -413,7 +418,7 @@ def convert(
         notes=list(ckpt.notes),
         selected=opts.select,
     )
-    root = apply_transforms(ckpt, opts, report)
+    root = apply_transforms(ckpt, opts, report, file_format)
     if opts.require_change and not report.changed:
         why = _nothing_to_do(ckpt, report)
         report.unchanged = True

@@ -137,3 +137,16 @@ def test_dtype_aliases(capsys: pytest.CaptureFixture[str], tmp_path: Path, alias
     code, _, err = run(capsys, "convert", src, out, "--dtype", alias)
     assert code == 0, err
     assert torch.load(out, weights_only=True)["w"].dtype == dtype
+
+
+def test_remap_to_safetensors_says_there_are_no_device_tags(capsys: pytest.CaptureFixture[str], ddp: Path) -> None:
+    """safetensors has no device tags: remap says so and writes the weights unchanged, never
+    claiming moves it cannot write."""
+    import json
+
+    out = ddp.with_name("w.safetensors")
+    code, stdout, err = run(capsys, "remap", ddp, out, "--map-location", "cuda:0", "--json")
+    report = json.loads(stdout)
+    assert code == 0 and out.exists() and report["devices"] == {} and report["unchanged"]
+    assert report["steps"] == [{"step": "--map-location cuda:0", "changed": False}]
+    assert "no device tags" in err
