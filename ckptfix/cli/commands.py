@@ -373,8 +373,8 @@ def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
 @cli.command("diff", context_settings=CONTEXT)
 @click.argument("a_path", metavar="A", type=click.Path())
 @click.argument("b_path", metavar="B", type=click.Path())
-@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance (torch.isclose).")
-@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance (torch.isclose).")
+@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance (as in torch.isclose).")
+@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance (as in torch.isclose).")
 @click.option("--select", metavar="PATH", help="Compare this sub-tree of A (e.g. state_dict).")
 @click.option("--select-b", metavar="PATH", help="Compare this sub-tree of B.")
 @click.option(

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import BadInputError, CannotWriteError
+from ..model.needs import need_torch
 from ..model.refs import Tree
 
 METADATA_NAME = ".metadata"
@@ -31,6 +32,7 @@ def is_dcp_folder(folder: Path) -> bool:
 
 def read_dcp(folder: Path) -> Tree:
     """The folder's state dict as real tensors, via ``dcp_to_torch_save`` (trusted folders only)."""
+    need_torch()
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -52,6 +54,7 @@ def write_dcp(write_pth: Callable[[BinaryIO], None], dest: Path, *, overwrite: b
     temporary .pth, saved with ``torch.distributed.checkpoint.save`` into a temporary folder
     beside ``dest``, and renamed into place: ``dest`` is complete or untouched.
     """
+    need_torch()
     import torch
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
