@@ -1,129 +1,26 @@
-"""The core install has no torch (``pip install ckptfix``; torch is the ``[torch]`` extra).
-
-* every command that moves bytes works with torch absent -- here torch is blocked in a child
-  process (``sys.modules['torch'] = None``, which makes ``import torch`` fail as when it is not
-  installed); CI also runs ``.ci/smoke-no-torch.sh`` in a venv that really has no torch;
-* what needs torch says "needs torch: pip install 'ckptfix[torch]'" in one line, exit 2;
-* every function that imports torch asks :func:`~ckptfix.model.needs.need_torch` first;
-* the numpy code that replaced torch on those paths gives torch's answers: ``--dtype`` casts bit
-  for bit (:mod:`ckptfix.model.numeric`), and ``diff``'s measurements (counts exactly, magnitudes to rounding).
+"""The numpy code that replaced torch on the core paths gives torch's answers, checked against
+torch: ``--dtype`` casts bit for bit (:mod:`ckptfix.model.numeric`), the values ``diff``
+decodes, and ``diff``'s measurements (counts exactly, magnitudes to rounding); and every
+function that imports torch asks :func:`~ckptfix.model.needs.need_torch` first, so a core
+install without torch gets one line instead of an ImportError.
 """
 
 from __future__ import annotations
 
 import ast
-import json
-import subprocess
 import sys
-import tarfile
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-from conftest import FIXTURES, ROOT
+from conftest import ROOT
 
 from ckptfix.analysis.diff import _measure
-from ckptfix.errors import NEEDS_TORCH
+from ckptfix.errors import NEEDS_TORCH, NeedsTorchError
 from ckptfix.model.dtypes import DTYPE_ITEMSIZE
+from ckptfix.model.needs import need_torch
 from ckptfix.model.numeric import cast_float_bytes, decode_wide
-
-NEEDS_TORCH_LINE = f"ckptfix: error: {NEEDS_TORCH}"
-BLOCK_TORCH = "import sys; sys.modules['torch'] = None\n"
-
-
-def run_without_torch(*args: Any, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    """The CLI in a child process where ``import torch`` fails as if torch were not installed."""
-    code = BLOCK_TORCH + "sys.argv[0] = 'ckptfix'\nfrom ckptfix.cli import main\nmain()\n"
-    return subprocess.run(
-        [sys.executable, "-c", code, *map(str, args)], capture_output=True, text=True, cwd=cwd, timeout=120
-    )
-
-
-def test_the_block_works() -> None:
-    result = subprocess.run([sys.executable, "-c", BLOCK_TORCH + "import torch"], capture_output=True, text=True)
-    assert result.returncode == 1 and "ModuleNotFoundError" in result.stderr
-
-
-def test_torch_free_commands_work_without_torch(tmp_path: Path) -> None:
-    ddp, lightning = FIXTURES / "ddp_cpu_tinynet.pth", FIXTURES / "lightning_tinynet.ckpt"
-    legacy = FIXTURES / "legacy_dataparallel_tinynet.pth"
-    steps: list[list[Any]] = [
-        ["inspect", ddp],
-        ["inspect", legacy, "--json"],
-        ["scan", ddp, legacy, lightning],
-        ["verify", FIXTURES / "bare_tinynet.pth", legacy, lightning],
-        ["strip-module", ddp, tmp_path / "bare.pth"],
-        ["add-module", tmp_path / "bare.pth", tmp_path / "ddp.pth"],
-        ["rename", tmp_path / "bare.pth", tmp_path / "renamed.pth", "--rule", r"^fc\.=>head."],
-        ["remap", ddp, tmp_path / "gpu.pth", "--map-location", "cuda:0"],
-        ["prune", lightning, tmp_path / "weights.ckpt", "--drop", "epoch"],
-        ["convert", lightning, tmp_path / "w.safetensors", "--select", "state_dict", "--strip-prefix", "model."],
-        ["convert", tmp_path / "w.safetensors", tmp_path / "w.pth", "--drop", "*num_batches_tracked"],
-        ["convert", tmp_path / "w.pth", tmp_path / "shards/", "--max-shard-size", "300B"],
-        ["strip-module", legacy, tmp_path / "legacy.safetensors"],
-        ["convert", tmp_path / "shards/", tmp_path / "bf16.safetensors", "--dtype", "bf16"],
-        ["convert", tmp_path / "w.safetensors", tmp_path / "half.pth", "--dtype", "float16"],
-        ["diff", tmp_path / "legacy.safetensors", tmp_path / "w.safetensors"],
-        ["diff", tmp_path / "w.pth", tmp_path / "half.pth", "--json"],
-        ["verify", tmp_path / "shards", tmp_path / "bf16.safetensors", "--expect-prefix", "none"],
-        ["publish", lightning, tmp_path],
-    ]
-    for args in steps:
-        result = run_without_torch(*args)
-        expected = 1 if args[0] == "diff" and args[2].name == "half.pth" else 0
-        assert result.returncode == expected, f"{args}: {result.stdout}{result.stderr}"
-        assert "Traceback" not in result.stderr and "torch" not in result.stderr, result.stderr
-    assert len(list((tmp_path / "shards").glob("*.safetensors"))) > 1
-    report = json.loads(run_without_torch("diff", tmp_path / "w.pth", tmp_path / "half.pth", "--json").stdout)
-    assert report["mismatched"] and not report["different"]  # float32 vs float16: dtypes differ
-    loaded = torch.load(tmp_path / "half.pth", weights_only=True)
-    original = torch.load(tmp_path / "w.pth", weights_only=True)
-    assert torch.equal(loaded["fc.weight"], original["fc.weight"].half())
-
-
-def _needs_torch(result: subprocess.CompletedProcess) -> None:
-    assert result.returncode == 2, result.stdout + result.stderr
-    assert result.stderr.splitlines() == [NEEDS_TORCH_LINE], result.stderr
-
-
-def test_what_needs_torch_says_so_in_one_line(tmp_path: Path) -> None:
-    import argparse
-
-    torch.save({"w": torch.ones(2), "args": argparse.Namespace(lr=0.1)}, tmp_path / "config.pth")
-    legacy_with_config = tmp_path / "legacy_config.pth"
-    torch.save(
-        {"w": torch.ones(2), "args": argparse.Namespace(lr=0.1)},
-        legacy_with_config,
-        _use_new_zipfile_serialization=False,
-    )
-    bare = FIXTURES / "bare_tinynet.pth"
-    _needs_torch(
-        run_without_torch("fit", bare, tmp_path / "fit.pth", "--model", "models:TinyNet", "--model-path", FIXTURES)
-    )
-    _needs_torch(run_without_torch("convert", tmp_path / "config.pth", tmp_path / "o.pth", "--unsafe-load"))
-    _needs_torch(run_without_torch("inspect", legacy_with_config, "--unsafe-load"))
-    _needs_torch(run_without_torch("convert", bare, tmp_path / "dcp/", "--format", "dcp"))
-    # a tar-era checkpoint (torch < 0.4): only torch.load reads it
-    tar = tmp_path / "old.tar.pth"
-    with tarfile.open(tar, "w") as archive:
-        archive.add(bare, arcname="sys_info")
-    _needs_torch(run_without_torch("inspect", tar))
-    # the same refusals still come first: a DCP folder without --unsafe-load is refused as before
-    assert not list(tmp_path.glob("*.ckptfix-tmp"))
-
-
-def test_api_load_needs_torch(tmp_path: Path) -> None:
-    code = BLOCK_TORCH + (
-        "import ckptfix\n"
-        "try:\n"
-        f"    ckptfix.load({str(FIXTURES / 'bare_tinynet.pth')!r})\n"
-        "except ckptfix.UsageError as exc:\n"
-        "    print(type(exc).__name__, exc.exit_code.value, exc)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
-    assert result.stdout.strip() == f"NeedsTorchError 2 {NEEDS_TORCH}", result.stderr
 
 
 def _imports_torch(node: ast.AST) -> bool:
@@ -154,7 +51,14 @@ def test_every_torch_import_is_gated() -> None:
     assert not ungated, f"torch imported without need_torch() first: {ungated}"
 
 
-# --- the numpy code against torch ----------------------------------------------------------------
+def test_need_torch_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    need_torch()  # installed: nothing happens
+    monkeypatch.setitem(sys.modules, "torch", None)  # as if it were not installed
+    with pytest.raises(NeedsTorchError) as caught:
+        need_torch()
+    assert str(caught.value) == NEEDS_TORCH == "needs torch: pip install 'ckptfix[torch]'"
+    assert caught.value.exit_code == 2
+
 
 CASTABLE = ["float16", "bfloat16", "float32", "float64"]
 

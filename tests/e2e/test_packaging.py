@@ -1,7 +1,6 @@
-"""ckptfix installs like a real tool: the sdist is complete (the suite runs from it), builds
-without warnings and passes ``twine check``; the license is shipped in PEP 639 form;
-``--version`` comes from the package metadata; the pre-commit hooks work through
-``pre-commit try-repo``.
+"""ckptfix installs like a real tool: the sdist is complete (the suite runs from it), the sdist
+and the wheel build without warnings and pass ``twine check``, and the pre-commit hooks work
+through ``pre-commit try-repo`` (the metadata itself: ``tests/unit/test_distribution.py``).
 
 The build and pre-commit tests take seconds each (marked ``packaging``: ``-m 'not packaging'``
 leaves them out); they skip, saying why, where a tool is missing or the package index cannot be
@@ -17,24 +16,11 @@ import sys
 import tarfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Any
 
 import pytest
 from conftest import FIXTURES, ROOT
 
-import ckptfix
-from ckptfix.cli import commands
-
 packaging = pytest.mark.packaging
-
-
-def _pyproject() -> dict[str, Any]:
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        pytest.skip("tomllib needs Python 3.11")
-    return tomllib.loads((ROOT / "pyproject.toml").read_text())
-
 
 #: what pip prints when it cannot reach the index (the build backend or a dependency)
 _OFFLINE = ("Could not find a version", "No matching distribution", "Failed to establish", "Temporary failure")
@@ -144,32 +130,6 @@ def test_sdist_holds_the_suite_and_it_runs_from_there(dist: tuple[Path, str], tm
             env={**os.environ, "PYTHONPATH": str(tree)},
         ).stdout
     )
-
-
-def test_license_is_shipped_in_pep_639_form() -> None:
-    text = (ROOT / "LICENSE").read_text()
-    assert text.startswith("MIT License") and "Copyright (c) 2026 The ckptfix authors" in text
-    project = _pyproject()
-    assert project["project"]["license"] == "MIT" and project["project"]["license-files"] == ["LICENSE"]
-    assert "setuptools>=77" in project["build-system"]["requires"]
-
-
-def test_core_dependencies_have_no_torch() -> None:
-    project = _pyproject()["project"]
-    names = [d.split(">")[0].split("=")[0].split("[")[0].strip() for d in project["dependencies"]]
-    assert names == ["click", "safetensors", "numpy"]
-    assert project["optional-dependencies"]["torch"] == ["torch>=2.6"]
-
-
-def test_version_comes_from_the_package_metadata(monkeypatch: pytest.MonkeyPatch) -> None:
-    result = subprocess.run([sys.executable, "-m", "ckptfix", "--version"], capture_output=True, text=True, cwd=ROOT)
-    assert result.returncode == 0 and result.stdout == f"ckptfix, version {version('ckptfix')}\n"
-
-    def no_metadata(name: str) -> str:
-        raise PackageNotFoundError(name)
-
-    monkeypatch.setattr("importlib.metadata.version", no_metadata)
-    assert commands.package_version() == ckptfix.__version__  # a source tree without metadata
 
 
 @packaging
