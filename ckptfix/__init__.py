@@ -33,6 +33,7 @@ _EXPORTS = {
     "CannotWriteError": "errors",
     "CheckFailedError": "errors",
     "CkptfixError": "errors",
+    "NeedsTorchError": "errors",
     "UnsafeInputError": "errors",
     "UsageError": "errors",
     "ExitCode": "errors",
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
         CheckFailedError,
         CkptfixError,
         ExitCode,
+        NeedsTorchError,
         UnsafeInputError,
         UsageError,
     )
@@ -91,6 +93,7 @@ __all__ = [
     "ConvertOptions",
     "ExitCode",
     "LoadIntoReport",
+    "NeedsTorchError",
     "Report",
     "StorageRef",
     "TensorRef",

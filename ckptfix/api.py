@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from .errors import UsageError
 from .formats.checkpoint import Checkpoint, read_checkpoint
+from .model.needs import need_torch
 from .model.paths import format_path, get_at
 from .model.paths import select as select_path
 from .model.refs import OpaqueObject, Tree
@@ -34,6 +35,7 @@ if TYPE_CHECKING:
 
 
 def _materialize(ckpt: Checkpoint, root: Tree, map_location: MAP_LOCATION, mmap: bool) -> Any:
+    need_torch()
     import torch
 
     if not ckpt.lazy:  # already real tensors (read through torch): let torch.load move them
@@ -101,6 +103,7 @@ def load(
 
         sd = ckptfix.load("ddp_8gpu.pth", map_location="cpu", strip_prefixes=["module."])
     """
+    need_torch()  # before the file is read: without torch there is nothing to hand back
     ckpt, root = _read(path, unsafe_load, allow_globals, sanitize)
     if select:
         root = select_path(root, select, flag="select=")[1]
@@ -154,6 +157,7 @@ def load_into(
     weights; ``skip_mismatch=True`` leaves out keys whose shape differs from the model's (a new
     head when fine-tuning) and lists them in ``skipped`` -- use it with ``strict=False``.
     """
+    need_torch()
     import torch
 
     ckpt, tree = _read(path, unsafe_load, allow_globals, sanitize)

@@ -54,6 +54,19 @@ class UsageError(CkptfixError):
     exit_code = ExitCode.USAGE
 
 
+#: what every feature that runs through torch says when torch is not installed
+NEEDS_TORCH = "needs torch: pip install 'ckptfix[torch]'"
+
+
+class NeedsTorchError(UsageError):
+    """Something that runs through torch was asked for (``--unsafe-load``, a tar-era file, DCP,
+    ``fit --model``, ``load``/``load_into``) and torch is not installed (exit 2). The core install
+    (``pip install ckptfix``) has no torch; ``pip install 'ckptfix[torch]'`` adds it."""
+
+    def __init__(self) -> None:
+        super().__init__(NEEDS_TORCH)
+
+
 class BadInputError(CkptfixError):
     """The input is not a readable checkpoint: empty, truncated, corrupt, wrong kind (exit 3)."""
 

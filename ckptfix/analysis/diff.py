@@ -3,9 +3,10 @@
 Both sides are flattened to ``{dotted path: leaf}`` (a state dict's keys appear under its path:
 ``state_dict.fc.weight``; a bare state dict or a safetensors file gives the keys themselves).
 Tensors are compared by their C-order little-endian bytes first -- equal bytes means equal,
-NaN payloads and -0.0 included, and no torch is needed. Only tensors whose bytes differ are
-decoded (in torch) to measure how much: max absolute and relative difference and the number
-of differing elements; with ``rtol``/``atol`` they count as equal when ``torch.isclose``
+NaN payloads and -0.0 included. Only tensors whose bytes differ are decoded (in numpy, the
+values torch's ``.to(float64)`` gives; no torch is needed anywhere) to measure how much: max
+absolute and relative difference and the number of differing elements; with ``rtol``/``atol``
+they count as equal when ``isclose`` (torch's and numpy's: ``|a - b| <= atol + rtol * |b|``)
 holds everywhere (NaN equal to NaN). Memory: two tensors at a time.
 """
 
@@ -74,24 +75,25 @@ def _shape_of(t: Any) -> list[int]:
     return list(t.shape)
 
 
-#: dtypes torch cannot convert to float64/complex128 (no arithmetic): compared bit for bit only
-_NO_ARITHMETIC = ("bits", "float4")
-
-
 def _measure(a: bytes, b: bytes, dtype: str, shape: list[int], rtol: float, atol: float) -> dict[str, Any]:
-    """Decode two tensors whose bytes differ (in torch) and say how far apart they are.
+    """Decode two tensors whose bytes differ (in numpy, as torch's ``.to(float64)`` would) and
+    say how far apart they are.
 
     Values are compared NaN-aware and part by part for complex numbers: two elements are equal
     when every part is equal or NaN on both sides (a NaN payload difference is not a value
-    difference). Dtypes without arithmetic (bits*, float4) are compared bit for bit."""
-    import torch
+    difference). Dtypes without arithmetic (bits*, float4, sub-byte and packed types) are
+    compared bit for bit."""
+    import numpy as np
+
+    from ..model.numeric import decode_wide
 
     itemsize = DTYPE_ITEMSIZE[dtype]
-    raw_a = torch.frombuffer(bytearray(a), dtype=torch.uint8).reshape(-1, itemsize)
-    raw_b = torch.frombuffer(bytearray(b), dtype=torch.uint8).reshape(-1, itemsize)
-    bit_different = (raw_a != raw_b).any(dim=1)
+    raw_a = np.frombuffer(a, np.uint8).reshape(-1, itemsize)
+    raw_b = np.frombuffer(b, np.uint8).reshape(-1, itemsize)
+    bit_different = (raw_a != raw_b).any(axis=1)
     numel = int(raw_a.shape[0])
-    if dtype.startswith(_NO_ARITHMETIC):
+    fa, fb = decode_wide(a, dtype), decode_wide(b, dtype)
+    if fa is None or fb is None:
         count = int(bit_different.sum())
         return {
             "differing_elements": count,
@@ -101,27 +103,25 @@ def _measure(a: bytes, b: bytes, dtype: str, shape: list[int], rtol: float, atol
             "max_rel_diff": None,
             "within_tolerance": count == 0,
         }
-    tdtype = getattr(torch, dtype)
-    wide = torch.complex128 if tdtype.is_complex else torch.float64
-    fa = torch.frombuffer(bytearray(a), dtype=tdtype).reshape(shape).to(wide).reshape(-1)
-    fb = torch.frombuffer(bytearray(b), dtype=tdtype).reshape(shape).to(wide).reshape(-1)
+    is_complex = fa.dtype.kind == "c"
     # parts: (n, 2) real/imaginary for complex, (n, 1) otherwise
-    pa = torch.view_as_real(fa) if tdtype.is_complex else fa.unsqueeze(1)
-    pb = torch.view_as_real(fb) if tdtype.is_complex else fb.unsqueeze(1)
-    both_nan = torch.isnan(pa) & torch.isnan(pb)
-    same = ((pa == pb) | both_nan).all(dim=1)
-    part_delta = torch.where(both_nan, torch.zeros_like(pa), (pa - pb).abs())
-    delta = part_delta.pow(2).sum(dim=1).sqrt() if tdtype.is_complex else part_delta[:, 0]
-    magnitude = pb.pow(2).sum(dim=1).sqrt() if tdtype.is_complex else pb[:, 0].abs()
-    finite = torch.isfinite(delta)
-    max_abs = float(delta[finite].max()) if finite.any() else float("inf")
-    rel = delta / magnitude.clamp_min(torch.finfo(torch.float64).tiny)
-    measurable = finite & torch.isfinite(rel)  # a NaN part in B has no relative difference
-    max_rel = float(rel[measurable].max()) if measurable.any() else float("inf")
-    if rtol or atol:
-        close = torch.isclose(pa, pb, rtol=rtol, atol=atol, equal_nan=True).all(dim=1) if delta.numel() else same
-    else:
-        close = same
+    pa = np.stack([fa.real, fa.imag], axis=1) if is_complex else fa.reshape(-1, 1)
+    pb = np.stack([fb.real, fb.imag], axis=1) if is_complex else fb.reshape(-1, 1)
+    with np.errstate(all="ignore"):  # inf - inf and the like are measured, not warned about
+        both_nan = np.isnan(pa) & np.isnan(pb)
+        same = ((pa == pb) | both_nan).all(axis=1)
+        part_delta = np.where(both_nan, 0.0, np.abs(pa - pb))
+        delta = np.sqrt((part_delta * part_delta).sum(axis=1)) if is_complex else part_delta[:, 0]
+        magnitude = np.sqrt((pb * pb).sum(axis=1)) if is_complex else np.abs(pb[:, 0])
+        finite = np.isfinite(delta)
+        max_abs = float(delta[finite].max()) if finite.any() else float("inf")
+        rel = delta / np.maximum(magnitude, np.finfo(np.float64).tiny)
+        measurable = finite & np.isfinite(rel)  # a NaN part in B has no relative difference
+        max_rel = float(rel[measurable].max()) if measurable.any() else float("inf")
+        if (rtol or atol) and delta.size:
+            close = np.isclose(pa, pb, rtol=rtol, atol=atol, equal_nan=True).all(axis=1)
+        else:
+            close = same
     return {
         "differing_elements": int((~close).sum()),
         "bit_differing_elements": int(bit_different.sum()),

@@ -30,8 +30,33 @@ from .render import emit_json, printable, say
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
 
+def package_version() -> str:
+    """The installed distribution's version (its metadata: what pip installed), or the source
+    tree's ``ckptfix.__version__`` when there is no metadata (run from a checkout)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ckptfix")
+    except PackageNotFoundError:
+        return __version__
+
+
+def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(f"ckptfix, version {package_version()}")
+        ctx.exit()
+
+
 @click.group(context_settings=CONTEXT)
-@click.version_option(__version__, "-V", "--version", prog_name="ckptfix")
+@click.option(
+    "-V",
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_version,
+    help="Show the version (from the installed package's metadata) and exit.",
+)
 @click.option("--debug", is_flag=True, help="Show a traceback on errors (for bug reports).")
 def cli(debug: bool) -> None:
     """Repair and convert PyTorch checkpoints without running code from them.
@@ -373,8 +398,8 @@ def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
 @cli.command("diff", context_settings=CONTEXT)
 @click.argument("a_path", metavar="A", type=click.Path())
 @click.argument("b_path", metavar="B", type=click.Path())
-@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance (torch.isclose).")
-@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance (torch.isclose).")
+@click.option("--rtol", type=float, default=0.0, show_default=True, help="Relative tolerance (as in torch.isclose).")
+@click.option("--atol", type=float, default=0.0, show_default=True, help="Absolute tolerance (as in torch.isclose).")
 @click.option("--select", metavar="PATH", help="Compare this sub-tree of A (e.g. state_dict).")
 @click.option("--select-b", metavar="PATH", help="Compare this sub-tree of B.")
 @click.option(

@@ -29,6 +29,7 @@ from ..errors import BadInputError, CannotWriteError
 from ..fileio.ranges import ComputedSource, FileSlice, OpenFiles
 from ..model.data import tensor_c_bytes
 from ..model.dtypes import DTYPE_ITEMSIZE
+from ..model.needs import need_torch
 from ..model.refs import Global, OpaqueObject, Reduce, TensorRef, Tree, tensor_from_range
 from ..pickling.globals import DCP_METADATA
 from ..pickling.reader import restricted_load
@@ -242,6 +243,7 @@ def _place(tree: dict[object, object], path: object, value: object, where: str) 
 
 def read_dcp(folder: Path) -> Tree:
     """The folder's state dict as real tensors, via ``dcp_to_torch_save`` (trusted folders only)."""
+    need_torch()
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
@@ -263,6 +265,7 @@ def write_dcp(write_pth: Callable[[BinaryIO], None], dest: Path, *, overwrite: b
     temporary .pth, saved with ``torch.distributed.checkpoint.save`` into a temporary folder
     beside ``dest``, and renamed into place: ``dest`` is complete or untouched.
     """
+    need_torch()
     import torch
     from torch.distributed.checkpoint.filesystem import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import save as dcp_save

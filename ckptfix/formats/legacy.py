@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import BinaryIO
 
 from ..errors import BadInputError, UnsafeInputError
+from ..model.needs import need_torch
 from ..model.refs import Tree
 
 
@@ -18,6 +19,7 @@ def load_with_torch(path: str, *, weights_only: bool = True) -> Tree:
     """``torch.load`` onto the CPU, turning its failures into one-line ckptfix errors."""
     import pickle
 
+    need_torch()
     import torch
 
     try:
@@ -36,6 +38,7 @@ def load_with_torch(path: str, *, weights_only: bool = True) -> Tree:
 
 def save_with_torch(root: Tree, out: BinaryIO) -> None:
     """``torch.save`` in the default (zip) format."""
+    need_torch()
     import torch
 
     torch.save(root, out)

@@ -31,6 +31,7 @@ from ..fileio import strictjson
 from ..fileio.ranges import FileRange, OpenFiles, OutputStream, is_plain_range
 from ..model.data import is_c_contiguous, tensor_c_bytes
 from ..model.dtypes import DTYPE_ITEMSIZE, DTYPE_TO_SAFETENSORS, SAFETENSORS_DTYPES
+from ..model.needs import need_torch
 from ..model.refs import Reduce, TensorRef, is_torch_tensor, tensor_from_range
 
 if TYPE_CHECKING:
@@ -385,6 +386,7 @@ def write_safetensors_from_torch(
 
     ``contiguous()`` materialises each view in memory, so ``max_data_bytes`` is checked first.
     """
+    need_torch()
     from safetensors.torch import save
 
     kept, aliases = _torch_kept(state_dict)

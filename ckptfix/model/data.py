@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from ..errors import BadInputError
 from ..fileio.ranges import OpenFiles, is_plain_range, read_all
 from .dtypes import DTYPE_ITEMSIZE
+from .needs import need_torch
 
 if TYPE_CHECKING:
     import torch
@@ -73,6 +74,7 @@ def tensor_c_bytes(t: TensorRef | torch.Tensor, files: OpenFiles) -> bytes:
     from .refs import TensorRef
 
     if not isinstance(t, TensorRef):
+        need_torch()
         import torch
 
         flat = t.detach().cpu().contiguous().reshape(-1)

@@ -7,9 +7,9 @@ checkpoint are left alone, as are keys matching a ``--dtype-keep`` glob.
 
 How: a storage is cast as a whole, so tensors that share it (tied weights, views) keep sharing
 it, with the same offsets, shapes and strides. A storage also used by a tensor that must not be
-cast is left alone, and the report says so. The cast itself runs in torch (``Tensor.to``),
-one storage at a time while the output is written: values are bitwise what ``tensor.to(dtype)``
-gives, and memory stays at one storage's worth.
+cast is left alone, and the report says so. The cast itself runs in numpy, without torch
+(:mod:`ckptfix.model.numeric`), one storage at a time while the output is written: values are
+bitwise what ``tensor.to(dtype)`` gives, and memory stays at one storage's worth.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ class CastReport:
 
 def _cast_bytes(storage: StorageRef, target: str, files: OpenFiles) -> bytes:
     import numpy as np
-    import torch
+
+    from ..model.numeric import cast_float_bytes
 
     if storage.source is None:
         raise BadInputError(f"storage {storage.key!r:.40} has no source bytes to cast")
@@ -51,8 +52,7 @@ def _cast_bytes(storage: StorageRef, target: str, files: OpenFiles) -> bytes:
         raw = np.frombuffer(raw, dtype=np.uint8).reshape(-1, unit)[:, ::-1].tobytes()
     if not raw:
         return b""
-    source = torch.frombuffer(bytearray(raw), dtype=getattr(torch, storage.dtype))
-    return source.to(getattr(torch, target)).view(torch.uint8).numpy().tobytes()
+    return cast_float_bytes(raw, storage.dtype, target)
 
 
 def _cast_storage(storage: StorageRef, target: str) -> StorageRef:

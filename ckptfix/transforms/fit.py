@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UsageError
+from ..model.needs import need_torch
 from ..model.paths import Path, format_path
 from ..model.refs import TensorRef, Tree, is_torch_tensor
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts
@@ -84,6 +85,7 @@ def reference_from_model(spec: str, model_path: Sequence[str | os.PathLike[str]]
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise UsageError(f"--model {spec!r}: write package.module:callable, e.g. torchvision.models:resnet18")
+    need_torch()  # a model is an nn.Module: without torch its module cannot even be imported
     folders = []
     for folder in model_path:
         resolved = os.path.abspath(os.fspath(folder))
