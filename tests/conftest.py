@@ -16,6 +16,7 @@ Spawning a process from outside ``tests/e2e/`` (through any API) and :func:`invo
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 import os
 import signal
@@ -195,6 +196,9 @@ def invoke_cli(
 
     from ckptfix.cli import main
 
+    # stderr apart from stdout: always so in click >= 8.2, which dropped mix_stderr
+    separate = {"mix_stderr": False} if "mix_stderr" in inspect.signature(CliRunner).parameters else {}
+    runner = CliRunner(**separate)
     argv = [str(a) for a in args]
     saved_cwd, saved_path, saved_modules = os.getcwd(), list(sys.path), set(sys.modules)
     saved_signals = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
@@ -204,7 +208,8 @@ def invoke_cli(
         # stdout is not a terminal: click wraps help at COLUMNS, else shutil's fallback of 80 columns
         # (CliRunner would force 80, where a process piped to another wraps at 78)
         columns = {} if os.environ.get("COLUMNS") else {"COLUMNS": "80"}
-        with CliRunner().isolation(env={**columns, **(env or {})}) as (out, err, _), warnings.catch_warnings():
+        with runner.isolation(env={**columns, **(env or {})}) as streams, warnings.catch_warnings():
+            out, err = streams[0], streams[1]  # click >= 8.2: (stdout, stderr, mixed); 8.1: (stdout, stderr)
             click.formatting.FORCED_WIDTH = None  # restored by the isolation
             warnings.showwarning = warnings._showwarning_orig  # type: ignore[attr-defined]
             warnings.resetwarnings()  # a fresh interpreter's filters: show each warning, not deprecations
