@@ -13,8 +13,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import secrets
 import stat
-import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -90,10 +90,18 @@ def atomic_output(
     dest = Path(dest)
     target = Path(os.path.realpath(dest)) if in_place else dest
     original = _stat_or_none(target) if in_place else None
+    # The name is chosen before the file exists and the file is created inside the try: a
+    # SIGTERM (raised here as KeyboardInterrupt) landing right after creation still finds the
+    # name to remove -- with mkstemp it could land before the name was assigned, leaving a
+    # 0-byte temporary file behind.
+    temp = str(target.parent / f".{target.name}.{secrets.token_hex(6)}{TEMP_SUFFIX}")
     try:
-        fd, temp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=TEMP_SUFFIX)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
     except OSError as exc:
         raise CannotWriteError(describe_os_error(exc, dest)) from exc
+    except BaseException:
+        _remove(temp)
+        raise
     try:
         with os.fdopen(fd, "wb") as out:
             yield out
