@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from .analysis.inspect import describe_tree, summarize
 from .errors import BadInputError, CannotWriteError, CheckFailedError, UsageError
 from .fileio.atomic import atomic_output, check_destination
+from .fileio.extents import shared_bytes, shared_bytes_of
 from .fileio.sizes import parse_size
 from .formats.checkpoint import Checkpoint, read_checkpoint
 from .formats.detect import FILE_FORMATS, OUTPUT_FORMATS, PTH_SUFFIXES
@@ -135,6 +136,9 @@ class Report:
     metadata: dict[str, str] = field(default_factory=dict)
     outputs: list[str] = field(default_factory=list)
     output_bytes: int | None = None
+    #: bytes of the output in blocks shared with another file (the input: a copy-on-write
+    #: copy), as the file system reports them; None where it cannot tell
+    shared_bytes: int | None = None
     seconds: float = 0.0
     message: str = ""
     notes: list[str] = field(default_factory=list)
@@ -475,6 +479,7 @@ def _write(
         files = write_dcp(lambda f: ckpt.write(root, f), out, overwrite=opts.force)
         report.outputs = [str(p) for p in files]
         report.output_bytes = sum(p.stat().st_size for p in files)
+        report.shared_bytes = shared_bytes_of(report.outputs)
     elif kind == "sharded":
         if out.exists() and not out.is_dir():
             raise CannotWriteError(f"{out}: exists and is not a folder")
@@ -494,6 +499,7 @@ def _write(
         )
         report.outputs = [str(p) for p in written.files]
         report.output_bytes = sum(p.stat().st_size for p in written.files)
+        report.shared_bytes = shared_bytes_of(report.outputs)
     else:
         check = None
         if opts.verify or opts.in_place:
@@ -508,6 +514,7 @@ def _write(
             else:
                 assert flat is not None
                 write_safetensors_from_torch(flat, f, metadata, max_data_bytes=budget)
+            report.shared_bytes = shared_bytes(f)  # before the rename: --in-place replaces the input
         report.outputs = [str(out)]
         report.output_bytes = out.stat().st_size
     report.written = True
