@@ -255,3 +255,30 @@ def test_shared_bytes_is_reported_and_unknown_when_the_platform_cannot_tell(tmp_
         assert extents.shared_bytes(f.fileno()) is None
     report = ckptfix.fix_prefix(src, tmp_path / "again.pth")
     assert report.written and report.shared_bytes is None
+
+
+def _hub_shards(folder: Path) -> dict[str, torch.Tensor]:
+    from huggingface_hub import save_torch_state_dict
+
+    g = torch.Generator().manual_seed(4)
+    tensors = {f"layer{i}.weight": torch.randn(100_000 + i, generator=g) for i in range(6)}
+    folder.mkdir()
+    save_torch_state_dict(tensors, str(folder), max_shard_size="1MB")
+    return tensors
+
+
+def test_unchanged_shards_are_copied_whole_and_renamed_ones_keep_their_offsets(tmp_path: Path) -> None:
+    hub, same, renamed = tmp_path / "hub", tmp_path / "same", tmp_path / "renamed"
+    tensors = _hub_shards(hub)
+    shards = sorted(hub.glob("*.safetensors"))
+    assert len(shards) > 1
+    ckptfix.convert(hub, same, ckptfix.ConvertOptions(max_shard_size="1MB"))
+    for shard in shards:
+        assert (same / shard.name).read_bytes() == shard.read_bytes()
+    ckptfix.convert(hub, renamed, ckptfix.ConvertOptions(max_shard_size="1MB", add_prefix="model."))
+    for shard in shards:
+        out = renamed / shard.name
+        assert _data_start(out) % BLOCK == _data_start(shard) % BLOCK
+        assert out.read_bytes()[_data_start(out) :] == shard.read_bytes()[_data_start(shard) :]
+    merged = {k: v for shard in sorted(renamed.glob("*.safetensors")) for k, v in load_file(shard).items()}
+    assert_same_tree(merged, {f"model.{k}": v for k, v in tensors.items()})

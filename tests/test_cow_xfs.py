@@ -143,3 +143,27 @@ def test_in_place_shares_blocks(xfs: Path, ddp: Path) -> None:
     _assert_shared(work, _tensor_bytes(keep))
     for path in (work, keep):
         path.unlink()
+
+
+def test_shards_share_blocks(xfs: Path) -> None:
+    """Each shard shares its data; a shard that comes out unchanged is shared whole."""
+    from huggingface_hub import save_torch_state_dict
+
+    g = torch.Generator().manual_seed(2)
+    hub, same, renamed = xfs / "hub", xfs / "same", xfs / "renamed"
+    hub.mkdir()
+    save_torch_state_dict(
+        {f"layer{i}.weight": torch.randn(640_000 + i, generator=g) for i in range(8)}, str(hub), max_shard_size="6MB"
+    )
+    shards = sorted(hub.glob("*.safetensors"))
+    assert len(shards) > 1
+    for out, extra in ((same, ()), (renamed, ("--add-prefix", "model."))):
+        result = run_cli("convert", hub, f"{out}/", "--max-shard-size", "6MB", *extra)
+        assert result.returncode == 0, result.stderr
+        for shard in shards:
+            _assert_shared(out / shard.name, _tensor_bytes(shard))
+    for shard in shards:  # unchanged: every block of the file, header included
+        with open(same / shard.name, "rb") as f:
+            assert shared_bytes(f.fileno()) == shard.stat().st_size
+    for folder in (hub, same, renamed):
+        shutil.rmtree(folder)
