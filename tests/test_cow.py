@@ -282,3 +282,22 @@ def test_unchanged_shards_are_copied_whole_and_renamed_ones_keep_their_offsets(t
         assert out.read_bytes()[_data_start(out) :] == shard.read_bytes()[_data_start(shard) :]
     merged = {k: v for shard in sorted(renamed.glob("*.safetensors")) for k, v in load_file(shard).items()}
     assert_same_tree(merged, {f"model.{k}": v for k, v in tensors.items()})
+
+
+def test_records_kept_in_place_are_copied_in_one_kernel_call(tmp_path: Path, monkeypatch: Any) -> None:
+    """strip-module leaves the records' bytes as they were (headers, data, descriptors): the
+    whole run goes to the kernel as one copy (head to the block boundary, then the rest)."""
+    src, out = tmp_path / "ddp.pth", tmp_path / "bare.pth"
+    sd = {f"module.layer{i}.weight": torch.randn(30_000 + 16 * i) for i in range(6)}
+    torch.save(sd, src)
+    calls: list[int] = []
+    real = os.copy_file_range
+
+    def counting(src_fd: int, dst_fd: int, count: int, offset_src: int, offset_dst: int) -> int:
+        calls.append(count)
+        return real(src_fd, dst_fd, count, offset_src, offset_dst)
+
+    monkeypatch.setattr(os, "copy_file_range", counting)
+    ckptfix.fix_prefix(src, out)
+    assert len(calls) <= 2 and sum(calls) > sum(t.nbytes for t in sd.values())
+    _loads_everywhere(out, {k.removeprefix("module."): v for k, v in sd.items()})

@@ -152,15 +152,45 @@ class OpenFiles:
         self.close()
 
 
+@dataclass
+class _PendingCopy:
+    """Output bytes ``[dst, dst + size)`` that are ``size`` bytes of ``path`` at ``offset``,
+    not yet handed to the kernel (see :class:`OutputStream`)."""
+
+    files: OpenFiles
+    path: str
+    offset: int
+    size: int
+    dst: int
+
+
 class OutputStream:
-    """An output file written front to back, taking bytes from memory or from file ranges."""
+    """An output file written front to back, taking bytes from memory or from file ranges.
+
+    Copies from a file are held back and merged while the output goes on repeating that file
+    byte for byte: a range that continues the last one, and small writes equal to the bytes
+    that follow it there (a zip record's data descriptor and the next local header, when a
+    surgery kept the records where they were). ``strip-module`` then copies a checkpoint's
+    whole run of records in one ``copy_file_range``: one call costs ~0.5 ms on ext4 (measured:
+    200 calls for 1.2 GB took 0.5 s where one took 0.35 s), and on a copy-on-write file system
+    one shared extent is cheaper to make and to read back than hundreds.
+    Call :meth:`flush` before closing the :class:`OpenFiles` given to :meth:`copy`.
+    """
 
     def __init__(self, out: BinaryIO) -> None:
         self._out = out
         self._fd = out.fileno()
         self.offset = out.tell()
+        self._pending: _PendingCopy | None = None
 
     def write(self, data: bytes | bytearray) -> None:
+        pending = self._pending
+        if pending is not None:
+            if len(data) <= SMALL_COPY and _repeats(pending, data):
+                pending.size += len(data)
+                self.offset += len(data)
+                return
+            self._copy_pending()
         self._out.write(data)
         self.offset += len(data)
 
@@ -180,21 +210,41 @@ class OutputStream:
                 return None
             return source.crc if source.crc is not None else zlib.crc32(data)
         if is_plain_range(source):
-            self._out.flush()
-            pending = files.crc_in_background(source) if want_crc and source.crc is None else None
-            copy_range(files.file(source.path).fileno(), source.offset, self._fd, self.offset, source.size)
+            crc = files.crc_in_background(source) if want_crc and source.crc is None else None
+            pending = self._pending
+            if pending is not None and pending.path == source.path and pending.offset + pending.size == source.offset:
+                pending.size += source.size
+            else:
+                self._copy_pending()
+                self._out.flush()
+                self._pending = _PendingCopy(files, source.path, source.offset, source.size, self.offset)
             self.offset += source.size
-            self._out.seek(self.offset)
-            return pending.result() if pending is not None else source.crc
-        crc = 0
+            if crc is None:
+                return source.crc
+            self._copy_pending()  # now, while the worker computes the CRC beside it
+            return crc.result()
+        crc_value = 0
         for chunk in iter_chunks(source, files):
             if want_crc:
-                crc = zlib.crc32(chunk, crc)
+                crc_value = zlib.crc32(chunk, crc_value)
             self.write(chunk)
-        return crc if want_crc else None
+        return crc_value if want_crc else None
+
+    def _copy_pending(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            src_fd = pending.files.file(pending.path).fileno()
+            copy_range(src_fd, pending.offset, self._fd, pending.dst, pending.size)
+            self._out.seek(pending.dst + pending.size)
 
     def flush(self) -> None:
+        self._copy_pending()
         self._out.flush()
+
+
+def _repeats(pending: _PendingCopy, data: bytes | bytearray) -> bool:
+    """Whether ``data`` is what the pending copy's file holds right after it."""
+    return pending.files.small_read(pending.path, pending.offset + pending.size, len(data)) == data
 
 
 def is_plain_range(source: object) -> TypeGuard[FileRange]:

@@ -441,7 +441,7 @@ def write_safetensors(
                 size = piece.nbytes
             if progress:
                 progress(size)
-    stream.flush()
+        stream.flush()  # before the input files close: the last copy may still be pending
     return plan
 
 
