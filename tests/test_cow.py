@@ -301,3 +301,20 @@ def test_records_kept_in_place_are_copied_in_one_kernel_call(tmp_path: Path, mon
     ckptfix.fix_prefix(src, out)
     assert len(calls) <= 2 and sum(calls) > sum(t.nbytes for t in sd.values())
     _loads_everywhere(out, {k.removeprefix("module."): v for k, v in sd.items()})
+
+
+def test_merged_copies_are_bounded_and_give_the_same_bytes(tmp_path: Path, monkeypatch: Any) -> None:
+    """Merging stops at MERGE_LIMIT (progress runs at most that far ahead of the copying): a
+    small limit gives more kernel calls and the very same file."""
+    src = tmp_path / "ddp.pth"
+    torch.save(_ddp_state(), src)
+    st = tmp_path / "a.safetensors"
+    _st_source(st)
+    outputs = {}
+    for limit in (ranges.MERGE_LIMIT, 50_000):
+        monkeypatch.setattr(ranges, "MERGE_LIMIT", limit)
+        for source, name in ((src, "bare.pth"), (st, "b.safetensors")):
+            out = tmp_path / f"{limit}-{name}"
+            ckptfix.convert(source, out, ckptfix.ConvertOptions(strip_prefixes=("module.",)))
+            outputs.setdefault(name, []).append(out.read_bytes())
+    assert all(a == b for a, b in outputs.values())

@@ -36,6 +36,10 @@ SMALL_COPY = 1 << 16
 #: the block size copy-on-write file systems share extents in (4 KiB on XFS, btrfs, ext4, APFS);
 #: a larger block is a multiple of it, so congruence modulo 4096 is what a writer can offer
 BLOCK = 4096
+#: how many bytes of merged copies may wait for the kernel: progress is reported as records are
+#: added, so it runs at most this far ahead of the bytes really copied (and 256 MiB copies cost
+#: the same per byte as one call for the whole file)
+MERGE_LIMIT = 1 << 28
 #: the buffer the background CRC reads through: small enough to stay in cache between the
 #: read and the CRC, large enough that the per-call cost vanishes (measured: flat 256 KiB-4 MiB)
 _CRC_CHUNK = 1 << 20
@@ -170,10 +174,11 @@ class OutputStream:
     Copies from a file are held back and merged while the output goes on repeating that file
     byte for byte: a range that continues the last one, and small writes equal to the bytes
     that follow it there (a zip record's data descriptor and the next local header, when a
-    surgery kept the records where they were). ``strip-module`` then copies a checkpoint's
-    whole run of records in one ``copy_file_range``: one call costs ~0.5 ms on ext4 (measured:
-    200 calls for 1.2 GB took 0.5 s where one took 0.35 s), and on a copy-on-write file system
-    one shared extent is cheaper to make and to read back than hundreds.
+    surgery kept the records where they were), up to :data:`MERGE_LIMIT` bytes. So
+    ``strip-module`` copies a checkpoint's records in a few ``copy_file_range`` calls: one call
+    costs ~0.5 ms on ext4 (measured: 200 calls for 1.2 GB took 0.5 s where one took 0.35 s),
+    and on a copy-on-write file system a few shared extents are cheaper to make and to read
+    back than hundreds.
     Call :meth:`flush` before closing the :class:`OpenFiles` given to :meth:`copy`.
     """
 
@@ -186,7 +191,7 @@ class OutputStream:
     def write(self, data: bytes | bytearray) -> None:
         pending = self._pending
         if pending is not None:
-            if len(data) <= SMALL_COPY and _repeats(pending, data):
+            if len(data) <= SMALL_COPY and pending.size < MERGE_LIMIT and _repeats(pending, data):
                 pending.size += len(data)
                 self.offset += len(data)
                 return
@@ -212,7 +217,12 @@ class OutputStream:
         if is_plain_range(source):
             crc = files.crc_in_background(source) if want_crc and source.crc is None else None
             pending = self._pending
-            if pending is not None and pending.path == source.path and pending.offset + pending.size == source.offset:
+            if (
+                pending is not None
+                and pending.path == source.path
+                and pending.offset + pending.size == source.offset
+                and pending.size < MERGE_LIMIT
+            ):
                 pending.size += source.size
             else:
                 self._copy_pending()

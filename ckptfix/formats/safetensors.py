@@ -415,39 +415,37 @@ def write_safetensors(
     """Stream ``state_dict`` into ``out`` as safetensors; returns the plan that was written.
 
     Tensors whose bytes lie back to back in one file are copied file to file by the kernel in
-    one call (so a copy-on-write file system can share the blocks); strided views and
+    few calls (so a copy-on-write file system can share the blocks); strided views and
     big-endian sources are gathered one tensor at a time. When header and data come out the
     same as a source file's, that file is copied whole. ``max_data_bytes`` refuses, before the
     first byte, a file whose data would be larger (see :func:`check_expand_budget`).
     """
     plan = plan_safetensors(state_dict, metadata, max_data_bytes=max_data_bytes)
     stream = OutputStream(out)
-    pieces = _runs(plan.tensors)
     with OpenFiles() as files:
-        whole = _unchanged_file(plan, pieces, files)
+        whole = _unchanged_file(plan, files)
         if whole is not None:
             stream.copy(whole, files)
             if progress:
                 progress(plan.data_bytes)
-            pieces = []
         else:
             stream.write(plan.header)
-        for piece in pieces:
-            if isinstance(piece, _Run):
-                stream.copy(FileRange(piece.path, piece.offset, piece.size), files)  # file to file, in the kernel
-                size = piece.size
-            else:
-                stream.write(tensor_c_bytes(piece, files))
-                size = piece.nbytes
-            if progress:
-                progress(size)
+            for _, t in plan.tensors:
+                span = _plain_span(t)
+                if span is None:
+                    stream.write(tensor_c_bytes(t, files))
+                else:  # file to file, in the kernel; the stream merges tensors that lie back to back
+                    stream.copy(FileRange(span[0], span[1], t.nbytes), files)
+                if progress:
+                    progress(t.nbytes)
         stream.flush()  # before the input files close: the last copy may still be pending
     return plan
 
 
-def _unchanged_file(plan: SafetensorsPlan, pieces: list[_Run | TensorRef], files: OpenFiles) -> FileRange | None:
+def _unchanged_file(plan: SafetensorsPlan, files: OpenFiles) -> FileRange | None:
     """The whole source file, when the output would be that file byte for byte: one run that
     is the source's entire data section, after a header equal to the source's."""
+    pieces = _runs(plan.tensors)
     if len(pieces) != 1 or not isinstance(pieces[0], _Run):
         return None
     run = pieces[0]
