@@ -27,11 +27,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness import make_checkpoint, timed
+from harness import make_checkpoint
 
 from ckptfix.fileio.extents import shared_bytes
 
@@ -66,6 +67,18 @@ def xfs_mount(workdir: Path, size_gb: float, *, wanted: bool = True) -> Iterator
         mount.rmdir()
 
 
+def timed(cmd: list[str]) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (user + system, from ``wait4``) of one child process. On a
+    busy machine wall time includes waiting for a core; CPU time does not."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, status, usage = os.wait4(proc.pid, 0)
+    elapsed = time.perf_counter() - start
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}: {proc.stderr.read().decode() if proc.stderr else ''}")
+    return elapsed, usage.ru_utime + usage.ru_stime
+
+
 def contenders(folder: Path, ckptfix: str) -> dict[str, tuple[list[str], Path]]:
     pth, st = folder / "ddp_large.pth", folder / "ddp_large.safetensors"
     return {
@@ -96,12 +109,15 @@ def measure(folder: Path, ckptfix: str, runs: int) -> list[str]:
     """Table rows: median wall, median ratio to cp (per round), shared bytes of the last output."""
     table = contenders(folder, ckptfix)
     walls: dict[str, list[float]] = {name: [] for name in table}
+    cpus: dict[str, list[float]] = {name: [] for name in table}
     shared: dict[str, int | None] = {}
     for _ in range(runs):
         for name, (cmd, out) in table.items():
             out.unlink(missing_ok=True)
             os.sync()  # no writeback of an earlier run's output competes with this one
-            walls[name].append(timed(cmd)[0])
+            wall, cpu = timed(cmd)
+            walls[name].append(wall)
+            cpus[name].append(cpu)
     for name, (_, out) in table.items():
         with open(out, "rb") as f:
             shared[name] = shared_bytes(f.fileno())
@@ -114,7 +130,7 @@ def measure(folder: Path, ckptfix: str, runs: int) -> list[str]:
         share = "unknown" if count is None else f"{count / 1e9:.2f} GB"
         rows.append(
             f"| {name} | {statistics.median(times):.3f} | {', '.join(f'{t:.2f}' for t in times)} "
-            f"| {ratio:.2f}x | {share} |"
+            f"| {ratio:.2f}x | {statistics.median(cpus[name]):.3f} | {share} |"
         )
     return rows
 
@@ -144,8 +160,8 @@ def main() -> None:
             results[label] = measure(folder, ckptfix, args.runs)
     for label, rows in results.items():
         print(f"\n{label}\n")
-        print("| command | median wall (s) | all runs (s) | vs cp (median of per-round ratios) | output shared |")
-        print("|---|---|---|---|---|")
+        print("| command | median wall (s) | all runs (s) | vs cp (median of pairs) | median CPU (s) | shared |")
+        print("|---|---|---|---|---|---|")
         print("\n".join(rows))
 
 
