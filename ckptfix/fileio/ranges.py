@@ -6,7 +6,7 @@ as it is (in the kernel, no Python buffer) or, when a tensor is a strided view o
 need swapping, gather exactly that one tensor's elements into C order with numpy over a
 memory map -- so memory stays at one tensor's worth at most.
 
-On a copy-on-write file system (XFS with reflink, btrfs, ZFS with block cloning, APFS) the
+On a copy-on-write file system (XFS with reflink, btrfs; ZFS clones only whole records) the
 kernel's copy shares the input's blocks instead of copying bytes, but only whole blocks, and
 only when a ``copy_file_range`` call *starts* on a block boundary in both files (measured on
 XFS: 0 -> 0 all shared, 64 -> 64 nothing, 4096 -> 4096 all but a partial last block). Writers
@@ -33,8 +33,9 @@ _CHUNK = 1 << 22
 #: records smaller than this are copied through the output buffer rather than by the kernel,
 #: and keep their natural place (no padding to share blocks: not worth 4 KiB each)
 SMALL_COPY = 1 << 16
-#: the block size copy-on-write file systems share extents in (4 KiB on XFS, btrfs, ext4, APFS);
-#: a larger block is a multiple of it, so congruence modulo 4096 is what a writer can offer
+#: the block size copy-on-write file systems share extents in (4 KiB on XFS and btrfs as
+#: usually made); the zip extra field that pads a record holds at most 64 KiB, so this is also
+#: about as far as a writer can go
 BLOCK = 4096
 #: how many bytes of merged copies may wait for the kernel: progress is reported as records are
 #: added, so it runs at most this far ahead of the bytes really copied (and 256 MiB copies cost

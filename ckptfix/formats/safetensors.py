@@ -199,7 +199,8 @@ class SafetensorsPlan:
 @dataclass
 class _Run:
     """Consecutive tensors of the output whose bytes lie back to back, as they are, in one file:
-    copied with one kernel call. ``start`` is the run's offset in the output's data section."""
+    one stretch the kernel can copy (and a copy-on-write file system share) at once, if the
+    header puts it at the right offset. ``start`` is its offset in the output's data section."""
 
     start: int
     path: str
