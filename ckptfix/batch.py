@@ -14,14 +14,16 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import BadInputError, CannotWriteError, CkptfixError, ExitCode, UsageError
 from .formats.detect import CHECKPOINT_SUFFIXES, FILE_FORMATS
 from .formats.sharded import INDEX_NAMES, find_index
+
+if TYPE_CHECKING:
+    from concurrent.futures import Future
 
 #: file names a folder scan treats as checkpoints
 
@@ -244,6 +246,10 @@ def run_batch(
                 report.stopped_early = index < len(jobs_list) - 1
                 break
     else:
+        # imported here: the process pool pulls in multiprocessing (~10 ms), which one file
+        # (the usual IN OUT command, where start-up is most of the time on a CoW file system) never needs
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             pending: dict[Future[FileResult], int] = {}
             queue = list(enumerate(jobs_list))

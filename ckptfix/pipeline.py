@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from .analysis.inspect import describe_tree, summarize
 from .errors import BadInputError, CannotWriteError, CheckFailedError, UsageError
 from .fileio.atomic import atomic_output, check_destination
+from .fileio.extents import shared_bytes, shared_bytes_of
 from .fileio.ranges import FileRange, OpenFiles, OutputStream
 from .fileio.sizes import parse_size
 from .formats.checkpoint import FORMAT_SAFETENSORS, FORMAT_TORCH_LEGACY, FORMAT_TORCH_ZIP, Checkpoint, read_checkpoint
@@ -138,6 +139,9 @@ class Report:
     metadata: dict[str, str] = field(default_factory=dict)
     outputs: list[str] = field(default_factory=list)
     output_bytes: int | None = None
+    #: bytes of the output in blocks shared with another file (the input: a copy-on-write
+    #: copy), as the file system reports them; None where it cannot tell
+    shared_bytes: int | None = None
     seconds: float = 0.0
     message: str = ""
     notes: list[str] = field(default_factory=list)
@@ -531,6 +535,7 @@ def _write(
         files = write_dcp(lambda f: ckpt.write(root, f), out, overwrite=opts.force)
         report.outputs = [str(p) for p in files]
         report.output_bytes = sum(p.stat().st_size for p in files)
+        report.shared_bytes = shared_bytes_of(report.outputs)
     elif kind == "sharded":
         if out.exists() and not out.is_dir():
             raise CannotWriteError(f"{out}: exists and is not a folder")
@@ -550,6 +555,7 @@ def _write(
         )
         report.outputs = [str(p) for p in written.files]
         report.output_bytes = sum(p.stat().st_size for p in written.files)
+        report.shared_bytes = shared_bytes_of(report.outputs)
     else:
         check = None
         if opts.verify or opts.in_place:
@@ -564,6 +570,7 @@ def _write(
             else:
                 assert flat is not None
                 write_safetensors_from_torch(flat, f, metadata, max_data_bytes=budget)
+            report.shared_bytes = shared_bytes(f)  # before the rename: --in-place replaces the input
         report.outputs = [str(out)]
         report.output_bytes = out.stat().st_size
     report.written = True

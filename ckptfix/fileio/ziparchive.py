@@ -6,9 +6,12 @@ Why our own zip code instead of :mod:`zipfile`:
   :mod:`zipfile` refuses to read them; torch itself does not check CRCs;
 * tensor records are copied into the output without ever being read into Python, so all we
   need from a record is *where its bytes are*;
-* the writer mirrors torch's own (miniz) layout byte for byte -- 64-byte aligned records padded
-  with an ``FB`` extra field, a data descriptor after each record, zip64 end records -- so
-  ``torch.load(mmap=True)`` and torch's ``calculate_storage_offsets`` loader both accept it.
+* the writer mirrors torch's own (miniz) layout -- 64-byte aligned records padded with an
+  ``FB`` extra field, a data descriptor after each record, zip64 end records -- so
+  ``torch.load(mmap=True)`` accepts it; byte for byte, so torch's ``calculate_storage_offsets``
+  loader does too, except that a big record copied unchanged from a 64-aligned place is padded
+  further, to sit at the same offset modulo 4096 as in its source: a copy-on-write file system
+  can then share its blocks instead of copying them (see :func:`shares_blocks`).
 """
 
 from __future__ import annotations
@@ -19,10 +22,11 @@ import zlib
 from array import array
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import BinaryIO, NamedTuple
+from typing import BinaryIO, NamedTuple, TypeGuard
 
 from ..errors import BadInputError
 from .ranges import (
+    BLOCK,
     SMALL_COPY,
     ComputedSource,
     FileRange,
@@ -481,6 +485,19 @@ def read_record_bytes(f: BinaryIO, record: ZipRecord, limit: int, path: str = ""
     return b"".join(inflate_chunks(f, record.data_offset, record.compressed_size, record.size, where))
 
 
+def shares_blocks(source: FileRange | ComputedSource) -> TypeGuard[FileRange]:
+    """Whether :class:`ZipWriter` places ``source``'s record at its source offset modulo
+    :data:`~ckptfix.fileio.ranges.BLOCK` (so a copy-on-write file system shares its blocks)
+    rather than at the next 64-byte boundary.
+
+    Only bytes copied as they are (a plain range) can be shared; only records of at least
+    :data:`~ckptfix.fileio.ranges.SMALL_COPY` are worth up to 4 KiB of padding; and only a
+    64-aligned source offset keeps the 64-byte alignment torch needs (a 4096-congruent offset
+    is 64-aligned exactly when the source one is: safetensors tensors often are not).
+    """
+    return is_plain_range(source) and source.size >= SMALL_COPY and source.offset % RECORD_ALIGNMENT == 0
+
+
 _DESCRIPTOR = struct.Struct("<4sIII")
 #: the "FB" extra field's length and padding, for every padding torch's 64-byte alignment needs
 _PAD_LENGTH = [struct.pack("<H", n) + b"Z" * n for n in range(RECORD_ALIGNMENT)]
@@ -511,7 +528,10 @@ class ZipWriter:
     def _needs_zip64(self, value: int) -> bool:
         return value >= self._zip64_threshold
 
-    def _start_record(self, name: str, size: int) -> bytes:
+    def _start_record(self, name: str, size: int, source_offset: int | None = None) -> bytes:
+        """Write the local header; the ``FB`` extra field pads the data to the next 64-byte
+        boundary, or, given ``source_offset``, to the next offset congruent to it modulo
+        :data:`BLOCK` (at most 4095 bytes: an extra field holds up to 65535)."""
         full = f"{self._prefix}/{name}".encode()
         offset = self._offset
         zip64 = b""
@@ -523,7 +543,7 @@ class ZipWriter:
                 body += struct.pack("<Q", offset)
             zip64 = struct.pack("<HH", 0x0001, len(body)) + body
         start = offset + _LOCAL_HEADER.size + len(full) + len(zip64) + 4
-        padding = -start % RECORD_ALIGNMENT
+        padding = -start % RECORD_ALIGNMENT if source_offset is None else (source_offset - start) % BLOCK
         extra = zip64 + b"FB" + struct.pack("<H", padding) + b"Z" * padding
         header = _LOCAL_HEADER.pack(_LOCAL_SIG, 0, 0x0808, STORED, 0, 0, 0, 0, 0, len(full), len(extra))
         self._write(header + full + extra)
@@ -575,11 +595,12 @@ class ZipWriter:
     def add_copy(self, name: str, source: FileRange | ComputedSource, files: OpenFiles) -> int:
         """Add a record whose bytes come from ``source``; returns its CRC32.
 
-        A stored range with a known CRC (a zip record) is copied by the kernel and keeps the
-        CRC the source recorded (CRC 0 stays 0, as torch wrote it); anything else is streamed
-        in bounded chunks and its CRC computed on the way.
+        A stored range is copied by the kernel: with a known CRC (a zip record) it keeps the
+        CRC the source recorded (CRC 0 stays 0, as torch wrote it), else the CRC is computed
+        beside the copy. Anything else is streamed in bounded chunks and its CRC computed on
+        the way. See :func:`shares_blocks` for where the record's data lands.
         """
-        if is_plain_range(source) and source.size <= SMALL_COPY:
+        if is_plain_range(source) and source.size < SMALL_COPY:
             data = files.small_read(source.path, source.offset, source.size)
             if len(data) != source.size:
                 raise BadInputError(f"{source.path}: the file ended inside tensor data (truncated?)")
@@ -587,7 +608,8 @@ class ZipWriter:
             self.add_small(name, data, crc)
             return crc
         header_offset = self._offset
-        full = self._start_record(name, source.size)
+        place = source.offset if shares_blocks(source) else None
+        full = self._start_record(name, source.size, place)
         copied_crc = self._stream.copy(source, files, want_crc=True)
         assert copied_crc is not None
         self._finish_record(full, header_offset, source.size, copied_crc)

@@ -14,13 +14,20 @@ checkpoint can:
 * other views into a shared storage (slices, transposes, a flat DeepSpeed buffer) are written
   as their own contiguous bytes (save_model would refuse those);
 * data is ordered by element size (largest first), then name, as the safetensors library does,
-  so every tensor is aligned for memory mapping.
+  so every tensor is aligned for memory mapping -- unless the tensors' bytes already sit in one
+  file (a safetensors input being renamed, its metadata edited, tensors dropped) and keeping
+  their order there lets more of them be copied in long runs: then the input's order is kept;
+* the header is padded with spaces (the library pads to 8 bytes the same way) so that the data
+  section starts at the offset, modulo 4096, where the longest such runs start in their file: a
+  copy-on-write file system (XFS, btrfs) then shares those blocks instead of copying them, and
+  a file whose header and data are both unchanged is copied whole.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import os
 import struct
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -28,7 +35,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeAlias
 
 from ..errors import BadInputError, UsageError
 from ..fileio import strictjson
-from ..fileio.ranges import FileRange, OpenFiles, OutputStream, is_plain_range
+from ..fileio.ranges import BLOCK, SMALL_COPY, FileRange, OpenFiles, OutputStream, is_plain_range
 from ..model.data import is_c_contiguous, tensor_c_bytes
 from ..model.dtypes import DTYPE_ITEMSIZE, DTYPE_TO_SAFETENSORS, SAFETENSORS_DTYPES
 from ..model.needs import need_torch
@@ -190,6 +197,79 @@ class SafetensorsPlan:
     data_bytes: int
 
 
+@dataclass
+class _Run:
+    """Consecutive tensors of the output whose bytes lie back to back, as they are, in one file:
+    one stretch the kernel can copy (and a copy-on-write file system share) at once, if the
+    header puts it at the right offset. ``start`` is its offset in the output's data section."""
+
+    start: int
+    path: str
+    offset: int
+    size: int
+
+
+def _plain_span(t: TensorRef) -> tuple[str, int] | None:
+    """(file, offset) where ``t``'s bytes already are exactly as safetensors stores them
+    (little-endian, C order, uncompressed), or None when they must be gathered."""
+    source = t.storage.source
+    if t.storage.byteorder == "big" or not is_plain_range(source) or not is_c_contiguous(t.shape, t.stride):
+        return None
+    return source.path, source.offset + t.storage_offset * DTYPE_ITEMSIZE[t.dtype]
+
+
+def _runs(tensors: Iterable[tuple[str, TensorRef]]) -> list[_Run | TensorRef]:
+    """The data section as pieces: runs to copy, and tensors to gather one by one."""
+    pieces: list[_Run | TensorRef] = []
+    start = 0
+    for _, t in tensors:
+        span = _plain_span(t)
+        last = pieces[-1] if pieces else None
+        if span is None:
+            pieces.append(t)
+        elif isinstance(last, _Run) and last.path == span[0] and last.offset + last.size == span[1]:
+            last.size += t.nbytes
+        else:
+            pieces.append(_Run(start, span[0], span[1], t.nbytes))
+        start += t.nbytes
+    return pieces
+
+
+def _best_placement(pieces: Iterable[_Run | TensorRef]) -> tuple[int | None, int]:
+    """(offset modulo :data:`BLOCK` for the data section, bytes that can then be shared).
+
+    A run shares blocks when the data section starts at its file offset minus its offset in
+    the section (mod 4096); with the section 8-aligned, as the library writes it, and runs of
+    at least 64 KiB (as for zip records: smaller ones are not worth it). None: nothing can be.
+    """
+    shared: dict[int, int] = {}
+    for piece in pieces:
+        if isinstance(piece, _Run) and piece.size >= SMALL_COPY:
+            residue = (piece.offset - piece.start) % BLOCK
+            if residue % _ALIGN == 0:
+                shared[residue] = shared.get(residue, 0) + piece.size
+    if not shared:
+        return None, 0
+    residue = max(shared, key=lambda r: (shared[r], -r))
+    return residue, shared[residue]
+
+
+def _in_source_order(kept: list[tuple[str, TensorRef]]) -> list[tuple[str, TensorRef]] | None:
+    """``kept`` in the order its bytes lie in their files, or None when some tensor must be
+    gathered or that order would leave a tensor misaligned for its element size."""
+    spans = [_plain_span(t) for _, t in kept]
+    if any(span is None for span in spans):
+        return None
+    order = sorted(range(len(kept)), key=lambda i: (spans[i], kept[i][0]))
+    ordered = [kept[i] for i in order]
+    start = 0
+    for _, t in ordered:
+        if start % DTYPE_ITEMSIZE[t.dtype]:
+            return None
+        start += t.nbytes
+    return ordered
+
+
 def _view_key(t: TensorRef) -> _ViewKey:
     return (id(t.storage), t.storage_offset, t.shape, t.stride, t.dtype)
 
@@ -299,6 +379,12 @@ def plan_safetensors(
     if max_data_bytes is not None:
         check_expand_budget(kept, max_data_bytes)
     kept.sort(key=lambda item: (-DTYPE_ITEMSIZE[item[1].dtype], item[0]))
+    residue, shared = _best_placement(_runs(kept))
+    as_stored = _in_source_order(kept)
+    if as_stored is not None:
+        stored_residue, stored_shared = _best_placement(_runs(as_stored))
+        if stored_shared > shared:
+            kept, residue = as_stored, stored_residue
     meta = dict(metadata or {})
     for alias, keep in aliases.items():
         meta.setdefault(alias, keep)  # save_model's convention; user metadata wins
@@ -313,7 +399,10 @@ def plan_safetensors(
         }
         offset += size
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    raw += b" " * (-(len(raw) + 8) % _ALIGN)
+    if residue is None:
+        raw += b" " * (-(len(raw) + 8) % _ALIGN)
+    else:
+        raw += b" " * ((residue - 8 - len(raw)) % BLOCK)
     return SafetensorsPlan(kept, aliases, struct.pack("<Q", len(raw)) + raw, offset)
 
 
@@ -327,29 +416,47 @@ def write_safetensors(
 ) -> SafetensorsPlan:
     """Stream ``state_dict`` into ``out`` as safetensors; returns the plan that was written.
 
-    Contiguous little-endian tensors are copied file to file by the kernel; strided views
-    and big-endian sources are gathered one tensor at a time. ``max_data_bytes`` refuses,
-    before the first byte, a file whose data would be larger (see :func:`check_expand_budget`).
+    Tensors whose bytes lie back to back in one file are copied file to file by the kernel in
+    few calls (so a copy-on-write file system can share the blocks); strided views and
+    big-endian sources are gathered one tensor at a time. When header and data come out the
+    same as a source file's, that file is copied whole. ``max_data_bytes`` refuses, before the
+    first byte, a file whose data would be larger (see :func:`check_expand_budget`).
     """
     plan = plan_safetensors(state_dict, metadata, max_data_bytes=max_data_bytes)
     stream = OutputStream(out)
-    stream.write(plan.header)
     with OpenFiles() as files:
-        for _, t in plan.tensors:
-            _write_tensor(stream, t, files)
+        whole = _unchanged_file(plan, files)
+        if whole is not None:
+            stream.copy(whole, files)
             if progress:
-                progress(t.nbytes)
-    stream.flush()
+                progress(plan.data_bytes)
+        else:
+            stream.write(plan.header)
+            for _, t in plan.tensors:
+                span = _plain_span(t)
+                if span is None:
+                    stream.write(tensor_c_bytes(t, files))
+                else:  # file to file, in the kernel; the stream merges tensors that lie back to back
+                    stream.copy(FileRange(span[0], span[1], t.nbytes), files)
+                if progress:
+                    progress(t.nbytes)
+        stream.flush()  # before the input files close: the last copy may still be pending
     return plan
 
 
-def _write_tensor(stream: OutputStream, t: TensorRef, files: OpenFiles) -> None:
-    source = t.storage.source
-    if t.storage.byteorder != "big" and is_plain_range(source) and is_c_contiguous(t.shape, t.stride):
-        start = t.storage_offset * DTYPE_ITEMSIZE[t.dtype]
-        stream.copy(source.sub(start, t.nbytes), files)  # file to file, in the kernel
-        return
-    stream.write(tensor_c_bytes(t, files))
+def _unchanged_file(plan: SafetensorsPlan, files: OpenFiles) -> FileRange | None:
+    """The whole source file, when the output would be that file byte for byte: one run that
+    is the source's entire data section, after a header equal to the source's."""
+    pieces = _runs(plan.tensors)
+    if len(pieces) != 1 or not isinstance(pieces[0], _Run):
+        return None
+    run = pieces[0]
+    f = files.file(run.path)
+    if run.offset != len(plan.header) or os.fstat(f.fileno()).st_size != run.offset + run.size:
+        return None
+    if os.pread(f.fileno(), len(plan.header), 0) != plan.header:
+        return None
+    return FileRange(run.path, 0, run.offset + run.size)
 
 
 def _torch_kept(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:

@@ -24,7 +24,15 @@ from typing import Any, BinaryIO
 
 from ..errors import BadInputError, UnsafeInputError
 from ..fileio.ranges import FileSlice, OpenFiles
-from ..fileio.ziparchive import STORED, ZipDirectory, ZipRecord, ZipWriter, read_directory, read_record_bytes
+from ..fileio.ziparchive import (
+    STORED,
+    ZipDirectory,
+    ZipRecord,
+    ZipWriter,
+    read_directory,
+    read_record_bytes,
+    shares_blocks,
+)
 from ..model.refs import Global, StorageRef, make_storage
 from ..model.walk import check_extents
 from ..pickling.reader import restricted_load
@@ -230,6 +238,12 @@ def write_torch_zip(
     :class:`TorchZipArchive`). All storages must share one
     byte order, which is recorded.
     Returns the storages written, in key order; ``progress`` gets each storage's byte count.
+
+    Big storages copied unchanged are padded to share blocks with their source (see
+    :func:`~ckptfix.fileio.ziparchive.shares_blocks`). Such a file no longer has miniz's exact
+    layout, which torch's opt-in ``calculate_storage_offsets`` loader assumes: it would read
+    wrong bytes, silently. That loader runs only for files that say ``.format_version`` >= 1,
+    so those files leave the record out, as older torch versions did (nothing else reads it).
     """
     root, _ = compact_storages(root)
     pickled = dumps(root)
@@ -239,7 +253,8 @@ def write_torch_zip(
     byteorder = orders.pop() if orders else "little"
     writer = ZipWriter(out, archive_name, **({"zip64_threshold": zip64_threshold} if zip64_threshold else {}))
     crcs = [writer.add_bytes("data.pkl", pickled.data)]
-    crcs.append(writer.add_bytes(".format_version", b"1"))
+    if not any(s.source is not None and shares_blocks(s.source) for s in pickled.storages):
+        crcs.append(writer.add_bytes(".format_version", b"1"))
     crcs.append(writer.add_bytes(".storage_alignment", b"64"))
     if source is None or source.byteorder is not None or byteorder != "little":
         crcs.append(writer.add_bytes("byteorder", byteorder.encode()))
