@@ -393,6 +393,15 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
+def assert_values(loaded: dict, original: dict) -> None:
+    """Same names, and per name the same dtype, shape and bytes (strides and devices aside)."""
+    assert set(loaded) == set(original)
+    for name, tensor in original.items():
+        got = loaded[name]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+        assert tensor_bytes(got) == tensor_bytes(tensor), name
+
+
 def assert_tensor_equal(a: torch.Tensor, b: torch.Tensor, where: str, *, check_stride: bool = True) -> None:
     assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
     assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} != {b.dtype}"

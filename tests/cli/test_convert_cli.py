@@ -9,20 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, invoke_cli, tensor_bytes
+from conftest import FIXTURES, assert_values, invoke_cli
 from models import TinyNet, tiny_net
 from safetensors import safe_open
 from safetensors.torch import load_file, save_model
 
 import ckptfix
-
-
-def _assert_values(loaded: dict, original: dict) -> None:
-    assert set(loaded) == set(original)
-    for name, tensor in original.items():
-        got = loaded[name]
-        assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
-        assert tensor_bytes(got) == tensor_bytes(tensor), name
 
 
 def test_tied_model_round_trip_through_safetensors_loads_strictly(tmp_path: Path) -> None:
@@ -59,7 +51,7 @@ def test_shards_written_by_huggingface_hub(tmp_path: Path) -> None:
     assert len(list((tmp_path / "hub").glob("*.safetensors"))) > 1
     result = invoke_cli("convert", tmp_path / "hub", tmp_path / "merged.pth")
     assert result.returncode == 0, result.stderr
-    _assert_values(torch.load(tmp_path / "merged.pth", weights_only=True), sd)
+    assert_values(torch.load(tmp_path / "merged.pth", weights_only=True), sd)
 
 
 def test_our_shards_load_with_huggingface_hub(tmp_path: Path) -> None:

@@ -9,7 +9,7 @@ import zipfile
 from pathlib import Path
 
 import torch
-from conftest import tensor_bytes
+from conftest import assert_values
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -33,14 +33,6 @@ def _ties(sd: dict) -> set[frozenset[str]]:
     return {frozenset(g) for g in groups.values() if len(g) > 1}
 
 
-def _assert_values(loaded: dict, original: dict) -> None:
-    assert set(loaded) == set(original)
-    for name, tensor in original.items():
-        got = loaded[name]
-        assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
-        assert tensor_bytes(got) == tensor_bytes(tensor), name
-
-
 def _assert_ties_restored(loaded: dict, original: dict) -> None:
     for group in _ties(original):
         if original[next(iter(group))].numel() == 0:
@@ -60,14 +52,14 @@ def test_pth_to_safetensors_and_back(sd: dict) -> None:
         with safe_open(mid, "pt") as f:
             aliases = {k: v for k, v in (f.metadata() or {}).items() if k in sd}
         assert set(stored) | set(aliases) == set(sd)
-        _assert_values({**stored, **{a: stored[k] for a, k in aliases.items()}}, sd)
+        assert_values({**stored, **{a: stored[k] for a, k in aliases.items()}}, sd)
         assert all(t.is_contiguous() for t in stored.values())
         ckptfix.convert(mid, back)
         loaded = torch.load(back, weights_only=True)
-        _assert_values(loaded, sd)
+        assert_values(loaded, sd)
         _assert_ties_restored(loaded, sd)
         mapped = torch.load(back, weights_only=True, mmap=True)
-        _assert_values(mapped, sd)
+        assert_values(mapped, sd)
 
 
 @_settings(60)
@@ -92,7 +84,7 @@ def test_pth_to_shards_and_back(sd: dict, max_bytes: int, shard_format: str) -> 
                 assert len(content) == 1 or sum(t.nbytes for t in content.values()) <= max_bytes
         ckptfix.convert(shards, back)
         loaded = torch.load(back, weights_only=True)
-        _assert_values(loaded, sd)
+        assert_values(loaded, sd)
         _assert_ties_restored(loaded, sd)
 
 
@@ -131,4 +123,4 @@ def test_big_endian_and_deflated_sources_convert_to_correct_safetensors(tmp_path
             o.writestr(info.filename, data)
     expected = torch.load(tmp_path / "odd.pth", weights_only=True)  # torch swaps to native order
     ckptfix.convert(tmp_path / "odd.pth", tmp_path / "out.safetensors")
-    _assert_values(load_file(tmp_path / "out.safetensors"), expected)
+    assert_values(load_file(tmp_path / "out.safetensors"), expected)
