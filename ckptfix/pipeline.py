@@ -27,7 +27,7 @@ from .fileio.atomic import atomic_output, check_destination
 from .fileio.extents import shared_bytes, shared_bytes_of
 from .fileio.ranges import FileRange, OpenFiles, OutputStream
 from .fileio.sizes import parse_size
-from .formats.checkpoint import FORMAT_SAFETENSORS, FORMAT_TORCH_LEGACY, FORMAT_TORCH_ZIP, Checkpoint, read_checkpoint
+from .formats.checkpoint import FORMAT_SAFETENSORS, Checkpoint, read_checkpoint
 from .formats.detect import FILE_FORMATS, OUTPUT_FORMATS, PTH_SUFFIXES
 from .formats.safetensors import (
     check_torch_expand_budget,
@@ -448,14 +448,12 @@ def convert(
 
 
 def _same_format(ckpt: Checkpoint, kind: str, file_format: str) -> bool:
-    """Whether OUT would be the input's own format, so a byte copy is the right output."""
-    if kind != "file" or not Path(ckpt.path).is_file():
-        return False
-    return (ckpt.format, file_format) in (
-        (FORMAT_TORCH_ZIP, "pth"),
-        (FORMAT_TORCH_LEGACY, "pth"),
-        (FORMAT_SAFETENSORS, "safetensors"),
-    )
+    """Whether a byte copy of the input is the right OUT: only for safetensors, whose every byte
+    the reader checked (header, and tensors tiling the data exactly). A .pth is rewritten even
+    then: a zip can hold records torch never reads, and ckptfix never carries a byte it did not
+    check (the rewrite copies each checked record, shared on a copy-on-write file system)."""
+    same = (ckpt.format, file_format) == (FORMAT_SAFETENSORS, "safetensors")
+    return same and kind == "file" and Path(ckpt.path).is_file()
 
 
 def _copy_whole(ckpt: Checkpoint, out: Path, report: Report) -> None:

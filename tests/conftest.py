@@ -393,6 +393,11 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
+def assert_same_checkpoint(a: Path, b: Path) -> None:
+    """Two .pth files torch loads to the same tree (what an unchanged rewrite must give)."""
+    assert_same_tree(torch.load(a, weights_only=True), torch.load(b, weights_only=True))
+
+
 def assert_values(loaded: dict, original: dict) -> None:
     """Same names, and per name the same dtype, shape and bytes (strides and devices aside)."""
     assert set(loaded) == set(original)

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_checkpoint
 
 from ckptfix.cli import WRITE_COMMANDS, cli, main
 
@@ -79,7 +80,8 @@ def test_nothing_to_change_names_every_requested_step(capsys: pytest.CaptureFixt
     torch.save({"w": torch.ones(2)}, path)
     out = tmp_path / "out.pth"
     code, stdout, err = run(capsys, "rename", path, out, "--rule", "^nomatch=>x", "--strip-prefix", "model.")
-    assert code == 0 and out.read_bytes() == path.read_bytes()
+    assert code == 0
+    assert_same_checkpoint(out, path)
     assert "no key starts with 'model.'" in stdout and "no key matches the rename rules" in stdout
     assert stdout.rstrip().endswith("unchanged") and "is the input unchanged" in err
     code, _, err = run(capsys, "rename", path, tmp_path / "strict.pth", "--rule", "^nomatch=>x", "--strict")
@@ -150,3 +152,21 @@ def test_remap_to_safetensors_says_there_are_no_device_tags(capsys: pytest.Captu
     assert code == 0 and out.exists() and report["devices"] == {} and report["unchanged"]
     assert report["steps"] == [{"step": "--map-location cuda:0", "changed": False}]
     assert any("no device tags" in note for note in report["notes"])
+
+
+def test_unchanged_output_never_carries_bytes_ckptfix_did_not_check(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """With nothing to change, a .pth is rewritten from its checked records, not byte-copied: a
+    record torch never reads stays out, as in any output."""
+    import zipfile
+
+    src = tmp_path / "a.pth"
+    torch.save({"w": torch.ones(2)}, src)
+    with zipfile.ZipFile(src, "a") as z:
+        z.writestr(z.namelist()[0].split("/")[0] + "/extra.bin", b"SMUGGLED" * 8)
+    out = tmp_path / "b.pth"
+    code, _, err = run(capsys, "strip-module", src, out)
+    assert code == 0 and "not written to outputs" in err
+    assert b"SMUGGLED" not in out.read_bytes()
+    assert_same_checkpoint(out, src)

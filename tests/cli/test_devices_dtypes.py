@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, assert_same_tree, invoke_cli, tensor_bytes
+from conftest import FIXTURES, assert_same_checkpoint, assert_same_tree, invoke_cli, tensor_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
@@ -100,7 +100,7 @@ def test_bad_map_location_is_usage_error_naming_the_part(tmp_path: Path, spec: s
 def test_remap_with_nothing_to_change_writes_nothing(tmp_path: Path) -> None:
     result = invoke_cli("remap", DP, tmp_path / "out.pth", "--map-location", "cpu")
     assert result.returncode == 0 and "no device tag changes" in result.stdout
-    assert (tmp_path / "out.pth").read_bytes() == DP.read_bytes()  # an unchanged copy
+    assert_same_checkpoint(tmp_path / "out.pth", DP)  # an unchanged copy
     assert invoke_cli("remap", DP, tmp_path / "strict.pth", "--map-location", "cpu", "--strict").returncode == 1
     assert not (tmp_path / "strict.pth").exists()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES, ROOT, invoke_cli, tensor_bytes
+from conftest import FIXTURES, ROOT, assert_same_checkpoint, invoke_cli, tensor_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from models import TinyNet, tiny_net
@@ -108,7 +108,7 @@ def test_prune_keeps_weights_and_reports_bytes(tmp_path: Path) -> None:
     assert (tmp_path / "w.ckpt").stat().st_size < LIGHTNING.stat().st_size
     nothing = invoke_cli("prune", DP, tmp_path / "x.pth")
     assert nothing.returncode == 0 and "nothing to prune" in nothing.stdout
-    assert (tmp_path / "x.pth").read_bytes() == DP.read_bytes()
+    assert_same_checkpoint(tmp_path / "x.pth", DP)
 
 
 def _flip_one_bit(src: Path, dest: Path, record: str, byte: int) -> None:
