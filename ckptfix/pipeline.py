@@ -40,8 +40,8 @@ from .formats.sharded import write_sharded
 from .model.paths import format_path
 from .model.paths import select as select_path
 from .model.refs import is_tensor_like
-from .model.statedicts import find_state_dicts
-from .model.walk import iter_tensors, walk
+from .model.statedicts import EMA_ENTRIES, ema_prefix, find_state_dicts, looks_like_state_dict, split_ema
+from .model.walk import iter_tensors, substitute, walk
 from .pickling.names import check_global_patterns
 from .pickling.vm import collector_paused
 from .transforms.devices import parse_map_location, remap_devices
@@ -65,6 +65,8 @@ class ConvertOptions:
     worker process runs is exactly what the command built."""
 
     select: str | None = None
+    #: with --select (or alone): the EMA copy of the weights instead of the model's own
+    ema: bool = False
     drop: Sequence[str] = ()
     keep: Sequence[str] = ()
     prune: bool = False
@@ -276,10 +278,37 @@ def _sharing(root: Any) -> set[frozenset[str]]:
     return {frozenset(g) for g in groups.values() if len(g) > 1}
 
 
+def _model_or_ema(root: Any, ema: bool, report: Report) -> Any:
+    """The selected part's model weights, or with ``ema`` its EMA copy: a top-level EMA entry
+    (timm's ``state_dict_ema``, ``model_ema``, ``ema``), or the EMA submodule of a state dict
+    that holds both (a Lightning module with ``model`` and ``model_ema``)."""
+    if ema and isinstance(root, Mapping):
+        entry = next((e for e in EMA_ENTRIES if e in root), None)
+        if entry is not None:
+            report.notes.append(f"took the EMA weights at {entry!r}")
+            return root[entry]
+    replacements: dict[int, Any] = {}
+    for _, state_dict in find_state_dicts(root) if not looks_like_state_dict(root) else [((), root)]:
+        part, note = split_ema(state_dict, ema)
+        if note:
+            replacements[id(state_dict)] = part
+            report.notes.append(note)
+    if ema and not replacements:
+        raise UsageError(
+            "--ema: no EMA copy here (no state_dict_ema/model_ema/ema entry, no model_ema./ema. keys "
+            "beside the model's)"
+        )
+    if id(root) in replacements:
+        return replacements[id(root)]
+    return substitute(root, replacements) if replacements else root
+
+
 def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out_format: str | None = None) -> Any:
     """Run the transform steps of the pipeline on ``ckpt``'s tree; record them in ``report``.
     ``out_format``: what will be written, where it changes what a step can do."""
     root = select_path(ckpt.root, opts.select)[1] if opts.select else ckpt.root
+    if opts.select or opts.ema:
+        root = _model_or_ema(root, opts.ema, report)
     steps = report.steps
     done: tuple[str, ...]
     if opts.sanitize:
@@ -767,6 +796,7 @@ def publish(
     unsafe_load: bool = False,
     allow_globals: Sequence[str] = (),
     max_expand: str | int | None = None,
+    ema: bool = False,
 ) -> PublishResult:
     """The release preset: the weights only (the largest state dict), wrapper prefixes stripped,
     every tensor on ``cpu``, written as ``NAME-<first 8 hex of sha256>.<ext>`` -- the name
@@ -786,12 +816,19 @@ def publish(
     if not found:
         raise UsageError(f"{in_path}: no state dict to publish")
     path, state_dict = max(found, key=lambda item: len(item[1]))
-    chain = wrapper_chain([k for k in state_dict if isinstance(k, str)])
+    if ema and not ema_prefix(state_dict) and isinstance(ckpt.root, Mapping):
+        entry = next((e for e in EMA_ENTRIES if e in ckpt.root and looks_like_state_dict(ckpt.root[e])), None)
+        if entry is None:
+            raise UsageError(f"{in_path}: --ema, but there is no EMA copy of the weights")
+        path, state_dict = (entry,), ckpt.root[entry]
+    part, _ = split_ema(state_dict, ema)
+    chain = wrapper_chain([k for k in part if isinstance(k, str)])
     stem = name or Path(str(in_path).rstrip("/")).name.split(".")[0]
     ext = ".safetensors" if out_format == "safetensors" else ".pth"
     staging = out_dir / f".{stem}.publish{ext}"
     opts = ConvertOptions(
         select=format_path(path) or None,
+        ema=ema and ema_prefix(state_dict) is not None,
         strip_prefixes=list(dict.fromkeys(chain)),
         map_location="cpu",
         out_format=out_format,

@@ -494,6 +494,7 @@ def verify(
     help="Output format.",
 )
 @click.option("--name", help="File name stem (default: IN's name without extensions).")
+@click.option("--ema", is_flag=True, help="Publish the EMA copy of the weights instead of the model's own.")
 @click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
 @allow_global("Read objects of this global (dotted name, * ? [...] globs) as opaque records (they are not published).")
 @MAX_EXPAND

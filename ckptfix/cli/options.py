@@ -100,6 +100,12 @@ PIPELINE = apply(
     [
         click.option("--select", metavar="PATH", help="Use this sub-tree as the checkpoint, e.g. state_dict or ema."),
         click.option(
+            "--ema",
+            is_flag=True,
+            help="Take the EMA copy of the weights (state_dict_ema/model_ema/ema, or a model_ema. submodule beside "
+            "the model's; with --select the model's own part is taken by default).",
+        ),
+        click.option(
             "--drop",
             multiple=True,
             metavar="GLOB",

@@ -8,7 +8,7 @@ from typing import Any, TypeGuard
 
 from .paths import Path
 from .refs import Tree, is_tensor_like
-from .walk import ATTRS, walk
+from .walk import ATTRS, copy_mapping, walk
 
 
 def is_optimizer_state(value: Any) -> bool:
@@ -58,3 +58,36 @@ def find_state_dicts(root: Tree) -> list[tuple[Path, Mapping[str, Any]]]:
 
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.", "_forward_module.")
+
+
+#: where training code keeps an EMA copy of the weights beside the model, in timm's order of
+#: preference: top-level entries of a checkpoint ...
+EMA_ENTRIES = ("state_dict_ema", "model_ema", "ema")
+#: ... or a submodule of the one state dict (a Lightning module holding ``model`` and ``model_ema``)
+EMA_PREFIXES = ("model_ema.", "ema_model.", "ema.", "module_ema.")
+
+
+def ema_prefix(state_dict: Mapping[Any, Any]) -> str | None:
+    """The prefix of an EMA submodule when ``state_dict`` holds both a model and its EMA copy
+    (some keys under the prefix, some not); None otherwise."""
+    keys = [k for k in state_dict if isinstance(k, str)]
+    for prefix in EMA_PREFIXES:
+        inside = sum(1 for k in keys if k.startswith(prefix))
+        if 0 < inside < len(keys):
+            return prefix
+    return None
+
+
+def split_ema(state_dict: Mapping[Any, Any], ema: bool) -> tuple[Mapping[Any, Any], str]:
+    """The model's part of a state dict holding an EMA submodule (``ema=False``), or the EMA
+    copy under the model's own names (``ema=True``); and a note saying what was left out."""
+    prefix = ema_prefix(state_dict)
+    if prefix is None:
+        return state_dict, ""
+    if ema:
+        items = [(k[len(prefix) :], v) for k, v in state_dict.items() if isinstance(k, str) and k.startswith(prefix)]
+        note = f"took the EMA copy ({len(items)} keys under {prefix!r}); left out the model's own weights"
+    else:
+        items = [(k, v) for k, v in state_dict.items() if not (isinstance(k, str) and k.startswith(prefix))]
+        note = f"left out the EMA copy ({len(state_dict) - len(items)} keys under {prefix!r}): --ema selects it"
+    return copy_mapping(state_dict, items), note

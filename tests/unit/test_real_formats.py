@@ -344,3 +344,57 @@ def test_hostile_dcp_metadata_is_refused(tmp_path: Path) -> None:
         _rewrite_metadata(folder, edit)
         with pytest.raises(BadInputError, match=match):
             ckptfix.read_checkpoint(folder)
+
+
+# --- EMA copies beside the model ------------------------------------------------------------
+
+
+def _lightning_with_ema(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A Lightning checkpoint whose module holds ``model`` and ``model_ema`` (timm's ModelEmaV2)."""
+    model = {"conv.weight": torch.randn(2, 3), "conv.bias": torch.randn(2)}
+    ema = {k: v * 0.5 for k, v in model.items()}
+    state_dict = {**{f"model.{k}": v for k, v in model.items()}, **{f"model_ema.{k}": v for k, v in ema.items()}}
+    path = tmp_path / "lightning.ckpt"
+    torch.save({"epoch": 3, "state_dict": state_dict, "optimizer_states": []}, path)
+    return path, model, ema
+
+
+def test_select_takes_the_model_and_ema_takes_the_ema_copy(tmp_path: Path) -> None:
+    path, model, ema = _lightning_with_ema(tmp_path)
+    out = tmp_path / "model.safetensors"
+    report = ckptfix.convert(path, out, ckptfix.ConvertOptions(select="state_dict", strip_prefixes=("model.",)))
+    from safetensors.torch import load_file
+
+    assert_same_tree(dict(load_file(out)), model, check_stride=False)
+    assert any("--ema selects it" in note for note in report.notes)
+    out_ema = tmp_path / "ema.safetensors"
+    ckptfix.convert(path, out_ema, ckptfix.ConvertOptions(select="state_dict", ema=True))
+    assert_same_tree(dict(load_file(out_ema)), ema, check_stride=False)
+
+
+def test_publish_picks_the_model_by_default_and_the_ema_copy_on_request(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from ckptfix.pipeline import publish
+
+    path, model, ema = _lightning_with_ema(tmp_path)
+    release = tmp_path / "release"
+    release.mkdir()
+    assert_same_tree(dict(load_file(publish(path, release, name="m").path)), model, check_stride=False)
+    assert_same_tree(dict(load_file(publish(path, release, name="e", ema=True).path)), ema, check_stride=False)
+
+
+def test_ema_entry_at_the_top_level_and_no_ema_at_all(tmp_path: Path) -> None:
+    """timm's checkpoints keep ``state_dict_ema`` beside ``state_dict``; asking --ema of a
+    checkpoint without one is a usage error, not a silent model copy."""
+    from ckptfix import UsageError
+
+    path = tmp_path / "timm.pth"
+    torch.save({"state_dict": {"w": torch.ones(2)}, "state_dict_ema": {"w": torch.zeros(2)}}, path)
+    out = tmp_path / "ema.pth"
+    ckptfix.convert(path, out, ckptfix.ConvertOptions(ema=True))
+    assert torch.equal(torch.load(out, weights_only=True)["w"], torch.zeros(2))
+    plain = tmp_path / "plain.pth"
+    torch.save({"w": torch.ones(2)}, plain)
+    with pytest.raises(UsageError, match="--ema"):
+        ckptfix.convert(plain, tmp_path / "x.pth", ckptfix.ConvertOptions(ema=True))
