@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, cast
 
 from ..errors import BadInputError, CannotWriteError
 from ..fileio.ranges import ComputedSource, FileSlice, OpenFiles
-from ..model.data import tensor_c_bytes
+from ..model.data import is_c_contiguous, tensor_c_bytes
 from ..model.dtypes import DTYPE_ITEMSIZE
 from ..model.needs import need_torch
 from ..model.refs import Global, OpaqueObject, Reduce, TensorRef, Tree, tensor_from_range
@@ -51,7 +51,7 @@ _METADATA_ALLOW = (
 #: a .metadata is structure only; anything larger is hostile or not DCP
 MAX_METADATA_BYTES = 1 << 30
 #: chunks one tensor may be saved in (FSDP/DTensor: one per rank and shard)
-MAX_CHUNKS = 1 << 16
+MAX_CHUNKS = 4096  # the tiling check compares chunks pairwise
 
 
 def _fields(value: object, name: str, where: str) -> dict[str, object]:
@@ -155,6 +155,7 @@ def _read_entry(
     if not isinstance(chunks_meta, list) or not chunks_meta or len(chunks_meta) > MAX_CHUNKS:
         raise BadInputError(f"{where}: {fqn}: corrupt DCP metadata: no chunks or too many")
     by_offset = {offsets: info for offsets, info in stored}
+    used: set[tuple[object, object]] = set()
     chunks: list[tuple[tuple[int, ...], tuple[int, ...], TensorRef]] = []
     for chunk in chunks_meta:
         c = _fields(chunk, "ChunkStorageMetadata", where)
@@ -163,9 +164,17 @@ def _read_entry(
             raise BadInputError(f"{where}: {fqn}: a chunk that does not fit the tensor or has no stored item")
         if any(o + n > s for o, n, s in zip(offsets, sizes, shape)):
             raise BadInputError(f"{where}: {fqn}: a chunk reaches outside the tensor's shape")
-        piece = _read_item(folder, by_offset[offsets], globals_seen, allow, where)
+        stored_item = by_offset[offsets]
+        item_key = (stored_item.get("relative_path"), stored_item.get("offset"))
+        if item_key in used:
+            raise BadInputError(f"{where}: {fqn}: two chunks claim one stored item")
+        used.add(item_key)
+        piece = _read_item(folder, stored_item, globals_seen, allow, where)
         if not (isinstance(piece, TensorRef) and piece.dtype == dtype and piece.shape == sizes):
             raise BadInputError(f"{where}: {fqn}: a stored chunk is not a {dtype} tensor of shape {sizes}")
+        if not is_c_contiguous(piece.shape, piece.stride):
+            # a stride-0 view stores one element for millions: assembling it would make them all
+            raise BadInputError(f"{where}: {fqn}: a stored chunk is a view, not its own elements")
         chunks.append((offsets, sizes, piece))
     _check_tiling(shape, chunks, f"{where}: {fqn}")
     if len(chunks) == 1:
@@ -219,9 +228,7 @@ def _place(tree: dict[object, object], path: object, value: object, where: str) 
     for key, following in pairwise(path):
         fresh: Any = [] if type(following) is int else {}
         if type(key) is int:
-            if not isinstance(node, list) or key > len(node) + MAX_CHUNKS:
-                raise BadInputError(f"{where}: corrupt DCP metadata: a list index where there is no list")
-            node.extend([None] * (key + 1 - len(node)))
+            _grow(node, key, where)
             if node[key] is None:
                 node[key] = fresh
             node = node[key]
@@ -229,16 +236,29 @@ def _place(tree: dict[object, object], path: object, value: object, where: str) 
             if not isinstance(node, dict):
                 raise BadInputError(f"{where}: corrupt DCP metadata: two entries claim one place")
             node = node.setdefault(key, fresh)
+        if not isinstance(node, (dict, list)):
+            raise BadInputError(f"{where}: corrupt DCP metadata: two entries claim one place")
     last = path[-1]
     if type(last) is int:
-        if not isinstance(node, list) or last > len(node) + MAX_CHUNKS:
-            raise BadInputError(f"{where}: corrupt DCP metadata: a list index where there is no list")
-        node.extend([None] * (last + 1 - len(node)))
-        node[last] = value
+        _grow(node, last, where)
+        taken = node[last] is not None
     elif isinstance(node, dict):
-        node[last] = value
+        taken = last in node
     else:
-        raise BadInputError(f"{where}: corrupt DCP metadata: two entries claim one place")
+        taken = True
+    if taken:
+        raise BadInputError(f"{where}: corrupt DCP metadata: two entries claim one place ({path!r:.120})")
+    node[last] = value
+
+
+#: how far past a list's end a DCP path may index (torch's unflatten fills the gap with None)
+_MAX_LIST_GAP = 1024
+
+
+def _grow(node: Any, index: int, where: str) -> None:
+    if not isinstance(node, list) or index > len(node) + _MAX_LIST_GAP:
+        raise BadInputError(f"{where}: corrupt DCP metadata: a list index where there is no list")
+    node.extend([None] * (index + 1 - len(node)))
 
 
 def read_dcp(folder: Path) -> Tree:

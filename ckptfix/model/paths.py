@@ -15,7 +15,8 @@ Path: TypeAlias = tuple[Any, ...]
 
 def format_path(path: Path) -> str:
     """Dotted form of a container path, as ``--key`` accepts it ("" is the root)."""
-    return ".".join(str(p) for p in path)
+    # a record used as a key (a dtype) is shown as <torch.float32>, never as the string it spells
+    return ".".join(str(p) if type(p) in (str, int) else f"<{p}>" for p in path)
 
 
 _MISSING = object()

@@ -24,10 +24,18 @@ def canonical_name(name: str) -> str:
 #: where a pickle's call runs code (by canonical name): a file naming one is hostile, so no hint
 #: ever suggests keeping it (``--allow-global``) or loading the file (``--unsafe-load``)
 CODE_EXECUTION = (
-    *(f"{m}." for m in ("os", "subprocess", "sys", "pty", "socket", "shutil", "runpy", "importlib", "ctypes")),
-    *(f"{m}." for m in ("code", "pickle", "_pickle", "marshal", "webbrowser", "multiprocessing")),
-    *(f"builtins.{n}" for n in ("eval", "exec", "compile", "getattr", "setattr", "__import__", "open")),
-    "builtins.breakpoint",
+    *(
+        f"{m}."
+        for m in (
+            *("os", "subprocess", "_posixsubprocess", "sys", "pty", "socket", "shutil", "runpy", "importlib", "imp"),
+            *("ctypes", "_ctypes", "code", "codeop", "pickle", "_pickle", "marshal", "webbrowser", "multiprocessing"),
+            *("timeit", "cProfile", "profile", "pdb", "bdb", "trace", "asyncio", "pydoc", "dill", "cloudpickle"),
+            *("joblib", "torch.hub", "torch.ops", "torch.utils.cpp_extension", "torch._C", "torch.jit"),
+            "torch.package",
+        )
+    ),
+    *(f"builtins.{n}" for n in ("eval", "exec", "compile", "getattr", "setattr", "delattr", "__import__", "open")),
+    *("builtins.breakpoint", "builtins.input", "io.open", "_io.open", "codecs.open"),
 )
 
 
