@@ -25,6 +25,7 @@ from .model.refs import OpaqueObject, Tree
 from .model.walk import walk
 from .pickling.globals import SANITIZABLE
 from .pickling.names import check_global_patterns
+from .pipeline import model_or_ema
 from .transforms.fit import best_fit, shapes_of
 from .transforms.prefix import add_prefix, strip_prefix
 from .transforms.select import filter_tree
@@ -140,6 +141,7 @@ def load_into(
     allow_globals: Sequence[str] = (),
     sanitize: bool = False,
     skip_mismatch: bool = False,
+    ema: bool = False,
 ) -> LoadIntoReport:
     """Load any checkpoint into ``model``, whatever the wrapping on either side.
 
@@ -156,11 +158,13 @@ def load_into(
     ``allow_globals``/``sanitize`` read checkpoints that hold other objects (configs) beside the
     weights; ``skip_mismatch=True`` leaves out keys whose shape differs from the model's (a new
     head when fine-tuning) and lists them in ``skipped`` -- use it with ``strict=False``.
+    A checkpoint holding an EMA copy beside the model loads the model; ``ema=True`` the copy.
     """
     need_torch()
     import torch
 
     ckpt, tree = _read(path, unsafe_load, allow_globals, sanitize)
+    tree = model_or_ema(tree, ema)[0]  # the model's weights, or with ema= its EMA copy
     if select:
         plan = best_fit(tree, shapes_of(model.state_dict()), *select_path(tree, select, flag="select="))
     else:

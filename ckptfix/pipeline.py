@@ -278,29 +278,32 @@ def _sharing(root: Any) -> set[frozenset[str]]:
     return {frozenset(g) for g in groups.values() if len(g) > 1}
 
 
-def _model_or_ema(root: Any, ema: bool, report: Report) -> Any:
-    """The selected part's model weights, or with ``ema`` its EMA copy: a top-level EMA entry
+def model_or_ema(root: Any, ema: bool) -> tuple[Any, tuple[Any, ...], list[str]]:
+    """The model's weights in ``root``, or with ``ema`` its EMA copy: a top-level EMA entry
     (timm's ``state_dict_ema``, ``model_ema``, ``ema``), or the EMA submodule of a state dict
-    that holds both (a Lightning module with ``model`` and ``model_ema``)."""
+    that holds both (a Lightning module with ``model`` and ``model_ema``).
+
+    Returns the tree to use, the path of the top-level entry taken (``()`` if none) and notes
+    saying what was left out."""
     if ema and isinstance(root, Mapping):
         entry = next((e for e in EMA_ENTRIES if e in root), None)
         if entry is not None:
-            report.notes.append(f"took the EMA weights at {entry!r}")
-            return root[entry]
+            return root[entry], (entry,), [f"took the EMA weights at {entry!r}"]
     replacements: dict[int, Any] = {}
+    notes: list[str] = []
     for _, state_dict in find_state_dicts(root) if not looks_like_state_dict(root) else [((), root)]:
         part, note = split_ema(state_dict, ema)
         if note:
             replacements[id(state_dict)] = part
-            report.notes.append(note)
+            notes.append(note)
     if ema and not replacements:
         raise UsageError(
             "--ema: no EMA copy here (no state_dict_ema/model_ema/ema entry, no model_ema./ema. keys "
             "beside the model's)"
         )
     if id(root) in replacements:
-        return replacements[id(root)]
-    return substitute(root, replacements) if replacements else root
+        return replacements[id(root)], (), notes
+    return (substitute(root, replacements) if replacements else root), (), notes
 
 
 def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out_format: str | None = None) -> Any:
@@ -308,7 +311,8 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out
     ``out_format``: what will be written, where it changes what a step can do."""
     root = select_path(ckpt.root, opts.select)[1] if opts.select else ckpt.root
     if opts.select or opts.ema:
-        root = _model_or_ema(root, opts.ema, report)
+        root, _, notes = model_or_ema(root, opts.ema)
+        report.notes += notes
     steps = report.steps
     done: tuple[str, ...]
     if opts.sanitize:
@@ -728,6 +732,7 @@ def fit_checkpoint(
     unsafe_load: bool = False,
     out_format: str | None = None,
     max_expand: str | int | None = None,
+    ema: bool = False,
 ) -> tuple[FitPlan, Report | None]:
     """Make ``in_path``'s state dict match a reference's keys, and write it to ``out_path``.
 
@@ -755,10 +760,8 @@ def fit_checkpoint(
             raise UsageError(f"{reference}: no state dict found in the reference")
         ref_shapes = shapes_of(max(found, key=lambda item: len(item[1]))[1])
     ckpt = read_checkpoint(in_path, unsafe_load=unsafe_load)
-    if select:
-        plan = best_fit(ckpt.root, ref_shapes, *select_path(ckpt.root, select))
-    else:
-        plan = best_fit(ckpt.root, ref_shapes)
+    tree, base, _ = model_or_ema(ckpt.root, ema)  # the model's weights, not its EMA copy (or the reverse)
+    plan = best_fit(tree, ref_shapes, *select_path(tree, select)) if select else best_fit(tree, ref_shapes)
     if not plan.loads_strictly and not allow_partial:
         return plan, None
     drop: list[str] = []
@@ -766,7 +769,8 @@ def fit_checkpoint(
         bad = set(plan.unexpected) | {m["key"] for m in plan.shape_mismatches}
         drop = ["".join(f"[{c}]" if c in "*?[" else c for c in plan.renamed[k]) for k in sorted(bad)]
     opts = ConvertOptions(
-        select=format_path(plan.state_dict) or None,
+        select=format_path(base + plan.state_dict) or None,
+        ema=ema and not base,  # a top-level EMA entry is selected by its path already
         drop=drop,
         strip_prefixes=plan.strips,
         add_prefix=plan.add or None,

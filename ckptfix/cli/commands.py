@@ -358,6 +358,7 @@ for _spec in WRITE_COMMANDS:
     is_flag=True,
     help="Write even when keys stay missing/unexpected (those and wrong-shaped keys are left out).",
 )
+@click.option("--ema", is_flag=True, help="Fit the EMA copy of the weights instead of the model's own.")
 @click.option("--format", "out_format", type=click.Choice(FILE_FORMATS), help="Output format.")
 @click.option("--dry-run", is_flag=True, help="Report the plan; write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")

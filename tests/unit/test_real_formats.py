@@ -398,3 +398,30 @@ def test_ema_entry_at_the_top_level_and_no_ema_at_all(tmp_path: Path) -> None:
     torch.save({"w": torch.ones(2)}, plain)
     with pytest.raises(UsageError, match="--ema"):
         ckptfix.convert(plain, tmp_path / "x.pth", ckptfix.ConvertOptions(ema=True))
+
+
+def test_fit_and_load_into_use_the_model_not_its_ema_copy(tmp_path: Path) -> None:
+    """A Lightning checkpoint with model and model_ema fits a bare model (the model's weights by
+    default, the EMA copy with ema=True), instead of calling the EMA keys unexpected."""
+    from ckptfix.pipeline import fit_checkpoint
+
+    model = torch.nn.Linear(3, 2)
+    ema = {k: v * 0.5 for k, v in model.state_dict().items()}
+    state_dict = {f"model.{k}": v for k, v in model.state_dict().items()}
+    state_dict |= {f"model_ema.{k}": v for k, v in ema.items()}
+    path = tmp_path / "lightning.ckpt"
+    torch.save({"state_dict": state_dict}, path)
+    reference = tmp_path / "bare.pth"
+    torch.save(torch.nn.Linear(3, 2).state_dict(), reference)
+
+    fresh = torch.nn.Linear(3, 2)
+    report = ckptfix.load_into(fresh, path)
+    assert report.missing == [] and report.unexpected == [] and torch.equal(fresh.weight, model.weight)
+    ckptfix.load_into(fresh, path, ema=True)
+    assert torch.equal(fresh.weight, ema["weight"])
+
+    for use_ema, expected in ((False, model.state_dict()), (True, ema)):
+        out = tmp_path / f"fit-{use_ema}.pth"
+        plan, written = fit_checkpoint(path, out, reference=reference, ema=use_ema)
+        assert plan.loads_strictly and written is not None
+        assert_same_tree(dict(torch.load(out, weights_only=True)), dict(expected))
