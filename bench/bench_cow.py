@@ -27,12 +27,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from harness import make_checkpoint
+from harness import make_checkpoint, timed
 
 from ckptfix.fileio.extents import shared_bytes
 
@@ -65,18 +64,6 @@ def xfs_mount(workdir: Path, size_gb: float, *, wanted: bool = True) -> Iterator
         subprocess.run(["umount", str(mount)], check=False)
         image.unlink()
         mount.rmdir()
-
-
-def timed(cmd: list[str]) -> tuple[float, float]:
-    """Wall seconds and CPU seconds (user + system, from ``wait4``) of one child process. On a
-    busy machine wall time includes waiting for a core; CPU time does not."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    _, status, usage = os.wait4(proc.pid, 0)
-    elapsed = time.perf_counter() - start
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}: {proc.stderr.read().decode() if proc.stderr else ''}")
-    return elapsed, usage.ru_utime + usage.ru_stime
 
 
 def contenders(folder: Path, ckptfix: str) -> dict[str, tuple[list[str], Path]]:
@@ -115,7 +102,7 @@ def measure(folder: Path, ckptfix: str, runs: int) -> list[str]:
         for name, (cmd, out) in table.items():
             out.unlink(missing_ok=True)
             os.sync()  # no writeback of an earlier run's output competes with this one
-            wall, cpu = timed(cmd)
+            wall, cpu, _ = timed(cmd)
             walls[name].append(wall)
             cpus[name].append(cpu)
     for name, (_, out) in table.items():

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 MAKE_SCRIPT = """
 import sys, torch
@@ -48,22 +49,31 @@ def make_checkpoint(path: Path, size_gb: float) -> None:
     subprocess.run([sys.executable, "-c", MAKE_SCRIPT, str(path), str(size_gb)], check=True)
 
 
-def timed(cmd: list[str]) -> tuple[float, int]:
-    """Wall seconds and peak RSS (bytes) of one child process."""
+class Run(NamedTuple):
+    """One child process: wall seconds, CPU seconds (user + system) and peak RSS in bytes."""
+
+    wall: float
+    cpu: float
+    rss: int
+
+
+def timed(cmd: list[str]) -> Run:
+    """Time one child process (``wait4``'s accounting). On a busy machine wall time includes
+    waiting for a core; CPU time does not."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     _, status, usage = os.wait4(proc.pid, 0)
     elapsed = time.perf_counter() - start
     if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}: {proc.stderr.read().decode()}")
-    return elapsed, usage.ru_maxrss * 1024
+        raise SystemExit(f"failed: {' '.join(cmd)}: {proc.stderr.read().decode() if proc.stderr else ''}")
+    return Run(elapsed, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024)
 
 
 def compare(
     contenders: dict[str, list[str]], outputs: list[Path], runs: int, src: Path, label: str = "200 float32 tensors"
 ) -> None:
     """Run every contender ``runs`` times (outputs removed before each run); print the table."""
-    results: dict[str, list[tuple[float, int]]] = {name: [] for name in contenders}
+    results: dict[str, list[Run]] = {name: [] for name in contenders}
     for _ in range(runs):
         for name, cmd in contenders.items():
             for out in outputs:
@@ -72,17 +82,17 @@ def compare(
     for out in outputs:
         out.unlink(missing_ok=True)
     names = list(contenders)
-    base = statistics.median(t for t, _ in results[names[0]])
-    torch_time = statistics.median(t for t, _ in results[names[-1]])
+    base = statistics.median(r.wall for r in results[names[0]])
+    torch_time = statistics.median(r.wall for r in results[names[-1]])
     print(f"input: {src.stat().st_size / 1e9:.2f} GB, {label}; {runs} runs each, interleaved")
     print(f"machine: {platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}")
     print()
     print(f"| command | median wall (s) | all runs (s) | vs {names[0]} | vs torch script | peak RSS (MiB) |")
     print("|---|---|---|---|---|---|")
     for name, runs_ in results.items():
-        times = [t for t, _ in runs_]
+        times = [r.wall for r in runs_]
         median = statistics.median(times)
-        rss = max(r for _, r in runs_) / 2**20
+        rss = max(r.rss for r in runs_) / 2**20
         print(
             f"| {name} | {median:.2f} | {', '.join(f'{t:.2f}' for t in times)} | {median / base:.2f}x "
             f"| {median / torch_time:.2f}x | {rss:.0f} |"

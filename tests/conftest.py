@@ -532,3 +532,11 @@ _hypothesis_settings.register_profile(
 )
 if os.environ.get("CI"):
     _hypothesis_settings.load_profile("ci")
+
+
+@pytest.fixture(scope="module")
+def base_zip(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A genuine torch.save zip (tests/hostile.py ``make_base_zip``) the hostile tests rewrite."""
+    from hostile import make_base_zip
+
+    return make_base_zip(tmp_path_factory.mktemp("base"))

@@ -55,7 +55,6 @@ from hostile import (
     items,
     key_of,
     legacy_file,
-    make_base_zip,
     make_legacy_header,
     n,
     pickle_globals,
@@ -79,11 +78,6 @@ from ckptfix.pickling.vm import PickleVM
 from ckptfix.pickling.writer import dumps
 
 # =========================================================================== files
-
-
-@pytest.fixture(scope="module")
-def base_zip(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_base_zip(tmp_path_factory.mktemp("base"))
 
 
 @pytest.fixture(scope="module")

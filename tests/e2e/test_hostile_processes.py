@@ -31,17 +31,10 @@ from hostile import (
     ckpt,
     g,
     id_reuse_key,
-    make_base_zip,
     tensor,
     u,
     with_data_pkl,
 )
-
-
-@pytest.fixture(scope="module")
-def base_zip(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_base_zip(tmp_path_factory.mktemp("base"))
-
 
 # =========================================================================== the real CLI
 
