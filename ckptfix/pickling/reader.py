@@ -147,7 +147,7 @@ def _as_int_tuple(value: Any, what: str) -> tuple[int, ...]:
     shared = _SHAPES.get(value)  # checked first: (True,) == (1,), but only ints may match
     if shared is None:
         shared = value
-        if len(_SHAPES) < _MAX_SHAPES and len(value) <= 8:
+        if len(_SHAPES) < _MAX_SHAPES and len(value) <= 8 and all(v < _SMALL for v in value):
             _SHAPES[value] = value
     return shared
 
@@ -155,9 +155,11 @@ def _as_int_tuple(value: Any, what: str) -> tuple[int, ...]:
 #: checked shapes and strides, shared between tensors: torch.save pickles a new tuple per tensor,
 #: and most tensors of a checkpoint have one of a few shapes (72 bytes saved per tuple; only
 #: tuples of checked non-negative ints go in, and a tuple is looked up only once it is one).
-#: Bounded, never cleared.
+#: Bounded, never cleared: at most 4096 tuples of up to 8 small ints (a file's 4000-digit sizes
+#: must not stay pinned in a library user's process).
 _SHAPES: dict[tuple[int, ...], tuple[int, ...]] = {}
 _MAX_SHAPES = 4096
+_SMALL = 1 << 40
 
 
 #: fixed arguments of each tensor rebuild function (v2 and v3 take an optional metadata dict after them)

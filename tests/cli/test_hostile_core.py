@@ -1224,3 +1224,19 @@ def test_shape_sharing_never_turns_a_bool_or_float_into_an_int() -> None:
         bad = PROTO + items(("a", tensor(pid("0", 1), size=spelled, stride=(1,)))) + b"."
         with pytest.raises(CkptfixError, match="not a tuple of non-negative integers"):
             restricted_load(bad, load_storage)
+
+
+def test_shape_sharing_keeps_no_huge_numbers_from_a_file() -> None:
+    """The shared-shape cache outlives the read (a library process reads many files): a file's
+    4000-digit sizes must not stay pinned in it, even when the file is refused afterwards."""
+    from ckptfix.pickling import reader
+
+    def load_storage(storage_type: Any, key: str, location: str, numel: int, view: Any) -> Any:
+        return make_storage(storage_type, key, location, numel, None)
+
+    huge = 10**4000
+    raw = huge.to_bytes((huge.bit_length() + 8) // 8, "little", signed=True)
+    size = b"(\x8b" + struct.pack("<i", len(raw)) + raw + b"t"  # LONG4
+    pickled = PROTO + items(("a", tensor(pid("0", 1), size=size, stride=(1,)))) + b"."
+    reader.restricted_load(pickled, load_storage)  # read; its extent is checked later, by the caller
+    assert (huge,) not in reader._SHAPES
