@@ -202,12 +202,6 @@ def _metadata_value(value: Any) -> str | None:
     return text if len(text) <= _MAX_METADATA_VALUE else None
 
 
-def hub_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
-    """safetensors ``__metadata__`` as the hub's loaders want it: ``{"format": "pt"}`` first
-    (``huggingface_hub.load_torch_model`` and transformers refuse a file without it), then the rest."""
-    return {"format": "pt", **{k: v for k, v in metadata.items() if k != "format"}}
-
-
 def flat_state_dict(root: Any, original: Any, keep_metadata: bool) -> tuple[dict[str, Any], dict[str, str]]:
     """The ``{name: tensor}`` mapping safetensors needs, plus metadata kept by --keep-metadata.
 
@@ -482,16 +476,16 @@ def convert(
 
 def _same_format(ckpt: Checkpoint, kind: str, file_format: str) -> bool:
     """Whether a byte copy of the input is the right OUT: only for safetensors, whose every byte
-    the reader checked (header, and tensors tiling the data exactly). A .pth is rewritten even
+    the reader checked (header, and tensors tiling the data exactly), that already carries the
+    ``"format": "pt"`` every ckptfix output has. A .pth is rewritten even
     then: a zip can hold records torch never reads, and ckptfix never carries a byte it did not
     check (the rewrite copies each checked record, shared on a copy-on-write file system)."""
-    same = (ckpt.format, file_format) == (FORMAT_SAFETENSORS, "safetensors")
+    same = (ckpt.format, file_format) == (FORMAT_SAFETENSORS, "safetensors") and ckpt.metadata.get("format") == "pt"
     return same and kind == "file" and Path(ckpt.path).is_file()
 
 
 def _copy_whole(ckpt: Checkpoint, out: Path, report: Report) -> None:
     """OUT as a copy of the input file, through the same atomic write as any output."""
-    check_destination(ckpt.path, str(out), overwrite=True, in_place=False)
     with atomic_output(out) as f, OpenFiles() as files:
         stream = OutputStream(f)
         stream.copy(FileRange(ckpt.path, 0, ckpt.file_size), files)
@@ -545,7 +539,7 @@ def _write(
     if file_format == "safetensors" or kind == "sharded":
         flat, metadata = flat_state_dict(root, ckpt.root, opts.keep_metadata)
         inherited = {k: v for k, v in ckpt.metadata.items() if isinstance(v, str) and k not in flat}
-        metadata = hub_metadata({**inherited, **metadata})
+        metadata = {**inherited, **metadata}
         if not ckpt.lazy and kind == "sharded":
             raise UsageError(f"a {ckpt.format} file read through torch can only be written as a single file")
         if ckpt.lazy:
@@ -674,7 +668,6 @@ def write_checkpoint(
     budget = expand_budget(max_expand, ckpt.file_size)
     if file_format != "pth":
         flat, metadata = flat_state_dict(root, root, keep_metadata=False)
-        metadata = hub_metadata(metadata)
         plan_safetensors(flat, metadata, max_data_bytes=budget)  # refuse before the output exists
     with atomic_output(out_path) as out:
         if file_format == "pth":

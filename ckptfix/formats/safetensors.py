@@ -346,6 +346,13 @@ def check_expand_budget(tensors: Iterable[tuple[str, TensorRef | torch.Tensor]],
     )
 
 
+def hub_metadata(metadata: Mapping[str, str]) -> dict[str, str]:
+    """``__metadata__`` as every safetensors file ckptfix writes carries it: ``{"format": "pt"}``
+    first (``huggingface_hub.load_torch_model`` and transformers refuse metadata without it),
+    then the rest."""
+    return {"format": "pt", **{k: v for k, v in metadata.items() if k != "format"}}
+
+
 def plan_safetensors(
     state_dict: Mapping[str, Any], metadata: Mapping[str, str] | None = None, *, max_data_bytes: int | None = None
 ) -> SafetensorsPlan:
@@ -385,7 +392,7 @@ def plan_safetensors(
         stored_residue, stored_shared = _best_placement(_runs(as_stored))
         if stored_shared > shared:
             kept, residue = as_stored, stored_residue
-    meta = dict(metadata or {})
+    meta = hub_metadata(metadata or {})
     for alias, keep in aliases.items():
         meta.setdefault(alias, keep)  # save_model's convention; user metadata wins
     header: dict[str, Any] = {"__metadata__": meta} if meta else {}
@@ -499,7 +506,7 @@ def write_safetensors_from_torch(
     kept, aliases = _torch_kept(state_dict)
     if max_data_bytes is not None:
         check_expand_budget(kept.items(), max_data_bytes)
-    meta = dict(metadata or {})
+    meta = hub_metadata(metadata or {})
     for name, target in aliases.items():
         meta.setdefault(name, target)
     tensors = {name: t.detach().cpu().contiguous() for name, t in kept.items()}

@@ -104,8 +104,7 @@ def write_sharded(
             shard_aliases = {a: k for a, k in plan.aliases.items() if k in shard}
             with atomic_output(out_dir / file_name) as out:
                 if shard_format == "safetensors":
-                    user_meta = {"format": "pt", **(metadata or {})}
-                    write_safetensors(shard, out, {**user_meta, **shard_aliases}, progress=progress)
+                    write_safetensors(shard, out, {**(metadata or {}), **shard_aliases}, progress=progress)
                 else:
                     shard.update({a: kept[k] for a, k in shard_aliases.items()})
                     write_torch_zip(shard, out, progress=progress)

@@ -170,3 +170,20 @@ def test_unchanged_output_never_carries_bytes_ckptfix_did_not_check(
     assert code == 0 and "not written to outputs" in err
     assert b"SMUGGLED" not in out.read_bytes()
     assert_same_checkpoint(out, src)
+
+
+def test_unchanged_safetensors_output_still_carries_the_hub_marker(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """A byte copy only when the input already has {"format": "pt"}; otherwise it is written anew."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    for metadata in (None, {"format": "pt"}):
+        src, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+        save_file({"w": torch.ones(2)}, src, metadata=metadata)
+        out.unlink(missing_ok=True)
+        assert run(capsys, "strip-module", src, out)[0] == 0
+        with safe_open(out, "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+        assert (out.read_bytes() == src.read_bytes()) == (metadata is not None)
