@@ -210,7 +210,7 @@ def test_laundering_is_refused_by_every_command(base_zip: Path, tmp_path: Path, 
 @pytest.mark.parametrize(
     "name",
     [
-        pytest.param(k)
+        k
         for k in (
             "BUILD on a Global",
             "BUILD on a persistent id's storage class",
@@ -327,7 +327,7 @@ def test_allowed_object_carrying_a_hostile_pickle_is_refused(nested_dir: Path, v
         "REDUCE args",
         "state bytes (torch.save)",
         pytest.param("state bytes (torch.save protocol 4)"),
-        pytest.param("SETITEMS items"),
+        "SETITEMS items",
     ],
 )
 def test_scan_reports_the_pickle_inside_an_allowed_object(nested_dir: Path, variant: str) -> None:
@@ -340,8 +340,8 @@ def test_scan_reports_the_pickle_inside_an_allowed_object(nested_dir: Path, vari
 @pytest.mark.parametrize(
     "proto",
     [
-        pytest.param(0),
-        pytest.param(1),
+        0,
+        1,
     ],
 )
 def test_headerless_pickle_inside_an_allowed_object_is_refused(nested_dir: Path, proto: int) -> None:
@@ -837,8 +837,8 @@ def test_scan_reads_every_pickle_of_a_legacy_file(legacy_header: bytes, tmp_path
 @pytest.mark.parametrize(
     "proto",
     [
-        pytest.param(0),
-        pytest.param(1),
+        0,
+        1,
         2,
         4,
     ],
