@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from click.core import ParameterSource
@@ -22,10 +22,12 @@ from click.core import ParameterSource
 from .. import __version__
 from ..errors import ExitCode, UsageError
 from ..formats.detect import FILE_FORMATS
-from ..pipeline import ConvertOptions
 from . import render
 from .options import BATCH_OPTIONS, IN_OUT, INPUTS, MAX_EXPAND, PIPELINE, PREFIX, Decorator, allow_global, apply
 from .render import emit_json, printable, say
+
+if TYPE_CHECKING:  # the pipeline (and all it reads with) is imported when a command runs, not for --help
+    from ..pipeline import ConvertOptions
 
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 100}
 
@@ -224,8 +226,6 @@ WRITE_COMMANDS = (
     ),
 )
 
-_OPTION_FIELDS = {f.name for f in fields(ConvertOptions)}
-
 
 def _write_command(spec: WriteCommand) -> click.Command:
     """Build the click command for one row: INPUTS, the row's own options, then PIPELINE."""
@@ -242,7 +242,10 @@ def run_write(spec: WriteCommand, paths: tuple[str, ...], as_json: bool, kw: dic
     from ..batch import expand_inputs, plan_outputs, run_batch
 
     batch = {k: kw.pop(k) for k in BATCH_OPTIONS}
-    own = {k: kw.pop(k) for k in list(kw) if k not in _OPTION_FIELDS}
+    from ..pipeline import ConvertOptions
+
+    option_fields = {f.name for f in fields(ConvertOptions)}
+    own = {k: kw.pop(k) for k in list(kw) if k not in option_fields}
     kw["map_location"] = ",".join(kw["map_location"]) or None
     opts = spec.preset(ConvertOptions(**kw, require_change=spec.require_change), own)
     single = batch["output_dir"] is None and not opts.in_place
