@@ -23,10 +23,10 @@ from .model.paths import format_path, get_at
 from .model.paths import select as select_path
 from .model.refs import OpaqueObject, Tree
 from .model.walk import walk
-from .pickling.globals import SANITIZABLE
 from .pickling.names import check_global_patterns
 from .pipeline import model_or_ema
 from .transforms.fit import best_fit, shapes_of
+from .transforms.foreign import check_output, has_foreign
 from .transforms.prefix import add_prefix, strip_prefix
 from .transforms.select import filter_tree
 
@@ -59,8 +59,8 @@ def _read(
     """Read as the CLI does with ``--unsafe-load``, ``--allow-global`` and ``--sanitize``: the
     checkpoint and its tree (sanitized when asked; the checkpoint's own root stays as read)."""
     check_global_patterns(allow_globals)
-    allow = [*allow_globals, *(SANITIZABLE if sanitize else ())]
-    ckpt = read_checkpoint(path, unsafe_load=unsafe_load, allow_globals=allow)
+    # unknown classes are read as inert records; _refuse_opaque judges what is handed back
+    ckpt = read_checkpoint(path, unsafe_load=unsafe_load, allow_globals=allow_globals, inert_unknown=not unsafe_load)
     if not sanitize:
         return ckpt, ckpt.root
     from .transforms.sanitize import sanitize as to_plain_data
@@ -68,9 +68,13 @@ def _read(
     return ckpt, to_plain_data(ckpt.root)[0]
 
 
-def _refuse_opaque(root: Tree) -> None:
-    """Objects kept by ``allow_globals`` cannot become real objects without running their code:
-    torch.load(weights_only=True) refuses them, and ckptfix does not import them."""
+def _refuse_opaque(ckpt: Checkpoint, root: Tree, sanitize: bool, select: str | None) -> None:
+    """What is handed back must be buildable without running code: no class outside the
+    allow-list (those elsewhere in the file are ignored: :func:`check_output`), and no object
+    kept by ``allow_globals`` either -- torch.load(weights_only=True) refuses them, and ckptfix
+    does not import them."""
+    if ckpt.lazy and has_foreign(ckpt.globals):
+        check_output(ckpt.root, root, sanitize_requested=sanitize, select_given=bool(select))
     kept = sorted({value.name for _, value in walk(root) if isinstance(value, OpaqueObject)})
     if kept:
         raise UsageError(
@@ -110,7 +114,7 @@ def load(
         root = select_path(root, select, flag="select=")[1]
     for prefix in strip_prefixes:
         root = strip_prefix(root, prefix).root
-    _refuse_opaque(root)
+    _refuse_opaque(ckpt, root, sanitize, select)
     return _materialize(ckpt, root, map_location, mmap)
 
 
@@ -182,7 +186,7 @@ def load_into(
         # drop them from the lazy tree, before any tensor data is read
         skipped = sorted(m["key"] for m in plan.shape_mismatches)
         root = filter_tree(root, ["".join(f"[{c}]" if c in "*?[" else c for c in k) for k in skipped], ())[0]
-    _refuse_opaque(root)
+    _refuse_opaque(ckpt, root, sanitize, select or format_path(plan.state_dict) or None)
     state_dict = _materialize(ckpt, root, map_location, mmap=False)
     result = model.load_state_dict(state_dict, strict=strict)
     return LoadIntoReport(

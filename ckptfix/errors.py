@@ -73,13 +73,28 @@ class BadInputError(CkptfixError):
     exit_code = ExitCode.BAD_INPUT
 
 
+def group_by_module(names: Sequence[str]) -> str:
+    """``omegaconf.nodes (AnyNode, IntegerNode), typing.Any``: names of one module together."""
+    modules: dict[str, list[str]] = {}
+    for name in names:
+        module, _, short = name.rpartition(".") if " " not in name else (name, "", "")
+        modules.setdefault(module, []).append(short)
+    parts = [m if s == [""] else f"{m}.{s[0]}" if len(s) == 1 else f"{m} ({', '.join(s)})" for m, s in modules.items()]
+    return ", ".join(parts[:20]) + (f" and {len(parts) - 20} more modules" if len(parts) > 20 else "")
+
+
 class UnsafeInputError(BadInputError):
     """The pickle references globals outside the allow-list; nothing in it was run (exit 3).
 
-    ``names`` are the globals as the pickle spells them (what ``--allow-global`` must match:
-    ``posix.system``, not ``os.system``), every one the pickle names that is not allowed, so the
-    user fixes all of them in one go; ``shown`` is how to say each (``os.system (pickled as
-    posix.system)``). ``sanitizable``: ``--sanitize`` would turn all of them into plain data.
+    ``names`` are the globals as the pickle spells them, every one the pickle (or, with
+    ``writing``, the output) holds that is not allowed, so the user fixes all of them in one
+    go; ``shown`` is how to say each (``os.system (pickled as posix.system)``). ``hostile``
+    names run code (``reasons`` says how, per name): the file is an attack and no way out but
+    ``--unsafe-load`` of a file the user trusts is offered. For the rest the message gives the
+    ways out, ready to paste: ``allow_options`` (default: one ``--allow-global`` per name),
+    ``--sanitize`` when ``sanitizable``, ``--select PATH`` when ``select`` names the part with
+    the weights, and ``--unsafe-load``. ``writing``: the file was read (its unknown classes as
+    inert records) and it is the output that would carry them.
     """
 
     def __init__(
@@ -90,32 +105,52 @@ class UnsafeInputError(BadInputError):
         shown: Sequence[str] | None = None,
         sanitizable: bool = False,
         hostile: Sequence[str] = (),
+        reasons: dict[str, str] | None = None,
+        allow_options: Sequence[str] | None = None,
+        select: str | None = None,
+        writing: bool = False,
     ) -> None:
         self.global_names = [names] if isinstance(names, str) else list(names)
         self.shown = list(shown) if shown is not None else list(self.global_names)
         self.sanitizable = sanitizable
         self.hostile = list(hostile)
+        self.reasons = dict(reasons or {})
+        self.select = select
+        self.writing = writing
         self.path = path
+        if allow_options is None:
+            allow_options = [f"--allow-global {n}" for n in self.global_names if n not in self.hostile]
+        self.allow_options = list(allow_options)
         where = f"{path}: " if path else ""
-        listed = ", ".join(self.shown[:20]) + (f" and {len(self.shown) - 20} more" if len(self.shown) > 20 else "")
-        keep = " ".join(f"--allow-global {n}" for n in self.global_names if n not in self.hostile)
         ways = []
         if self.hostile:
-            verb = "runs" if len(self.hostile) == 1 else "run"
-            named = [shown for name, shown in zip(self.global_names, self.shown) if name in self.hostile]
-            ways.append(f"{', '.join(named)} {verb} code when unpickled: the file is hostile")
+            named = {name: shown for name, shown in zip(self.global_names, self.shown)}
+            for name in self.hostile:
+                ways.append(f"{named.get(name, name)} {self.reasons.get(name, 'runs code when unpickled')}")
+            ways[-1] += ": the file is hostile"
+        keep = " ".join(self.allow_options)
         if keep:
             whom = "the others" if self.hostile else "them as they are"
             ways.append(f"to keep {whom}, without running anything: {keep}")
-        if sanitizable:
+        if sanitizable and not self.hostile:
             ways.append("to turn them into plain data: --sanitize")
+        if select and not self.hostile:
+            ways.append(f"to write the weights only: --select {select}")
         if not self.hostile:
             ways.append("only if you trust this file: --unsafe-load (torch.load(weights_only=False) runs its code)")
-        super().__init__(
-            f"{where}refusing to load: the pickle references {listed}, which {'is' if len(self.shown) == 1 else 'are'} "
-            "not on the allow-list of plain checkpoint contents; nothing from the file was run",
-            hint="; ".join(ways),
-        )
+        count = len(self.global_names)
+        listed = group_by_module(self.shown)
+        if writing:
+            message = (
+                f"{where}refusing to write an output that carries {count} global{'s' if count > 1 else ''} outside "
+                f"the allow-list: {listed}; nothing from the file was run"
+            )
+        else:
+            message = (
+                f"{where}refusing to load: the pickle references {listed}, which {'is' if count == 1 else 'are'} "
+                "not on the allow-list of plain checkpoint contents; nothing from the file was run"
+            )
+        super().__init__(message, hint="; ".join(ways))
 
     @property
     def global_name(self) -> str:
@@ -125,7 +160,15 @@ class UnsafeInputError(BadInputError):
     def at(self, path: str) -> UnsafeInputError:
         """The same refusal, saying which file."""
         return UnsafeInputError(
-            self.global_names, path, shown=self.shown, sanitizable=self.sanitizable, hostile=self.hostile
+            self.global_names,
+            path,
+            shown=self.shown,
+            sanitizable=self.sanitizable,
+            hostile=self.hostile,
+            reasons=self.reasons,
+            allow_options=self.allow_options,
+            select=self.select,
+            writing=self.writing,
         )
 
 

@@ -45,6 +45,7 @@ from .model.walk import iter_tensors, substitute, walk
 from .pickling.names import check_global_patterns
 from .pickling.vm import collector_paused
 from .transforms.devices import parse_map_location, remap_devices
+from .transforms.foreign import check_output, has_foreign
 from .transforms.prefix import add_prefix, normalize_prefix, parse_rule, rename_keys, strip_prefix
 from .transforms.select import filter_tree, prune_patterns
 
@@ -131,6 +132,10 @@ class Report:
     state_dicts: list[dict[str, Any]] = field(default_factory=list)
     selected: str | None = None
     sanitized: list[dict[str, str]] = field(default_factory=list)
+    #: classes outside the allow-list that the output leaves out ({"path", "global"})
+    ignored: list[dict[str, str]] = field(default_factory=list)
+    #: globals outside torch's allow-list that the output carries, allowed by --allow-global
+    kept_globals: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
     bytes_dropped: int = 0
     devices: dict[str, int] = field(default_factory=dict)
@@ -435,10 +440,11 @@ def convert(
     if not opts.dry_run and kind == "file":
         check_destination(in_path, out_path, overwrite=opts.force, in_place=opts.in_place)
     started = time.perf_counter()
-    if opts.sanitize:
-        from .pickling.globals import SANITIZABLE
-    allow = [*opts.allow_globals, *(SANITIZABLE if opts.sanitize else ())]
-    ckpt = read_checkpoint(in_path, unsafe_load=opts.unsafe_load, allow_globals=allow)
+    # unknown classes are read as inert records and judged on what the output carries
+    # (check_output); --unsafe-load keeps the old way: the file through torch if it holds any
+    ckpt = read_checkpoint(
+        in_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals, inert_unknown=not opts.unsafe_load
+    )
     report = Report(
         command=command,
         input=in_path,
@@ -450,6 +456,16 @@ def convert(
         selected=opts.select,
     )
     root = apply_transforms(ckpt, opts, report, file_format)
+    if ckpt.lazy and has_foreign(ckpt.globals):
+        found = check_output(
+            ckpt.root,
+            None if file_format == "safetensors" else root,
+            converted=[s["global"] for s in report.sanitized],
+            sanitize_requested=opts.sanitize,
+            select_given=bool(opts.select),
+        )
+        report.kept_globals, report.ignored = found.kept, found.ignored
+        report.notes += found.notes()
     if opts.require_change and not report.changed:
         why = _nothing_to_do(ckpt, report)
         report.unchanged = True
@@ -747,12 +763,12 @@ def fit_checkpoint(
         ref_shapes = reference_from_model(model, model_path)
     else:
         assert reference is not None  # exactly one of the two, checked above
-        ref = read_checkpoint(reference, unsafe_load=unsafe_load)
+        ref = read_checkpoint(reference, unsafe_load=unsafe_load, inert_unknown=True)  # only its shapes
         found = find_state_dicts(ref.root)
         if not found:
             raise UsageError(f"{reference}: no state dict found in the reference")
         ref_shapes = shapes_of(max(found, key=lambda item: len(item[1]))[1])
-    ckpt = read_checkpoint(in_path, unsafe_load=unsafe_load)
+    ckpt = read_checkpoint(in_path, unsafe_load=unsafe_load, inert_unknown=True)  # convert() checks OUT
     tree, base, _ = model_or_ema(ckpt.root, ema)  # the model's weights, not its EMA copy (or the reverse)
     plan = best_fit(tree, ref_shapes, *select_path(tree, select)) if select else best_fit(tree, ref_shapes)
     if not plan.loads_strictly and not allow_partial:
@@ -808,7 +824,7 @@ def publish(
     out_dir = Path(out_dir)
     if not out_dir.is_dir():
         raise CannotWriteError(f"{out_dir}: no such folder")
-    ckpt = read_checkpoint(in_path, unsafe_load=unsafe_load, allow_globals=allow_globals)
+    ckpt = read_checkpoint(in_path, unsafe_load=unsafe_load, allow_globals=allow_globals, inert_unknown=True)
     found = find_state_dicts(ckpt.root)
     if not found:
         raise UsageError(f"{in_path}: no state dict to publish")

@@ -10,10 +10,18 @@ Bytes that are pickles themselves (a ``torch.storage._load_from_bytes`` payload)
 too, recursively; every consecutive pickle of a legacy file or raw pickle stream is scanned
 (protocol 0 included), and in a zip every record whose name ends in ``.pkl`` in any case.
 
-Verdicts: ``safe`` (on ckptfix's allow-list, which ``torch.load(weights_only=True)`` also
-accepts), ``benign`` (known data classes that ``--allow-global`` can keep and ``--sanitize`` can
-convert), ``dangerous`` (everything else: ``os``/``subprocess``/``builtins.eval``..., torch's
-own loaders, and any unknown module -- unknown code is dangerous until proven otherwise).
+Verdicts, each with its reason:
+
+* ``dangerous`` -- a global that runs code or touches the system when a pickle calls it
+  (:data:`~ckptfix.pickling.globals.DANGEROUS`, a maintained list: ``os``/``subprocess``,
+  ``eval``/``exec``/``getattr``, torch's own loaders...) and laundering attempts (BUILD on a
+  global). An attack: ``scan`` exits 1.
+* ``unknown`` -- a third-party or other class that is not on any list (``omegaconf``
+  configs, a project's own classes). Importing it runs its package's code, so it is listed;
+  it is no attack by itself (``--strict`` makes it fail too).
+* ``safe`` -- ckptfix's allow-list (which ``torch.load(weights_only=True)`` also accepts) and
+  the standard library's plain data types (containers, numbers, paths, ``typing`` names,
+  numpy's array and scalar rebuilders).
 """
 
 from __future__ import annotations
@@ -30,7 +38,7 @@ from ..formats.dcp import METADATA_NAME, is_dcp_folder
 from ..formats.detect import open_input, sniff
 from ..formats.sharded import find_index, read_index
 from ..formats.torchzip import MAX_PICKLE_BYTES, read_checked_directory
-from ..pickling.globals import BENIGN, canonical_name
+from ..pickling.globals import canonical_name, danger, plain_data
 from ..pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS
 from ..pickling.recording import record_globals
 
@@ -40,6 +48,7 @@ class Found:
     name: str
     verdict: str
     where: str
+    reason: str = ""
 
 
 @dataclass
@@ -54,6 +63,10 @@ class ScanResult:
     def dangerous(self) -> list[Found]:
         return [g for g in self.globals if g.verdict == "dangerous"]
 
+    @property
+    def unknown(self) -> list[Found]:
+        return [g for g in self.globals if g.verdict == "unknown"]
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "path": self.path,
@@ -61,19 +74,24 @@ class ScanResult:
             "error": self.error,
             "notes": self.notes,
             "dangerous": sorted({g.name for g in self.dangerous}),
+            "unknown": sorted({g.name for g in self.unknown}),
             "globals": [asdict(g) for g in self.globals],
         }
 
 
-def classify(name: str) -> str:
+def classify(name: str) -> tuple[str, str]:
+    """The verdict on one global (as pickled) and why."""
     if name.startswith("<"):
-        return "dangerous"  # what the reader refuses as laundering (BUILD on a global...)
+        return "dangerous", "laundering: the pickle changes or calls something the reader built"
+    reason = danger(name)
+    if reason is not None:
+        return "dangerous", reason
     known = canonical_name(name)
     if known in TORCH_GLOBALS or known in PYTHON_GLOBALS:
-        return "safe"
-    if known in BENIGN:
-        return "benign"
-    return "dangerous"
+        return "safe", "on the allow-list torch.load(weights_only=True) also accepts"
+    if plain_data(known):
+        return "safe", "a standard-library data type: nothing runs code"
+    return "unknown", "not on any list: importing it runs its package's code"
 
 
 def _plain(name: str) -> bool:
@@ -88,7 +106,12 @@ def scan_pickles(
     start of ``data``, nested pickles included, each with its verdict; and an error ("" if all
     read cleanly). See :func:`ckptfix.recording.record_globals`."""
     found, error = record_globals(data, where, _plain, count=count, headerless=headerless)
-    return [Found(canonical_name(name), classify(name), at) for name, at in found], error
+    return [Found(canonical_name(name), *_verdict(name, at)) for name, at in found], error
+
+
+def _verdict(name: str, at: str) -> tuple[str, str, str]:
+    verdict, reason = classify(name)
+    return verdict, at, reason
 
 
 def scan_path(path: str | Path) -> ScanResult:
@@ -108,7 +131,7 @@ def scan_path(path: str | Path) -> ScanResult:
     result = ScanResult(str(path), kind, notes=notes)
     for file in files:
         part = _scan_pickle_file(file) if kind == "dcp" else _scan_file(file)
-        result.globals += [Found(g.name, g.verdict, f"{file.name}:{g.where}") for g in part.globals]
+        result.globals += [Found(g.name, g.verdict, f"{file.name}:{g.where}", g.reason) for g in part.globals]
         result.error = result.error or (f"{file.name}: {part.error}" if part.error else "")
     return result
 

@@ -528,18 +528,22 @@ def publish_command(in_path: str, out_dir: str, as_json: bool, **kw: Any) -> int
 @click.argument("paths", nargs=-1, required=True, metavar="PATH...", type=click.Path())
 @click.option("--recursive", is_flag=True, help="Folder inputs: include sub-folders.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
-def scan(paths: tuple[str, ...], recursive: bool, as_json: bool) -> int:
+@click.option("--strict", is_flag=True, help="Exit 1 for unknown classes too, not only dangerous ones.")
+def scan(paths: tuple[str, ...], recursive: bool, as_json: bool, strict: bool) -> int:
     """List every global each file's pickles reference, and judge them; never runs anything.
 
-    Verdicts: safe (what torch.load(weights_only=True) accepts), benign (argparse.Namespace,
-    numpy values, pathlib paths: keep with --allow-global, convert with --sanitize), dangerous
-    (os, subprocess, eval/exec, torch's own loaders, any unknown module). Nested pickles are
-    scanned too. Exit 1 if anything dangerous is found, 3 if a file cannot be scanned.
+    Verdicts: dangerous (runs code or touches the system when unpickled: os, subprocess,
+    eval/exec/getattr, torch's own loaders...; each with its reason), unknown (third-party
+    classes such as omegaconf configs: importing them runs their package's code, but they are
+    no attack by themselves), safe (what torch.load(weights_only=True) accepts, and the
+    standard library's plain data types). Nested pickles are scanned too. Exit 1 if anything
+    dangerous is found (with --strict: or unknown), 3 if a file cannot be scanned.
 
     \b
     Examples:
       ckptfix scan downloaded.pth
       ckptfix scan models/ --recursive --json
+      ckptfix scan release/ --recursive --strict
     """
     from ..analysis.scan import scan_path
     from ..batch import expand_inputs
@@ -549,7 +553,7 @@ def scan(paths: tuple[str, ...], recursive: bool, as_json: bool) -> int:
         emit_json({"files": [r.to_dict() for r in results]})
     else:
         render.scan_results(results)
-    if any(r.dangerous for r in results):
+    if any(r.dangerous or (strict and r.unknown) for r in results):
         return ExitCode.CHECK_FAILED
     return ExitCode.BAD_INPUT if any(r.error for r in results) else ExitCode.OK
 

@@ -146,10 +146,13 @@ def scan_results(results: list[Any]) -> None:
         verdicts: dict[str, set[str]] = {}
         for g in r.globals:
             verdicts.setdefault(g.verdict, set()).add(g.name)
-        status = "DANGEROUS" if r.dangerous else ("ERROR" if r.error else "ok")
+        status = "DANGEROUS" if r.dangerous else ("ERROR" if r.error else "UNKNOWN" if r.unknown else "ok")
         say(f"{status} {r.path} ({r.format})" + (f": {r.error}" if r.error else ""))
         for note in r.notes:
             say(f"  note: {note}")
-        for verdict in ("dangerous", "benign", "safe"):
+        reasons = {g.name: g.reason for g in r.dangerous}
+        for name in sorted(reasons):
+            say(f"  dangerous: {name}: {reasons[name]}")
+        for verdict in ("unknown", "safe"):
             if verdict in verdicts:
                 say(f"  {verdict}: {', '.join(sorted(verdicts[verdict]))}")

@@ -58,7 +58,11 @@ class Checkpoint:
 
 
 def read_checkpoint(
-    path: str | os.PathLike[str], *, unsafe_load: bool = False, allow_globals: Sequence[str] = ()
+    path: str | os.PathLike[str],
+    *,
+    unsafe_load: bool = False,
+    allow_globals: Sequence[str] = (),
+    inert_unknown: bool = False,
 ) -> Checkpoint:
     """Open ``path`` safely: diagnose the file, then read it without running any of its code.
 
@@ -69,12 +73,15 @@ def read_checkpoint(
     ``unsafe_load=True`` allows a fallback to ``torch.load(weights_only=False)`` for pickles
     the allow-list refuses -- only for trusted files. ``allow_globals`` (names or globs such as
     ``argparse.Namespace`` or ``numpy.*``) lets those globals through as opaque records that are
-    written back unchanged and never imported or called.
+    written back unchanged and never imported or called. ``inert_unknown=True`` reads every other
+    global that is not dangerous as an inert record too, marked not allowed (no writer writes
+    one): for callers that then write only part of the tree and check what they write
+    (:func:`~ckptfix.pickling.reader.foreign_globals`).
     """
     path = str(path)
     st = check_input(path)  # never opens: a FIFO, a device or a socket is refused from its mode
     if stat.S_ISDIR(st.st_mode):
-        return _read_folder(Path(path), unsafe_load, allow_globals)
+        return _read_folder(Path(path), unsafe_load, allow_globals, inert_unknown)
     if path.endswith(".index.json"):
         return _read_sharded(Path(path), allow_globals)
     f, file_size = open_input(path)
@@ -83,7 +90,9 @@ def read_checkpoint(
         if what.kind == "zip":
             globals_seen: set[str] = set()
             try:
-                root, archive = read_torch_zip(path, f, file_size, globals_seen, allow_globals)
+                root, archive = read_torch_zip(
+                    path, f, file_size, globals_seen, allow_globals, inert_unknown=inert_unknown
+                )
             except UnsafeInputError:
                 if not unsafe_load:
                     raise
@@ -95,7 +104,7 @@ def read_checkpoint(
         if what.kind == "legacy":
             globals_seen = set()
             try:
-                root = read_legacy(path, f, file_size, globals_seen, allow_globals)
+                root = read_legacy(path, f, file_size, globals_seen, allow_globals, inert_unknown=inert_unknown)
             except UnsafeInputError:
                 if not unsafe_load:
                     raise
@@ -111,12 +120,12 @@ def read_checkpoint(
     raise BadInputError(f"{path}: {what.description}")
 
 
-def _read_folder(folder: Path, unsafe_load: bool, allow_globals: Sequence[str]) -> Checkpoint:
+def _read_folder(folder: Path, unsafe_load: bool, allow_globals: Sequence[str], inert_unknown: bool) -> Checkpoint:
     if is_dcp_folder(folder):
         size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
         globals_seen: set[str] = set()
         try:
-            root = read_dcp_safely(folder, globals_seen, allow_globals)
+            root = read_dcp_safely(folder, globals_seen, allow_globals, inert_unknown=inert_unknown)
         except UnsafeInputError:
             if not unsafe_load:
                 raise
@@ -131,7 +140,7 @@ def _read_folder(folder: Path, unsafe_load: bool, allow_globals: Sequence[str]) 
         )
     if found.name.endswith(".index.json"):
         return _read_sharded(found, allow_globals)
-    return read_checkpoint(found, unsafe_load=unsafe_load, allow_globals=allow_globals)
+    return read_checkpoint(found, unsafe_load=unsafe_load, allow_globals=allow_globals, inert_unknown=inert_unknown)
 
 
 def _read_sharded(index_path: Path, allow_globals: Sequence[str] = ()) -> Checkpoint:

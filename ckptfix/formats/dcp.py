@@ -72,10 +72,13 @@ def _size(value: object, where: str) -> tuple[int, ...]:
     return value
 
 
-def read_dcp_safely(folder: Path, globals_seen: set[str], allow: Sequence[str] = ()) -> Tree:
+def read_dcp_safely(
+    folder: Path, globals_seen: set[str], allow: Sequence[str] = (), *, inert_unknown: bool = False
+) -> Tree:
     """The folder's state dict as a lazy tree, read without torch and without running anything.
 
-    ``allow`` (``--allow-global``) applies to the non-tensor values, as for any checkpoint.
+    ``allow`` (``--allow-global``) and ``inert_unknown`` apply to the non-tensor values, as for any
+    checkpoint.
     """
     where = str(folder / METADATA_NAME)
     f, size = open_input(folder / METADATA_NAME)
@@ -101,14 +104,18 @@ def read_dcp_safely(folder: Path, globals_seen: set[str], allow: Sequence[str] =
         for fqn, meta in described.items():
             if not isinstance(fqn, str) or fqn not in located:
                 raise BadInputError(f"{where}: corrupt DCP metadata: no stored item for {fqn!r:.80}")
-            value = _read_entry(folder, fqn, meta, located[fqn], globals_seen, allow, files, where)
+            value = _read_entry(folder, fqn, meta, located[fqn], globals_seen, (allow, inert_unknown), files, where)
             path = planner.get(fqn, tuple(fqn.split(".")))
             _place(tree, path, value, where)
     return tree
 
 
 def _read_item(
-    folder: Path, stored: dict[str, object], globals_seen: set[str], allow: Sequence[str], where: str
+    folder: Path,
+    stored: dict[str, object],
+    globals_seen: set[str],
+    allow: tuple[Sequence[str], bool],
+    where: str,
 ) -> Tree:
     """One item: the ``torch.save`` zip at (relative_path, offset, length), read in place."""
     name, offset, length = stored.get("relative_path"), stored.get("offset"), stored.get("length")
@@ -121,7 +128,7 @@ def _read_item(
         if offset + length > size:
             raise BadInputError(f"{folder / name}: an item at {offset}+{length} runs past the end ({size} bytes)")
         part = cast(BinaryIO, FileSlice(f, offset, length))  # a binary file (io.RawIOBase) over the item
-        root, _ = read_torch_zip(str(folder / name), part, length, globals_seen, allow)
+        root, _ = read_torch_zip(str(folder / name), part, length, globals_seen, allow[0], inert_unknown=allow[1])
     return root
 
 
@@ -131,7 +138,7 @@ def _read_entry(
     meta: object,
     stored: list[tuple[tuple[int, ...] | None, dict[str, object]]],
     globals_seen: set[str],
-    allow: Sequence[str],
+    allow: tuple[Sequence[str], bool],
     files: OpenFiles,
     where: str,
 ) -> Tree:

@@ -42,7 +42,15 @@ def _one_key_space(path: str, key: str) -> BadInputError:
     )
 
 
-def read_legacy(path: str, f: BinaryIO, file_size: int, globals_seen: set[str], allow: Sequence[str] = ()) -> Tree:
+def read_legacy(
+    path: str,
+    f: BinaryIO,
+    file_size: int,
+    globals_seen: set[str],
+    allow: Sequence[str] = (),
+    *,
+    inert_unknown: bool = False,
+) -> Tree:
     """Parse a legacy torch file into a tree of lazy references (no tensor data is read).
 
     The pickles are run by the VM straight over a read-only memory map of the file (no copy);
@@ -52,10 +60,12 @@ def read_legacy(path: str, f: BinaryIO, file_size: int, globals_seen: set[str], 
     if file_size == 0:
         raise BadInputError(f"{path}: an empty file")
     with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        return _read(path, data, file_size, globals_seen, allow)
+        return _read(path, data, file_size, globals_seen, allow, inert_unknown)
 
 
-def _read(path: str, data: mmap.mmap, file_size: int, globals_seen: set[str], allow: Sequence[str]) -> Tree:
+def _read(
+    path: str, data: mmap.mmap, file_size: int, globals_seen: set[str], allow: Sequence[str], inert_unknown: bool
+) -> Tree:
     magic, pos = restricted_load(data, None)
     if type(magic) is not int or magic != MAGIC_NUMBER:
         raise BadInputError(f"{path}: not a legacy torch checkpoint (bad magic number)")
@@ -96,7 +106,9 @@ def _read(path: str, data: mmap.mmap, file_size: int, globals_seen: set[str], al
         return views[view_key][0]
 
     try:
-        tree, pos = restricted_load(data, load_storage, globals_seen, allow, start=pos, check_depth=False)
+        tree, pos = restricted_load(
+            data, load_storage, globals_seen, allow, start=pos, check_depth=False, inert_unknown=inert_unknown
+        )
     except UnsafeInputError as exc:
         raise exc.at(path) from None
     keys, offset = restricted_load(data, None, start=pos)

@@ -150,7 +150,13 @@ def _read_versions(f: BinaryIO, records: Mapping[str, ZipRecord], path: str) -> 
 
 
 def read_torch_zip(
-    path: str, f: BinaryIO, file_size: int, globals_seen: set[str], allow: Sequence[str] = ()
+    path: str,
+    f: BinaryIO,
+    file_size: int,
+    globals_seen: set[str],
+    allow: Sequence[str] = (),
+    *,
+    inert_unknown: bool = False,
 ) -> tuple[Any, TorchZipArchive]:
     """Parse a torch zip checkpoint into a tree of lazy references (no tensor data is read).
 
@@ -206,7 +212,15 @@ def read_torch_zip(
         return storage
 
     try:
-        root, _ = restricted_load(pickle_bytes, load_storage, globals_seen, allow, check_depth=False, budgets=budgets)
+        root, _ = restricted_load(
+            pickle_bytes,
+            load_storage,
+            globals_seen,
+            allow,
+            check_depth=False,
+            budgets=budgets,
+            inert_unknown=inert_unknown,
+        )
     except UnsafeInputError as exc:
         raise exc.at(path) from None
     check_extents(root, path)

@@ -61,10 +61,15 @@ class Global:
 
     Frozen, no ``__dict__`` and no ``__setstate__``: a pickle that fetches an allowed global
     cannot turn it into another one (the VM refuses BUILD on it, and nothing else writes it).
+
+    ``allowed`` is False for a global read as an inert record although nothing allows it (a
+    config class in a part of the checkpoint the output leaves out): the writers refuse to
+    write one, so no output carries a global the user did not allow, whatever the caller did.
     """
 
     module: str
     name: str
+    allowed: bool = field(default=True, compare=False)
     #: ``module.name``, computed once (writers and checks ask for it per tensor)
     full: str = field(init=False, repr=False, compare=False)
 

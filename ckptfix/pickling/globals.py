@@ -1,47 +1,101 @@
 """What ckptfix knows about pickle globals besides the reader's allow-list (``reader``): one table
-each, used by the reader's messages, ``scan``'s verdicts and ``--sanitize``.
+each, used by the reader, the output check, ``scan``'s verdicts and ``--sanitize``.
 
 * :data:`MODULE_ALIASES`: modules a pickle names instead of the one users know
   (``posix.system`` is ``os.system``; Python 2's ``__builtin__`` is ``builtins``).
-* :data:`SANITIZABLE`: classes ``--sanitize`` turns into plain data.
-* :data:`BENIGN`: data-only classes outside torch's weights-only allow-list (scan says "benign":
-  keep them with ``--allow-global``, convert the sanitizable ones with ``--sanitize``).
+* :data:`DANGEROUS`: globals that run code or touch the system when a pickle calls them, each
+  with the reason. A file naming one is hostile: refused everywhere, whatever is selected or
+  allowed (only ``--unsafe-load`` of a trusted file gets past it, through torch itself).
+* :data:`PLAIN_DATA`: standard-library data types (containers, numbers, paths, ``typing``
+  names). Nothing in them runs code; ``scan`` calls them safe, and ``--allow-global`` of a
+  package keeps them along where its objects are rebuilt through them.
+* :data:`SANITIZABLE`: classes ``--sanitize`` knows by name (it also converts any object from
+  its pickled state alone: see :mod:`ckptfix.transforms.sanitize`).
 """
 
 from __future__ import annotations
 
-MODULE_ALIASES = {"__builtin__": "builtins", "posix": "os", "nt": "os", "_operator": "operator", "_io": "io"}
+import sys
+from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
+
+#: modules a pickle may name for the one users know: the C modules behind ``os``, ``operator``
+#: and ``io``, and every Python 2 name that Python 3's unpickler maps (``fix_imports``, what
+#: ``torch.load`` does too): a protocol-2 pickle of ``subprocess.Popen`` says ``commands.Popen``
+MODULE_ALIASES = {"posix": "os", "nt": "os", "_operator": "operator", "_io": "io", **IMPORT_MAPPING}
 
 
 def canonical_name(name: str) -> str:
-    """The name users know: ``posix.system`` is ``os.system``, ``__builtin__`` is ``builtins``."""
+    """The name users know and Python 3 would import: ``posix.system`` is ``os.system``,
+    ``commands.Popen`` is ``subprocess.Popen``, ``__builtin__.long`` is ``builtins.int``."""
     if name.startswith("<"):
         return name
-    module = name.rsplit(".", 1)[0]
-    return MODULE_ALIASES.get(module, module) + name[len(module) :]
+    module, _, short = name.rpartition(".")
+    mapped = NAME_MAPPING.get((module, short))
+    if mapped is not None:
+        return ".".join(mapped)
+    return MODULE_ALIASES.get(module, module) + "." + short
 
 
-#: where a pickle's call runs code (by canonical name): a file naming one is hostile, so no hint
-#: ever suggests keeping it (``--allow-global``) or loading the file (``--unsafe-load``)
-CODE_EXECUTION = (
-    *(
-        f"{m}."
-        for m in (
-            *("os", "subprocess", "_posixsubprocess", "sys", "pty", "socket", "shutil", "runpy", "importlib", "imp"),
-            *("ctypes", "_ctypes", "code", "codeop", "pickle", "_pickle", "marshal", "webbrowser", "multiprocessing"),
-            *("timeit", "cProfile", "profile", "pdb", "bdb", "trace", "asyncio", "pydoc", "dill", "cloudpickle"),
-            *("joblib", "torch.hub", "torch.ops", "torch.utils.cpp_extension", "torch._C", "torch.jit"),
-            "torch.package",
-        )
-    ),
-    *(f"builtins.{n}" for n in ("eval", "exec", "compile", "getattr", "setattr", "delattr", "__import__", "open")),
-    *("builtins.breakpoint", "builtins.input", "io.open", "_io.open", "codecs.open"),
-)
+def _modules(reason: str, *modules: str) -> dict[str, str]:
+    return {f"{m}.": reason for m in modules}
+
+
+def _names(reason: str, *names: str) -> dict[str, str]:
+    return dict.fromkeys(names, reason)
+
+
+#: canonical name (exact) or module prefix (ending in ".") -> why calling it from a pickle is an
+#: attack. Maintained by hand: compared with picklescan's and modelscan's lists (see README).
+DANGEROUS: dict[str, str] = {
+    **_modules("runs shell commands, spawns processes or changes files", "os", "subprocess", "_posixsubprocess"),
+    **_modules("runs shell commands, spawns processes or changes files", "pty", "shutil", "multiprocessing"),
+    **_modules("reaches the interpreter's internals (modules, frames, exit)", "sys", "gc", "inspect"),
+    **_modules("imports or runs Python code", "runpy", "importlib", "imp", "code", "codeop", "pydoc", "venv", "pip"),
+    **_modules("runs Python code given as text", "timeit", "cProfile", "profile", "pdb", "bdb", "trace"),
+    **_modules("calls native code", "ctypes", "_ctypes", "cffi"),
+    **_modules("unpickles more bytes, which can name anything", "pickle", "_pickle", "marshal", "shelve"),
+    **_modules("unpickles more bytes, which can name anything", "dill", "cloudpickle", "joblib"),
+    **_names("unpickles more bytes, which can name anything", "numpy.load", "numpy.lib.npyio.load"),
+    **_modules("opens network connections", "socket", "_socket", "ssl", "http", "urllib", "requests", "httplib"),
+    **_modules("opens network connections or a browser", "ftplib", "smtplib", "telnetlib", "webbrowser", "aiohttp"),
+    **_modules("runs an event loop that can start processes", "asyncio"),
+    **_modules("loads and runs code or native operators", "torch.hub", "torch.ops", "torch.utils.cpp_extension"),
+    **_modules("loads and runs code or native operators", "torch._C", "torch.jit", "torch.package"),
+    **_names("evaluates Python code", *(f"builtins.{n}" for n in ("eval", "exec", "compile", "__import__"))),
+    **_names("reaches any attribute of any object (getattr(os, 'system'))", "builtins.getattr"),
+    **_names("changes attributes of live objects", "builtins.setattr", "builtins.delattr"),
+    **_names("opens files", "builtins.open", "io.open", "io.FileIO", "codecs.open", "pathlib.Path.write_text"),
+    **_names("waits for input or starts a debugger", "builtins.input", "builtins.breakpoint"),
+    **_names("calls a method or attribute by name", "operator.attrgetter", "operator.methodcaller"),
+    **_names("reaches the interpreter's internals (modules, frames, exit)", "builtins.vars", "builtins.globals"),
+    **_names("reaches the interpreter's internals (modules, frames, exit)", "builtins.locals", "builtins.exit"),
+    **_names("evaluates type annotations given as text", "typing.get_type_hints", "typing._eval_type"),
+    **_names("writes files", "torch.save", "torch.serialization.save", "numpy.save", "numpy.savez"),
+    **_names("unpickles nested bytes with weights_only=False", "torch.storage._load_from_bytes"),
+    **_names("unpickles nested bytes with weights_only=False", "torch.load", "torch.serialization.load"),
+    **_names("unpickles nested bytes with weights_only=False", "torch.serialization._load"),
+    **_names("unpickles nested bytes with weights_only=False", "torch.serialization._legacy_load"),
+    **_names("runs TorchScript code", "torch.jit.load"),
+}
+_DANGEROUS_NAMES = {k: v for k, v in DANGEROUS.items() if not k.endswith(".")}
+_DANGEROUS_PREFIXES = tuple(k for k in DANGEROUS if k.endswith("."))
+
+
+def danger(name: str) -> str | None:
+    """Why ``name`` (as pickled or canonical) is an attack when a pickle calls it, or None."""
+    known = canonical_name(name)
+    reason = _DANGEROUS_NAMES.get(known)
+    if reason is not None:
+        return reason
+    for prefix in _DANGEROUS_PREFIXES:
+        if known.startswith(prefix):
+            return DANGEROUS[prefix]
+    return None
 
 
 def runs_code(name: str) -> bool:
     """True for a global that executes code when a pickle calls it (``os.system``, ``eval`` ...)."""
-    return canonical_name(name).startswith(CODE_EXECUTION)
+    return danger(name) is not None
 
 
 #: where numpy keeps its pickle helpers (numpy 2 renamed numpy.core to numpy._core)
@@ -66,26 +120,55 @@ DCP_METADATA = (
     "torch.distributed.checkpoint.filesystem._StorageInfo",
 )
 
-#: data-only classes scan calls benign: the sanitizable ones, DCP's metadata records, and these
-BENIGN = frozenset(
+_BUILTIN_TYPES = ("dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "str", "bytes", "bool")
+#: standard-library data types: nothing in them runs code when a pickle names or calls them
+PLAIN_DATA = frozenset(
     {
         *SANITIZABLE,
         *DCP_METADATA,
         "collections.defaultdict",
         "collections.deque",
+        "collections.OrderedDict",
         "datetime.datetime",
         "datetime.date",
+        "datetime.time",
         "datetime.timedelta",
+        "datetime.timezone",
         "decimal.Decimal",
         "fractions.Fraction",
         "uuid.UUID",
         "copyreg._reconstructor",
-        *(f"builtins.{n}" for n in ("slice", "range", "object", "dict", "list", "tuple", "int", "float", "str")),
-        *(f"builtins.{n}" for n in ("bytes", "bool")),
-        *(
-            f"numpy.dtypes.{k}DType"
-            for k in ("Float64", "Float32", "Float16", "Int64", "Int32", "Int16", "Int8", "UInt8", "UInt16")
-        ),
-        *(f"numpy.dtypes.{k}DType" for k in ("UInt32", "UInt64", "Bool", "Complex64", "Complex128")),
+        "copyreg.__newobj__",
+        "enum.Enum",
+        *(f"builtins.{n}" for n in (*_BUILTIN_TYPES, "bytearray", "slice", "range", "object", "type", "NoneType")),
+        *(f"builtins.{n}" for n in ("long", "unicode", "basestring", "Ellipsis", "NotImplemented")),
+        *(f"numpy.dtypes.{k}DType" for k in ("Float64", "Float32", "Float16", "Int64", "Int32", "Int16", "Int8")),
+        *(f"numpy.dtypes.{k}DType" for k in ("UInt8", "UInt16", "UInt32", "UInt64", "Bool", "Complex64", "Complex128")),
     }
 )
+
+
+def plain_data(name: str) -> bool:
+    """A standard-library data type (:data:`PLAIN_DATA`), or one of ``typing``'s type names
+    (``typing.Any``, ``typing.Optional``; not its functions, some of which evaluate text)."""
+    known = canonical_name(name)
+    if known in PLAIN_DATA:
+        return True
+    module, _, short = known.rpartition(".")
+    return module in ("typing", "typing_extensions") and short[:1].isupper() and short != "ForwardRef"
+
+
+def allow_options(names: list[str]) -> list[str]:
+    """The ``--allow-global`` options that keep exactly ``names`` (as pickled), ready to paste:
+    one ``'pkg.*'`` for two or more names of a third-party package, the exact names otherwise
+    (a wildcard over a standard-library module or torch would cover far more than the file
+    needs). Dangerous names are never allowed, wildcard or not, so none is listed."""
+    by_package: dict[str, list[str]] = {}
+    for name in dict.fromkeys(canonical_name(n) for n in names):
+        if danger(name) is None:
+            by_package.setdefault(name.split(".", 1)[0], []).append(name)
+    options: list[str] = []
+    for package, members in by_package.items():
+        wide = package not in sys.stdlib_module_names and package not in MODULE_ALIASES and package != "torch"
+        options += [f"'{package}.*'"] if wide and len(members) > 1 else members
+    return [f"--allow-global {o}" for o in options]

@@ -29,15 +29,16 @@ import fnmatch
 import gc
 import mmap
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Sequence
-from dataclasses import replace
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..errors import BadInputError, UnsafeInputError
 from ..model.dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS_NAMES
+from ..model.paths import Path
 from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef, Tree
 from ..model.walk import check_nesting, walk
-from .globals import MODULE_ALIASES, SANITIZABLE, runs_code
+from .globals import MODULE_ALIASES, SANITIZABLE, allow_options, canonical_name, danger, plain_data
 from .names import is_dotted_identifier
 from .recording import looks_like_pickle, protocol2_bytes, record_globals
 from .vm import Budgets, Hooks, PickleVM, collector_paused
@@ -97,32 +98,12 @@ def _torch_allowed_names() -> frozenset[str]:
 #: torch globals a checkpoint may reference; they become inert :class:`Global` records.
 TORCH_GLOBALS: frozenset[str] = _torch_allowed_names()
 
-#: globals that are never allowed, whatever ``--allow-global`` says: they turn bytes the reader
-#: has not seen into objects (or code) when the output is loaded
-NEVER_ALLOWED = frozenset(
-    {
-        "torch.storage._load_from_bytes",
-        "torch.load",
-        "torch.serialization.load",
-        "torch.serialization._load",
-        "torch.serialization._legacy_load",
-        "torch.jit.load",
-        "pickle.loads",
-        "pickle.load",
-        "_pickle.loads",
-        "_pickle.load",
-        "marshal.loads",
-        "dill.loads",
-        "cloudpickle.loads",
-        "builtins.eval",
-        "builtins.exec",
-        "builtins.compile",
-    }
-)
-
 
 def allowed_by_name(full: str, patterns: Sequence[str]) -> bool:
-    return any(fnmatch.fnmatchcase(full, p) for p in patterns)
+    """``full`` (as pickled, or as users know it: ``builtins.long`` for ``__builtin__.long``)
+    matches one of the ``--allow-global`` patterns. Dangerous names never reach this."""
+    known = canonical_name(full)
+    return any(fnmatch.fnmatchcase(full, p) or fnmatch.fnmatchcase(known, p) for p in patterns)
 
 
 def display_name(module: str, name: str) -> str:
@@ -302,10 +283,19 @@ StorageLoader = Callable[[Global, str, str, int, Any], StorageRef]
 class ReaderHooks(Hooks):
     """The allow-list reader: see the module docstring."""
 
-    def __init__(self, load_storage: StorageLoader | None, globals_seen: set[str], allow: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        load_storage: StorageLoader | None,
+        globals_seen: set[str],
+        allow: Sequence[str] = (),
+        inert_unknown: bool = False,
+    ) -> None:
         self.load_storage = load_storage
         self.globals_seen = globals_seen
         self.allow = tuple(allow)
+        self.inert_unknown = inert_unknown
+        #: globals read as inert records without being allowed (``inert_unknown``)
+        self.unknown: list[Global] = []
         self._globals: dict[tuple[str, str], Global] = {}
         #: id of each Global handed out (one object per name) -> what calling it makes
         self._calls: dict[int, Callable[[Global, tuple[Any, ...]], Any]] = {}
@@ -322,10 +312,17 @@ class ReaderHooks(Hooks):
             raise BadInputError(f"corrupt or hostile pickle: a global named {full!r:.120}, not a Python name")
         result = Global(module, name)
         if full not in TORCH_GLOBALS and full not in PYTHON_GLOBALS:
-            if full in NEVER_ALLOWED or not (self.allow and allowed_by_name(full, self.allow)):
-                hostile = [full] if runs_code(full) or full in NEVER_ALLOWED else []
-                raise UnsafeInputError(full, shown=[display_name(module, name)], hostile=hostile)
-            self._opaque.add(id(result))
+            reason = danger(full)
+            if reason is not None:  # an attack wherever it is: never allowed, never read past
+                shown = [display_name(module, name)]
+                raise UnsafeInputError(full, shown=shown, hostile=[full], reasons={full: reason})
+            if self.allow and allowed_by_name(full, self.allow):
+                self._opaque.add(id(result))
+            elif self.inert_unknown:
+                result = Global(module, name, allowed=False)
+                self.unknown.append(result)
+            else:
+                raise UnsafeInputError(full, shown=[display_name(module, name)])
             self._calls[id(result)] = _opaque_reduce
         else:
             self._calls[id(result)] = BUILDERS.get(full, Reduce)
@@ -346,7 +343,7 @@ class ReaderHooks(Hooks):
         return builder(func, args)
 
     def new_object(self, cls: Any, args: tuple[Any, ...], kwargs: dict[Any, Any] | None) -> Any:
-        if type(cls) is Global and id(cls) in self._opaque:
+        if type(cls) is Global and self._calls.get(id(cls)) is _opaque_reduce:
             return OpaqueObject(cls, args, "newobj_ex" if kwargs is not None else "newobj", kwargs)
         raise BadInputError(f"corrupt or hostile pickle: NEWOBJ of {cls!r:.80}, which is not an allowed class")
 
@@ -411,69 +408,130 @@ def restricted_load(
     start: int = 0,
     budgets: Budgets | None = None,
     check_depth: bool = True,
+    inert_unknown: bool = False,
 ) -> tuple[Tree, int]:
     """Unpickle the pickle at ``data[start:]`` (bytes or a read-only mmap) into a tree.
 
     Returns the tree and the offset just after the pickle's STOP. ``load_storage`` resolves
     storage persistent ids (None: a pickle that must hold none). Raises
-    :class:`UnsafeInputError` at the first global outside the allow-list and
-    :class:`BadInputError` for anything malformed or over a budget. ``globals_seen`` collects
-    every global the pickle names. Globals matching an ``allow`` pattern become
-    :class:`OpaqueObject` records (never imported); bytes they carry that are pickles are
-    read by the same VM and must themselves be allowed. ``check_depth=False`` leaves the
-    nesting check to the caller's :func:`~ckptfix.tree.check_extents` (one walk, not two).
+    :class:`UnsafeInputError` naming every dangerous global (:data:`~.globals.DANGEROUS`), and
+    every global outside the allow-list unless ``inert_unknown``, and :class:`BadInputError` for
+    anything malformed or over a budget. ``globals_seen`` collects every global the pickle names.
+    Globals matching an ``allow`` pattern become :class:`OpaqueObject` records (never imported),
+    and so do, with ``inert_unknown``, all other non-dangerous ones, marked not allowed (their
+    :class:`Global` has ``allowed=False``: no writer writes one; see :func:`foreign_globals`).
+    Where the user allowed some, the standard-library data types the file rebuilds objects
+    through (``typing.Any``, ``builtins.dict``...) are kept along as allowed. Bytes that objects
+    carry and that are pickles are read by the same VM: a dangerous name in them refuses the
+    file, and in allowed objects every name must itself be allowed. ``check_depth=False``
+    leaves the nesting check to the caller's :func:`~ckptfix.tree.check_extents`.
     """
     seen = globals_seen if globals_seen is not None else set()
-    hooks = ReaderHooks(load_storage, seen, allow)
+    hooks = ReaderHooks(load_storage, seen, allow, inert_unknown)
     vm = PickleVM(data, hooks, budgets, start)
     try:
         with collector_paused():  # the VM makes ~10 objects per tensor and no garbage cycles
             tree = vm.run()
     except UnsafeInputError as first:
-        raise _every_refused(data, start, allow) or first from None
+        raise _every_refused(data, start, allow, inert_unknown) or first from None
     if check_depth:
         check_nesting(tree)
-    if hooks._opaque:
+    if hooks._opaque and hooks.unknown:
+        for found in hooks.unknown:
+            if plain_data(found.full):
+                object.__setattr__(found, "allowed", True)  # kept along: see the docstring
+    if hooks._opaque or hooks.unknown:
         _check_nested_pickles(tree, hooks)
     return tree, vm.pos
 
 
-def _refused(name: str, allow: Sequence[str]) -> bool:
-    return (
-        name not in TORCH_GLOBALS
-        and name not in PYTHON_GLOBALS
-        and (name in NEVER_ALLOWED or not allowed_by_name(name, allow))
-    )
+def _refused(name: str, allow: Sequence[str], inert_unknown: bool = False) -> bool:
+    if name in TORCH_GLOBALS or name in PYTHON_GLOBALS:
+        return False
+    if danger(name) is not None:
+        return True
+    return not inert_unknown and not allowed_by_name(name, allow)
 
 
-def _every_refused(data: bytes | mmap.mmap, start: int, allow: Sequence[str]) -> UnsafeInputError | None:
-    """The refusal naming every global of the pickle at ``start`` that this read does not allow
-    (the reader stops at the first): the VM in recording mode over the same bytes, so one run
-    shows the user all the ``--allow-global`` options at once. None if recording finds none
-    (then the reader's own error stands)."""
+def _every_refused(
+    data: bytes | mmap.mmap, start: int, allow: Sequence[str], inert_unknown: bool
+) -> UnsafeInputError | None:
+    """The refusal naming every global of the pickle at ``start`` that this read refuses (the
+    reader stops at the first): the VM in recording mode over the same bytes, so one run shows
+    the user everything at once. None if recording finds none (the reader's own error stands)."""
     found, _ = record_globals(data, "refused", _plain_global, count=1, start=start)
-    names = list(dict.fromkeys(n for n, _ in found if not n.startswith("<") and _refused(n, allow)))
+    names = list(dict.fromkeys(n for n, _ in found if not n.startswith("<") and _refused(n, allow, inert_unknown)))
     if not names:
         return None
     shown = [display_name(*n.rsplit(".", 1)) for n in names]
-    hostile = [n for n in names if runs_code(n) or n in NEVER_ALLOWED]
-    return UnsafeInputError(names, shown=shown, sanitizable=all(n in SANITIZABLE for n in names), hostile=hostile)
+    reasons = {n: r for n in names if (r := danger(n)) is not None}
+    return UnsafeInputError(
+        names,
+        shown=shown,
+        sanitizable=all(n in SANITIZABLE for n in names),
+        hostile=list(reasons),
+        reasons=reasons,
+        allow_options=None if reasons else allow_options(names),
+    )
 
 
 def _check_nested_pickles(tree: Tree, hooks: ReaderHooks) -> None:
-    """Bytes inside allowed-by-name objects that are pickles -- with a protocol header or
-    without (protocol 0/1), nested in each other -- are read by the VM in recording mode: every
-    global they name must be one this read allows, and no laundering, or the file is refused.
-    So no unread pickle is ever carried into an output. One walk over all such objects
-    together: a sub-tree they share is looked at once."""
+    """Bytes inside objects of non-torch globals that are pickles -- with a protocol header or
+    without (protocol 0/1), nested in each other -- are read by the VM in recording mode: a
+    dangerous global or laundering in them refuses the file, and in allowed objects every
+    global they name must be one this read allows. So no unread pickle is ever carried into an
+    output. One walk over all such objects together: a sub-tree they share is looked at once."""
     opaque = tuple(value for _, value in walk(tree) if type(value) is OpaqueObject)
-    for _, blob in walk(opaque, leaves=True):
-        if type(blob) not in (bytes, bytearray) or len(blob) <= 2:
-            continue
-        found, _ = record_globals(bytes(blob), "nested", _plain_global, headerless=not looks_like_pickle(blob))
-        for name, _ in found:
-            module, _, short = name.rpartition(".")
-            if name.startswith("<"):
-                raise BadInputError(f"corrupt or hostile pickle: a pickle carried as bytes holds {name}")
-            if _refused(name, hooks.allow):
-                raise UnsafeInputError(name, shown=[display_name(module, short) + " (in a pickle carried as bytes)"])
+    allowed = tuple(value for value in opaque if value.global_.allowed)
+    for carrier in (allowed, tuple(value for value in opaque if not value.global_.allowed)):
+        for _, blob in walk(carrier, leaves=True):
+            if type(blob) not in (bytes, bytearray) or len(blob) <= 2:
+                continue
+            found, _ = record_globals(bytes(blob), "nested", _plain_global, headerless=not looks_like_pickle(blob))
+            for name, _ in found:
+                module, _, short = name.rpartition(".")
+                if name.startswith("<"):
+                    raise BadInputError(f"corrupt or hostile pickle: a pickle carried as bytes holds {name}")
+                if _refused(name, hooks.allow, inert_unknown=carrier is not allowed):
+                    shown = [display_name(module, short) + " (in a pickle carried as bytes)"]
+                    reason = danger(name)
+                    hostile = [name] if reason else []
+                    raise UnsafeInputError(name, shown=shown, hostile=hostile, reasons={name: reason or ""})
+
+
+@dataclass
+class ForeignGlobals:
+    """The non-torch globals a tree holds (:func:`foreign_globals`)."""
+
+    #: read as inert records without being allowed -> the first few paths where each occurs
+    unallowed: dict[str, list[Path]] = field(default_factory=dict)
+    #: allowed (by ``--allow-global``, or kept along with allowed objects)
+    allowed: set[str] = field(default_factory=set)
+
+
+def foreign_globals(root: Tree, paths_per_name: int = 3) -> ForeignGlobals:
+    """Every global in ``root`` that is neither torch's nor a plain Python builder: objects,
+    bare names (``typing.Any`` as a value), dict keys. What an output built from ``root`` would
+    carry -- one walk over it, every atom included."""
+    result = ForeignGlobals()
+
+    def note(path: Path, value: Any) -> None:
+        found = value.global_ if type(value) is OpaqueObject else value
+        if type(found) is not Global or found.full in TORCH_GLOBALS or found.full in PYTHON_GLOBALS:
+            return
+        if found.allowed:
+            result.allowed.add(found.full)
+            return
+        where = result.unallowed.setdefault(found.full, [])
+        if len(where) < paths_per_name:
+            where.append(path)
+
+    keyed: list[tuple[Path, Any]] = []
+    for path, value in walk(root, leaves=True):
+        note(path, value)
+        if isinstance(value, Mapping):
+            keyed += [(path, key) for key in value if type(key) in (Global, OpaqueObject)]
+    for path, key in keyed:  # records as keys (DCP's MetadataIndex): what they hold, too
+        for inner, value in walk(key, leaves=True):
+            note(path + inner, value)
+    return result

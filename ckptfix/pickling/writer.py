@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import BadInputError
+from ..errors import BadInputError, UnsafeInputError
 from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, Reduce, StorageRef, TensorRef, Tree
 from ..model.walk import walk
 from .names import is_dotted_identifier
@@ -149,6 +149,8 @@ class _Emitter:
         return True
 
     def global_(self, value: Global) -> None:
+        if not value.allowed:  # read as an inert record, never allowed: no output carries it
+            raise UnsafeInputError(value.full, writing=True)
         index = self.global_memo.get(value.full)
         if index is not None:
             self.out += b"h" + bytes((index,)) if index < 256 else b"j" + _pack_I(index)

@@ -1,35 +1,47 @@
-"""``--sanitize``: turn known-benign objects into plain data that ``weights_only=True`` accepts.
+"""``--sanitize``: turn the objects a checkpoint pickles into plain data that
+``torch.load(weights_only=True)`` accepts.
 
-Training checkpoints often hold ``argparse.Namespace`` arguments, numpy scalars and arrays,
-and ``pathlib`` paths, so ``torch.load`` (weights_only since torch 2.6) refuses them. They are
-read as opaque records (nothing imported or run) and replaced by:
+Training checkpoints hold config objects -- omegaconf ``DictConfig``/``ListConfig``,
+dataclasses, Enums, ``argparse.Namespace``, ``pathlib`` paths, numpy scalars and arrays -- so
+``torch.load`` (weights_only since torch 2.6) refuses them. The reader keeps each as an inert
+record (nothing imported or run); this step decides what each becomes from its pickled
+state alone, by one table of rules (:data:`RULES`, first match wins):
 
-* ``argparse.Namespace`` -> ``dict`` of its attributes;
-* numpy scalars -> Python ``int``/``float``/``bool``/``complex``;
-* numpy arrays of numeric dtypes -> tensors (row-major, little-endian);
-* ``pathlib`` paths -> ``str``.
+* omegaconf containers -> their ``_content`` (what ``OmegaConf.to_container(cfg)`` gives:
+  dicts and lists, interpolations such as ``"${lr}"`` and ``"???"`` left as strings), value
+  nodes -> their value;
+* ``argparse.Namespace`` and any object whose state is its ``__dict__`` (dataclasses, plain
+  classes; ``__slots__`` state too) -> a dict of its fields; a dict or list subclass -> its items;
+* an object rebuilt from one value (``Enum`` members, ``Decimal``) -> that value; a
+  ``namedtuple`` -> a tuple;
+* ``pathlib`` paths -> str; ``datetime`` values -> ISO 8601 text, ``timedelta`` -> seconds;
+* numpy scalars -> Python numbers, numpy arrays of numeric dtypes -> tensors (row-major,
+  little-endian), numpy dtypes -> their name;
+* a class or function named as a value (``typing.Any``, ``builtins.dict``) -> its name.
 
-numpy is used only to decode the raw bytes the file carries, with a dtype parsed from a
-plain type code (``'<f8'``); anything else is refused with the global's name. An array whose
-pickled shape does not match its bytes (or that numpy could not hold) is corrupt input, exit 3.
+Objects the user allowed by name (``--allow-global``) pass through as they are. An object no
+rule fits (a custom ``__reduce__`` with several arguments) stays, and the output check lists it.
+numpy is used only to decode raw bytes the file carries, with a dtype parsed from a plain type
+code (``'<f8'``); an array whose pickled shape does not match its bytes is corrupt input.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from ..errors import BadInputError, UsageError
 from ..fileio.ranges import ComputedSource, OpenFiles
 from ..model.paths import Path, format_path
-from ..model.refs import OpaqueObject, TensorRef, Tree, tensor_from_range
+from ..model.refs import ABSENT, Global, OpaqueObject, TensorRef, Tree, tensor_from_range
 
 if TYPE_CHECKING:
     import numpy as np
 from ..model.walk import substitute, walk
-from ..pickling.globals import NUMPY_MODULES, SANITIZABLE
+from ..pickling.globals import NUMPY_MODULES, canonical_name
 
 #: numpy's limits on a shape: NPY_MAXDIMS (numpy 1.x), and a byte size that fits an npy_intp
 _MAX_NDIM = 32
@@ -80,29 +92,132 @@ def _numpy_dtype(obj: Any) -> np.dtype[Any]:
     return dtype
 
 
-def _convert(obj: OpaqueObject) -> Any:
-    name = _name(obj)
-    if name == "argparse.Namespace" and not obj.args and isinstance(obj.state, dict):
-        return dict(obj.state)
-    if name.startswith("pathlib.") and all(isinstance(a, str) for a in obj.args):
-        from pathlib import PurePosixPath, PureWindowsPath
+def _namespace(obj: OpaqueObject) -> Any:
+    return dict(obj.state) if not obj.args and isinstance(obj.state, dict) else _NO_RULE
 
-        pure = PureWindowsPath if "Windows" in name else PurePosixPath
-        return str(pure(*obj.args))
-    if name in (f"{m}.scalar" for m in NUMPY_MODULES) and len(obj.args) == 2:
-        import numpy as np
 
-        dtype, raw = _numpy_dtype(obj.args[0]), obj.args[1]
+def _path(obj: OpaqueObject) -> Any:
+    from pathlib import PurePosixPath, PureWindowsPath
+
+    if not all(isinstance(a, str) for a in obj.args):
+        return _NO_RULE
+    return str((PureWindowsPath if "Windows" in _name(obj) else PurePosixPath)(*obj.args))
+
+
+def _numpy_scalar(obj: OpaqueObject) -> Any:
+    import numpy as np
+
+    if len(obj.args) != 2:
+        return _NO_RULE
+    dtype, raw = _numpy_dtype(obj.args[0]), obj.args[1]
+    raw = raw.encode("latin-1") if isinstance(raw, str) else raw
+    if not isinstance(raw, bytes) or len(raw) != dtype.itemsize:
+        raise BadInputError(f"cannot sanitize a corrupt numpy scalar ({_name(obj)})")
+    return np.frombuffer(raw, dtype=dtype)[0].item()
+
+
+def _numpy_dtype_name(obj: OpaqueObject) -> Any:
+    return _numpy_dtype(obj).name
+
+
+def _omegaconf(obj: OpaqueObject) -> Any:
+    """Containers keep their values in ``_content`` (a dict, a list, or None/a string for a
+    None, missing or interpolated container), value nodes in ``_val``. ``_parent`` and
+    ``_metadata`` (types, flags, a back reference) are left out, as ``to_container`` does."""
+    state = obj.state
+    if not isinstance(state, dict):
+        return _NO_RULE
+    for key in ("_content", "_val"):
+        if key in state:
+            return state[key]
+    return _NO_RULE
+
+
+def _datetime(obj: OpaqueObject) -> Any:
+    """``datetime``/``date``/``time`` pickle their C state as bytes: the stdlib constructor
+    checks and decodes exactly that (no import beyond ``datetime``); ``timedelta`` pickles
+    (days, seconds, microseconds)."""
+    import datetime
+
+    kind = getattr(datetime, _name(obj).rsplit(".", 1)[1])
+    try:
+        if kind is datetime.timedelta:
+            return datetime.timedelta(*obj.args).total_seconds()
+        raw = obj.args[0] if obj.args else None
         raw = raw.encode("latin-1") if isinstance(raw, str) else raw
-        if not isinstance(raw, bytes) or len(raw) != dtype.itemsize:
-            raise BadInputError(f"cannot sanitize a corrupt numpy scalar ({name})")
-        return np.frombuffer(raw, dtype=dtype)[0].item()
-    if name in (f"{m}._reconstruct" for m in NUMPY_MODULES):
-        return _array_to_tensor(obj)
-    raise UsageError(
-        f"--sanitize does not know how to turn {name} into plain data; drop it (--drop PATH) or keep it "
-        f"as it is (--allow-global {name}, then the output needs weights_only=False)"
-    )
+        if not isinstance(raw, bytes) or (len(obj.args) > 1 and obj.args[1] is not None):
+            return _NO_RULE  # a timezone object: left for the output check to list
+        return kind(raw).isoformat()
+    except (TypeError, ValueError, OverflowError):
+        raise BadInputError(f"cannot sanitize a corrupt {_name(obj)}") from None
+
+
+def _defaultdict(obj: OpaqueObject) -> Any:
+    return dict(obj.dictitems) if obj.state is ABSENT else _NO_RULE
+
+
+def _deque(obj: OpaqueObject) -> Any:
+    return list(obj.items) if not obj.args or obj.args == ([],) else list(obj.args[0]) + list(obj.items)
+
+
+def _reconstructor(obj: OpaqueObject) -> Any:
+    """Protocol 0/1: ``copyreg._reconstructor(cls, base, state)`` then BUILD: an object."""
+    return _fields(obj.state, obj.dictitems, obj.items) if len(obj.args) == 3 else _NO_RULE
+
+
+def _fields(state: Any, dictitems: list[tuple[Any, Any]], items: list[Any]) -> Any:
+    if dictitems:
+        return dict(dictitems)
+    if items:
+        return list(items)
+    if state is ABSENT or state is None:
+        return {}
+    if isinstance(state, dict):
+        return dict(state)
+    if isinstance(state, tuple) and len(state) == 2 and all(s is None or isinstance(s, dict) for s in state):
+        return {**(state[0] or {}), **(state[1] or {})}  # (__dict__, __slots__ values)
+    return _NO_RULE
+
+
+def _generic(obj: OpaqueObject) -> Any:
+    """Any other class, from the shape of its pickle: ``cls.__new__(cls, *args)`` + state (a
+    dataclass, a plain object, a namedtuple), or ``cls(value)`` (an Enum member)."""
+    if obj.kind == "reduce":
+        if len(obj.args) == 1 and obj.state is ABSENT and not obj.items and not obj.dictitems:
+            return obj.args[0]
+        return _NO_RULE if obj.args else _fields(obj.state, obj.dictitems, obj.items)
+    if obj.kwargs:
+        return _NO_RULE
+    if obj.args and obj.state is ABSENT and not obj.items and not obj.dictitems:
+        return obj.args[0] if len(obj.args) == 1 else tuple(obj.args)
+    return _fields(obj.state, obj.dictitems, obj.items) if not obj.args else _NO_RULE
+
+
+_NO_RULE: Any = object()
+_PATHS = ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
+
+#: (does it apply to this global name, what it makes): the first that applies decides
+RULES: tuple[tuple[Callable[[str], bool], Callable[[OpaqueObject], Any]], ...] = (
+    (lambda n: n == "argparse.Namespace", _namespace),
+    (lambda n: n in {f"pathlib.{p}" for p in _PATHS}, _path),
+    (lambda n: n in {f"{m}.scalar" for m in NUMPY_MODULES}, _numpy_scalar),
+    (lambda n: n in {f"{m}._reconstruct" for m in NUMPY_MODULES}, lambda obj: _array_to_tensor(obj)),
+    (lambda n: n == "numpy.dtype", _numpy_dtype_name),
+    (lambda n: n.startswith("omegaconf."), _omegaconf),
+    (lambda n: n in ("datetime.datetime", "datetime.date", "datetime.time", "datetime.timedelta"), _datetime),
+    (lambda n: n == "collections.defaultdict", _defaultdict),
+    (lambda n: n == "collections.deque", _deque),
+    (lambda n: n == "copyreg._reconstructor", _reconstructor),
+    (lambda n: not n.startswith(("numpy.", "torch.")), _generic),
+)
+
+
+def _convert(obj: OpaqueObject) -> Any:
+    name = canonical_name(_name(obj))
+    for applies, rule in RULES:
+        if applies(name):
+            return rule(obj)
+    return _NO_RULE
 
 
 def _array_to_tensor(obj: OpaqueObject) -> TensorRef:
@@ -144,29 +259,56 @@ def _array_to_tensor(obj: OpaqueObject) -> TensorRef:
     return tensor_from_range(torch_dtype, tuple(shape), ComputedSource(len(data), produce))
 
 
-def sanitize(root: Tree) -> tuple[Tree, SanitizeReport]:
-    """A copy of ``root`` with every opaque object of a known kind replaced by plain data.
+def _plain(value: Any) -> Any:
+    """What one record becomes, following records that become records (a node whose value is
+    an Enum member); ``_NO_RULE`` if no rule fits."""
+    for _ in range(_MAX_CHAIN):
+        if type(value) is Global:
+            return canonical_name(value.full) if not value.allowed else _NO_RULE
+        if type(value) is not OpaqueObject or value.global_.allowed:
+            return value
+        value = _convert(value)
+        if value is _NO_RULE:
+            return value
+    raise BadInputError("cannot sanitize: objects that stand for each other without end")
 
-    One walk per converted object: a Namespace's dict may itself hold objects to convert, so
-    each new dict is walked in turn (a queue, not recursion: any depth the reader accepts).
+
+_MAX_CHAIN = 64
+
+
+def sanitize(root: Tree) -> tuple[Tree, SanitizeReport]:
+    """A copy of ``root`` with every object read without being allowed replaced by plain data
+    (see the module docstring); objects allowed by name pass through.
+
+    One walk per converted object: the plain value may itself hold objects to convert (a
+    config's fields), so each new container is walked in turn (a queue, not recursion: any
+    depth the reader accepts). Replacements are by identity, so an object referenced twice
+    (a config's parent link) is converted once and the tree's sharing is kept.
     """
     report = SanitizeReport()
     replacements: dict[int, Tree] = {}
     queue: list[tuple[Path, Tree]] = [((), root)]
 
     def descend(path: Path, value: Any) -> bool:
-        return type(value) is not OpaqueObject
+        return type(value) is not OpaqueObject  # allowed ones pass through whole, as they are
 
     while queue:
         base, node = queue.pop()
-        for path, value in walk(node, descend):
-            if type(value) is not OpaqueObject or id(value) in replacements or _name(value) not in SANITIZABLE:
-                continue  # objects allowed by name by the user pass through as they are
-            new = _convert(value)
+        for path, value in walk(node, descend, leaves=True):
+            if type(value) is OpaqueObject:
+                convertible = not value.global_.allowed
+            else:
+                convertible = type(value) is Global and not value.allowed
+            if not convertible or id(value) in replacements:
+                continue
+            new = _plain(value)
+            if new is _NO_RULE:
+                continue  # stays as it is: the output check names it
             replacements[id(value)] = new
+            name = value.full if type(value) is Global else _name(value)
             kind = f"tensor {new.dtype}" if hasattr(new, "dtype") else type(new).__name__
             where = format_path(base + path) or "(top level)"
-            report.replaced.append({"path": where, "global": _name(value), "to": kind})
-            if isinstance(new, dict):
+            report.replaced.append({"path": where, "global": name, "to": kind})
+            if isinstance(new, (dict, list, tuple)):
                 queue.append((base + path, new))
     return (substitute(root, replacements) if replacements else root), report

@@ -368,10 +368,10 @@ def test_allowed_object_with_harmless_bytes_is_kept_and_the_output_is_proven(nes
     through; the output's data.pkl names only allowed globals plus argparse.Namespace."""
     fields = {"blob": pickle.dumps({"lr": [0.1, 0.01]}, protocol=2), "raw": b"plain bytes", "n": 3}
     src = _namespace_file(nested_dir / "ok.pth", **fields)
-    for out, extra in ((nested_dir / "out.pth", ()), (nested_dir / "out2.pth", ("--sanitize",))):
-        result = ck("strip-module", src, out, "--allow-global", "argparse.Namespace", *extra)
+    for out, flag in ((nested_dir / "out.pth", "--allow-global=argparse.Namespace"), (nested_dir / "out2.pth", "--sanitize")):
+        result = ck("strip-module", src, out, flag)
         assert result.returncode == 0, result.stderr
-        assert_output_safe(out, allow=NAMESPACE if not extra else ())
+        assert_output_safe(out, allow=NAMESPACE if flag != "--sanitize" else ())
     assert vars(torch.load(nested_dir / "out.pth", weights_only=False)["x"]) == fields
     assert torch.load(nested_dir / "out2.pth", weights_only=True)["x"] == fields
 

@@ -134,15 +134,18 @@ def test_hostile_pickles_never_run_in_any_command(tmp_path: Path, legacy: bool) 
         assert not (tmp_path / "o.pth").exists()
 
 
-def test_allowing_a_dangerous_name_still_never_calls_it(tmp_path: Path) -> None:
+def test_a_dangerous_name_cannot_be_allowed(tmp_path: Path) -> None:
+    """--allow-global never lets a code-execution primitive through, not even as an inert record
+    written back: the file is hostile, whatever the flags (only --unsafe-load goes past it)."""
     marker = tmp_path / "pwned"
     src, out = tmp_path / "evil.pth", tmp_path / "out.pth"
     torch.save({"state_dict": {"module.w": torch.ones(1)}, "x": _payloads(marker)["os.system"]}, src)
-    result = invoke_cli("strip-module", src, out, "--allow-global", "posix.system", "--allow-global", "os.system")
-    assert result.returncode == 0, result.stderr
-    assert not marker.exists()
-    assert invoke_cli("scan", out).returncode == 1  # the payload is carried, and still flagged
-    assert not marker.exists()
+    for select in ((), ("--select", "state_dict")):
+        result = invoke_cli(
+            "strip-module", src, out, "--allow-global", "posix.system", "--allow-global", "os.*", *select
+        )
+        assert result.returncode == 3 and "the file is hostile" in result.stderr, result.stderr
+        assert "--allow-global" not in result.stderr and not out.exists() and not marker.exists()
 
 
 def test_scan_finds_nested_and_stack_global_payloads(tmp_path: Path) -> None:

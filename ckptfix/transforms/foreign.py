@@ -1,0 +1,115 @@
+"""What an output may carry of the classes a checkpoint pickles besides torch's.
+
+ckptfix never imports or calls anything from a checkpoint, so reading an unknown class as an
+inert record is safe (:func:`~ckptfix.pickling.reader.restricted_load` with ``inert_unknown``).
+What must not happen is *writing* an output that carries a global the user did not allow. So a
+writing command reads the whole file that way, transforms it, and then :func:`check_output`
+looks at exactly what it is about to write:
+
+* unknown globals only in parts the output leaves out (``hyper_parameters`` beside the
+  ``state_dict`` that ``--select`` took, or everything but the tensors in a safetensors output)
+  are *ignored*: listed in the report, no flag needed;
+* unknown globals in the output refuse the write, naming every one of them at once, grouped by
+  module, with the ways out ready to paste: ``--allow-global`` (kept as they are), ``--sanitize``
+  (plain data; offered only where it would convert all of them), ``--select PATH`` (the
+  weights, where a state dict free of them exists), ``--unsafe-load``.
+
+Dangerous globals (``os.system``, ``eval``...) never get this far: the reader refuses the file.
+The writers refuse any not-allowed global too, so this check is the message, not the guard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import CkptfixError, UnsafeInputError
+from ..model.paths import Path, format_path
+from ..model.statedicts import find_state_dicts
+from ..pickling.globals import allow_options
+from ..pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS, ForeignGlobals, display_name, foreign_globals
+
+
+@dataclass
+class OutputGlobals:
+    """What :func:`check_output` found: globals kept in the output (allowed), and those left
+    out with the parts that held them (``{"path": top-level entry, "global": name}``)."""
+
+    kept: list[str] = field(default_factory=list)
+    ignored: list[dict[str, str]] = field(default_factory=list)
+
+    def notes(self) -> list[str]:
+        notes = []
+        if self.kept:
+            notes.append(f"kept as they are (allowed): {', '.join(self.kept)}")
+        if self.ignored:
+            by_path: dict[str, list[str]] = {}
+            for entry in self.ignored:
+                by_path.setdefault(entry["path"], []).append(entry["global"])
+            held = "; ".join(
+                f"{path} holds {', '.join(names[:4])}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+                for path, names in by_path.items()
+            )
+            notes.append(f"ignored, not in the output (classes outside the allow-list, read as inert data): {held}")
+        return notes
+
+
+def has_foreign(globals_seen: Iterable[str]) -> bool:
+    """Whether a read met any global besides torch's and the plain Python builders (the check
+    below costs a walk over the tree; most checkpoints need none)."""
+    return any(name not in TORCH_GLOBALS and name not in PYTHON_GLOBALS for name in globals_seen)
+
+
+def check_output(
+    whole: Any,
+    output: Any | None,
+    *,
+    converted: Iterable[str] = (),
+    sanitize_requested: bool = False,
+    select_given: bool = False,
+) -> OutputGlobals:
+    """Check the tree about to be written (``output``; None when the output carries no pickled
+    objects, as safetensors) against the whole checkpoint as read (``whole``).
+
+    ``converted``: globals ``--sanitize`` turned into plain data (neither kept nor ignored).
+    Raises :class:`UnsafeInputError` naming every not-allowed global in ``output``.
+    """
+    in_output = foreign_globals(output) if output is not None else ForeignGlobals()
+    if in_output.unallowed:
+        raise _refusal(whole, output, in_output, sanitize_requested, select_given)
+    everywhere = foreign_globals(whole, paths_per_name=1)
+    done = set(converted) | set(in_output.unallowed)
+    result = OutputGlobals(kept=sorted(in_output.allowed))
+    for name, paths in everywhere.unallowed.items():
+        if name not in done:
+            result.ignored.append({"path": _top(paths[0]), "global": name})
+    return result
+
+
+def _top(path: Path) -> str:
+    return format_path(path[:1]) or "(top level)"
+
+
+def _refusal(
+    whole: Any, output: Any, found: ForeignGlobals, sanitize_requested: bool, select_given: bool
+) -> UnsafeInputError:
+    names = list(found.unallowed)
+    shown = [display_name(*name.rsplit(".", 1)) for name in names]
+    sanitizable = False
+    if not sanitize_requested:
+        from .sanitize import sanitize
+
+        try:
+            sanitizable = not foreign_globals(sanitize(output)[0]).unallowed
+        except CkptfixError:  # a trial only: what it cannot convert means "no"
+            sanitizable = False
+    select = None
+    if not select_given:
+        for path, state_dict in find_state_dicts(whole):
+            if path and not foreign_globals(state_dict).unallowed:
+                select = format_path(path)
+                break
+    return UnsafeInputError(
+        names, shown=shown, sanitizable=sanitizable, allow_options=allow_options(names), select=select, writing=True
+    )
