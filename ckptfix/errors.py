@@ -93,7 +93,8 @@ class UnsafeInputError(BadInputError):
     ``--unsafe-load`` of a file the user trusts is offered. For the rest the message gives the
     ways out, ready to paste: ``allow_options`` (default: one ``--allow-global`` per name),
     ``--sanitize`` when ``sanitizable``, ``--select PATH`` when ``select`` names the part with
-    the weights, and ``--unsafe-load``. ``writing``: the file was read (its unknown classes as
+    the weights, and ``--unsafe-load``; ``kept_along`` are the names those options keep without
+    naming them. ``writing``: the file was read (its unknown classes as
     inert records) and it is the output that would carry them.
     """
 
@@ -109,6 +110,7 @@ class UnsafeInputError(BadInputError):
         allow_options: Sequence[str] | None = None,
         select: str | None = None,
         writing: bool = False,
+        kept_along: Sequence[str] = (),
     ) -> None:
         self.global_names = [names] if isinstance(names, str) else list(names)
         self.shown = list(shown) if shown is not None else list(self.global_names)
@@ -121,6 +123,7 @@ class UnsafeInputError(BadInputError):
         if allow_options is None:
             allow_options = [f"--allow-global {n}" for n in self.global_names if n not in self.hostile]
         self.allow_options = list(allow_options)
+        self.kept_along = list(kept_along)
         where = f"{path}: " if path else ""
         ways = []
         if self.hostile:
@@ -129,6 +132,8 @@ class UnsafeInputError(BadInputError):
                 ways.append(f"{named.get(name, name)} {self.reasons.get(name, 'runs code when unpickled')}")
             ways[-1] += ": the file is hostile"
         keep = " ".join(self.allow_options)
+        if keep and self.kept_along:
+            keep += f" (which also keeps {', '.join(self.kept_along)}: plain types they are rebuilt through)"
         if keep:
             whom = "the others" if self.hostile else "them as they are"
             ways.append(f"to keep {whom}, without running anything: {keep}")
@@ -169,6 +174,7 @@ class UnsafeInputError(BadInputError):
             allow_options=self.allow_options,
             select=self.select,
             writing=self.writing,
+            kept_along=self.kept_along,
         )
 
 

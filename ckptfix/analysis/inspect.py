@@ -12,6 +12,7 @@ from ..model.paths import Path, format_path
 from ..model.refs import Global, Reduce, TensorRef, is_tensor_like, is_torch_tensor
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts, is_optimizer_state, looks_like_state_dict
 from ..model.walk import iter_tensors, walk
+from ..pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS, foreign_globals
 
 #: how many entries and how deep the "layout" part of the report goes
 _MAX_TREE_LINES = 60
@@ -160,6 +161,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
                 "has_metadata": isinstance(getattr(sd, "_metadata", None), dict),
             }
         )
+    unallowed = _unallowed(ckpt)
     shared = [
         {"storage": storages[sid].key, "tensors": names}
         for sid, paths in users.items()
@@ -180,9 +182,30 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         "tree": describe_tree(ckpt.root),
         "shared_storages": shared,
         "globals": sorted(ckpt.globals),
+        "unallowed_globals": unallowed,
         "notes": list(ckpt.notes),
-        "warnings": _warnings(devices),
+        "warnings": _warnings(devices) + _unallowed_warning(unallowed),
     }
+
+
+def _unallowed(ckpt: Checkpoint) -> dict[str, list[str]]:
+    """Classes the file holds that no allow-list covers (read as inert records), with where."""
+    if not ckpt.lazy or all(n in TORCH_GLOBALS or n in PYTHON_GLOBALS for n in ckpt.globals):
+        return {}
+    found = foreign_globals(ckpt.root).unallowed
+    return {name: [format_path(p) or "(top level)" for p in paths] for name, paths in sorted(found.items())}
+
+
+def _unallowed_warning(unallowed: dict[str, list[str]]) -> list[str]:
+    if not unallowed:
+        return []
+    where = sorted({paths[0].split(".")[0].split("[")[0] for paths in unallowed.values()})
+    return [
+        f"{', '.join(where)} hold{'s' if len(where) == 1 else ''} classes outside the allow-list, read as inert "
+        f"records (nothing run): {', '.join(list(unallowed)[:6])}{' ...' if len(unallowed) > 6 else ''}; "
+        "torch.load(weights_only=True) refuses this file. Writing commands ignore them outside the part they "
+        "write (--select state_dict), or take --sanitize (plain data) or --allow-global (kept as they are)"
+    ]
 
 
 _DIAGNOSIS = {

@@ -101,7 +101,9 @@ class Reduce:
 
 
 class OpaqueObject:
-    """An object of a global the user allowed by name (``--allow-global``): recorded, never built.
+    """An object of a global outside torch's allow-list: recorded, never built. Allowed by name
+    (``--allow-global``), or read without being allowed (``global_.allowed`` False: no writer
+    writes it).
 
     The pickle's construction is kept as data and written back exactly: ``kind`` is
     ``"reduce"`` (``cls(*args)``), ``"newobj"`` (``cls.__new__(cls, *args)``) or ``"newobj_ex"``
@@ -125,7 +127,8 @@ class OpaqueObject:
         return self.global_.full
 
     def __repr__(self) -> str:
-        return f"<{self.global_.full} (kept as is)>"
+        how = "kept as is" if self.global_.allowed else "not allowed: read as inert data"
+        return f"<{self.global_.full} ({how})>"
 
 
 @dataclass(eq=False, slots=True)

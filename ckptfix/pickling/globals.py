@@ -24,13 +24,17 @@ from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 MODULE_ALIASES = {"posix": "os", "nt": "os", "_operator": "operator", "_io": "io", **IMPORT_MAPPING}
 
 
+#: the reader's VM renames these modules as it reads (``__builtin__.long`` arrives as ``builtins.long``)
+_PY2_SPELLING = {"builtins": "__builtin__", "copyreg": "copy_reg"}
+
+
 def canonical_name(name: str) -> str:
     """The name users know and Python 3 would import: ``posix.system`` is ``os.system``,
     ``commands.Popen`` is ``subprocess.Popen``, ``__builtin__.long`` is ``builtins.int``."""
     if name.startswith("<"):
         return name
     module, _, short = name.rpartition(".")
-    mapped = NAME_MAPPING.get((module, short))
+    mapped = NAME_MAPPING.get((module, short)) or NAME_MAPPING.get((_PY2_SPELLING.get(module, ""), short))
     if mapped is not None:
         return ".".join(mapped)
     return MODULE_ALIASES.get(module, module) + "." + short
@@ -158,11 +162,29 @@ def plain_data(name: str) -> bool:
     return module in ("typing", "typing_extensions") and short[:1].isupper() and short != "ForwardRef"
 
 
+#: modules whose plain data types objects are rebuilt through (a DictConfig's metadata names
+#: ``typing.Any`` and ``builtins.dict``; a defaultdict holds its state): kept along by
+#: ``--allow-global`` of the objects' own package, not something to allow one by one
+_COMPANION_MODULES = ("builtins", "typing", "typing_extensions", "collections", "copyreg", "enum")
+
+
+def companion(name: str) -> bool:
+    """A plain data type that allowed objects may be rebuilt through (see above)."""
+    return plain_data(name) and canonical_name(name).rpartition(".")[0] in _COMPANION_MODULES
+
+
+def kept_along(names: list[str]) -> list[str]:
+    """Those of ``names`` that :func:`allow_options` leaves to be kept along with the others."""
+    return [] if all(companion(n) for n in names) else [canonical_name(n) for n in names if companion(n)]
+
+
 def allow_options(names: list[str]) -> list[str]:
     """The ``--allow-global`` options that keep exactly ``names`` (as pickled), ready to paste:
     one ``'pkg.*'`` for two or more names of a third-party package, the exact names otherwise
     (a wildcard over a standard-library module or torch would cover far more than the file
     needs). Dangerous names are never allowed, wildcard or not, so none is listed."""
+    if not all(companion(n) for n in names):
+        names = [n for n in names if not companion(n)]  # kept along with the others
     by_package: dict[str, list[str]] = {}
     for name in dict.fromkeys(canonical_name(n) for n in names):
         if danger(name) is None:

@@ -38,7 +38,7 @@ from ..model.dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS
 from ..model.paths import Path
 from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef, Tree
 from ..model.walk import check_nesting, walk
-from .globals import MODULE_ALIASES, SANITIZABLE, allow_options, canonical_name, danger, plain_data
+from .globals import MODULE_ALIASES, SANITIZABLE, allow_options, canonical_name, companion, danger, kept_along
 from .names import is_dotted_identifier
 from .recording import looks_like_pickle, protocol2_bytes, record_globals
 from .vm import Budgets, Hooks, PickleVM, collector_paused
@@ -420,8 +420,8 @@ def restricted_load(
     Globals matching an ``allow`` pattern become :class:`OpaqueObject` records (never imported),
     and so do, with ``inert_unknown``, all other non-dangerous ones, marked not allowed (their
     :class:`Global` has ``allowed=False``: no writer writes one; see :func:`foreign_globals`).
-    Where the user allowed some, the standard-library data types the file rebuilds objects
-    through (``typing.Any``, ``builtins.dict``...) are kept along as allowed. Bytes that objects
+    Where the user allowed some, the plain types objects are rebuilt through (``typing.Any``,
+    ``builtins.dict``, ``collections.defaultdict``: :func:`~.globals.companion`) are kept along. Bytes that objects
     carry and that are pickles are read by the same VM: a dangerous name in them refuses the
     file, and in allowed objects every name must itself be allowed. ``check_depth=False``
     leaves the nesting check to the caller's :func:`~ckptfix.tree.check_extents`.
@@ -438,7 +438,7 @@ def restricted_load(
         check_nesting(tree)
     if hooks._opaque and hooks.unknown:
         for found in hooks.unknown:
-            if plain_data(found.full):
+            if companion(found.full):
                 object.__setattr__(found, "allowed", True)  # kept along: see the docstring
     if hooks._opaque or hooks.unknown:
         _check_nested_pickles(tree, hooks)
@@ -472,6 +472,7 @@ def _every_refused(
         hostile=list(reasons),
         reasons=reasons,
         allow_options=None if reasons else allow_options(names),
+        kept_along=() if reasons else kept_along(names),
     )
 
 

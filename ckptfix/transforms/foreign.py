@@ -27,7 +27,7 @@ from typing import Any
 from ..errors import CkptfixError, UnsafeInputError
 from ..model.paths import Path, format_path
 from ..model.statedicts import find_state_dicts
-from ..pickling.globals import allow_options
+from ..pickling.globals import allow_options, kept_along
 from ..pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS, ForeignGlobals, display_name, foreign_globals
 
 
@@ -111,5 +111,11 @@ def _refusal(
                 select = format_path(path)
                 break
     return UnsafeInputError(
-        names, shown=shown, sanitizable=sanitizable, allow_options=allow_options(names), select=select, writing=True
+        names,
+        shown=shown,
+        sanitizable=sanitizable,
+        allow_options=allow_options(names),
+        kept_along=kept_along(names),
+        select=select,
+        writing=True,
     )
