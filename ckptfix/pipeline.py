@@ -824,8 +824,8 @@ def publish(
         raise UsageError(f"publish writes pth or safetensors, not {out_format!r}")
     check_global_patterns(allow_globals)
     out_dir = Path(out_dir)
-    if not out_dir.is_dir():
-        raise CannotWriteError(f"{out_dir}: no such folder")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CannotWriteError(f"{out_dir}: not a folder")
     ckpt = read_checkpoint(in_path, unsafe_load=unsafe_load, allow_globals=allow_globals, inert_unknown=True)
     found = find_state_dicts(ckpt.root)
     if not found:
@@ -840,6 +840,10 @@ def publish(
     chain = wrapper_chain([k for k in part if isinstance(k, str)])
     stem = name or Path(str(in_path).rstrip("/")).name.split(".")[0]
     ext = ".safetensors" if out_format == "safetensors" else ".pth"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)  # a release folder is made, as `mkdir -p` would
+    except OSError as exc:
+        raise CannotWriteError(f"{out_dir}: cannot create the folder ({exc.strerror})") from None
     staging = out_dir / f".{stem}.publish{ext}"
     opts = ConvertOptions(
         select=format_path(path) or None,

@@ -506,7 +506,7 @@ def verify(
 def publish_command(in_path: str, out_dir: str, as_json: bool, **kw: Any) -> int:
     """Release preset: weights only, wrapper prefixes stripped, on cpu, named by content hash.
 
-    Writes OUTDIR/NAME-<first 8 hex of sha256>.<ext>, the name torch.hub's
+    Writes OUTDIR/NAME-<first 8 hex of sha256>.<ext> (OUTDIR is created if missing), the name torch.hub's
     load_state_dict_from_url(check_hash=True), timm and mmdet verify, and prints the full sha256.
 
     \b

@@ -368,7 +368,10 @@ def test_allowed_object_with_harmless_bytes_is_kept_and_the_output_is_proven(nes
     through; the output's data.pkl names only allowed globals plus argparse.Namespace."""
     fields = {"blob": pickle.dumps({"lr": [0.1, 0.01]}, protocol=2), "raw": b"plain bytes", "n": 3}
     src = _namespace_file(nested_dir / "ok.pth", **fields)
-    for out, flag in ((nested_dir / "out.pth", "--allow-global=argparse.Namespace"), (nested_dir / "out2.pth", "--sanitize")):
+    for out, flag in (
+        (nested_dir / "out.pth", "--allow-global=argparse.Namespace"),
+        (nested_dir / "out2.pth", "--sanitize"),
+    ):
         result = ck("strip-module", src, out, flag)
         assert result.returncode == 0, result.stderr
         assert_output_safe(out, allow=NAMESPACE if flag != "--sanitize" else ())
