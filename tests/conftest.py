@@ -480,7 +480,8 @@ def sharing_groups(tree: Any) -> set[frozenset[str]]:
 
     def visit(value: Any, path: str) -> None:
         if isinstance(value, torch.Tensor):
-            if value.numel():  # an empty tensor holds no data to share
+            # an empty tensor holds no data to share; sparse, nested and meta ones no one storage
+            if value.numel() and value.layout is torch.strided and not value.is_nested and not value.is_meta:
                 storage = value.untyped_storage()
                 groups.setdefault((str(value.device), storage.data_ptr()), set()).add(path)
         elif isinstance(value, Mapping):
