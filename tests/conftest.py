@@ -387,9 +387,10 @@ def run_cli_batches(
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """A tensor's values as raw bytes in logical (row-major) order: bitwise, NaN-safe."""
-    flat = t.detach().cpu().contiguous().reshape(-1)
-    if flat.dtype in (torch.qint8, torch.quint8, torch.qint32):
+    flat = t.detach().cpu()
+    if flat.is_quantized:
         flat = flat.int_repr()
+    flat = flat.contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
 
 
@@ -408,13 +409,40 @@ def assert_values(loaded: dict, original: dict) -> None:
 
 
 def assert_tensor_equal(a: torch.Tensor, b: torch.Tensor, where: str, *, check_stride: bool = True) -> None:
+    """Same type, dtype, shape, stride, device, requires_grad and bits; quantized, sparse, nested
+    and meta tensors by their own parts (quantization parameters, indices and values, components)."""
     assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
     assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} != {b.dtype}"
-    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
-    if check_stride:
-        assert a.stride() == b.stride(), f"{where}: stride {a.stride()} != {b.stride()}"
+    assert a.layout == b.layout, f"{where}: layout {a.layout} != {b.layout}"
+    assert a.is_nested == b.is_nested, f"{where}: nested in only one"
     assert a.device == b.device, f"{where}: device {a.device} != {b.device}"
     assert a.requires_grad == b.requires_grad, f"{where}: requires_grad differs"
+    if a.is_nested:
+        assert_same_tree(list(a.unbind()), list(b.unbind()), f"{where}(nested)", check_stride=check_stride)
+        return
+    assert a.shape == b.shape, f"{where}: shape {a.shape} != {b.shape}"
+    if a.layout is not torch.strided:
+        parts = {
+            torch.sparse_coo: lambda t: [t._indices(), t._values(), t.is_coalesced()],
+            torch.sparse_csr: lambda t: [t.crow_indices(), t.col_indices(), t.values()],
+            torch.sparse_bsr: lambda t: [t.crow_indices(), t.col_indices(), t.values()],
+            torch.sparse_csc: lambda t: [t.ccol_indices(), t.row_indices(), t.values()],
+            torch.sparse_bsc: lambda t: [t.ccol_indices(), t.row_indices(), t.values()],
+        }[a.layout]
+        assert_same_tree(parts(a), parts(b), f"{where}({a.layout})", check_stride=check_stride)
+        return
+    if check_stride:
+        assert a.stride() == b.stride(), f"{where}: stride {a.stride()} != {b.stride()}"
+    if a.is_quantized:
+        scheme = a.qscheme()
+        assert scheme == b.qscheme(), f"{where}: qscheme {scheme} != {b.qscheme()}"
+        if scheme in (torch.per_tensor_affine, torch.per_tensor_symmetric):
+            params = lambda t: [t.q_scale(), t.q_zero_point()]  # noqa: E731
+        else:
+            params = lambda t: [t.q_per_channel_scales(), t.q_per_channel_zero_points(), t.q_per_channel_axis()]  # noqa: E731
+        assert_same_tree(params(a), params(b), f"{where}(qparams)")
+    if a.is_meta:  # no data to compare
+        return
     assert tensor_bytes(a) == tensor_bytes(b), f"{where}: values differ"
 
 
@@ -436,6 +464,12 @@ def assert_same_tree(a: Any, b: Any, where: str = "root", *, check_stride: bool 
         assert len(a) == len(b), f"{where}: length differs"
         for i, (x, y) in enumerate(zip(a, b)):
             assert_same_tree(x, y, f"{where}[{i}]", check_stride=check_stride)
+    elif type(a).__module__ == "numpy" and hasattr(a, "tobytes"):  # arrays and scalars: dtype, shape, bits
+        assert (a.dtype, a.shape) == (b.dtype, b.shape), f"{where}: {a.dtype}{a.shape} != {b.dtype}{b.shape}"
+        if a.dtype.hasobject:
+            assert a.tolist() == b.tolist(), f"{where}: {a!r} != {b!r}"
+        else:
+            assert a.tobytes() == b.tobytes(), f"{where}: {a!r} != {b!r}"
     else:
         assert a == b or (a != a and b != b), f"{where}: {a!r} != {b!r}"
 
@@ -446,7 +480,8 @@ def sharing_groups(tree: Any) -> set[frozenset[str]]:
 
     def visit(value: Any, path: str) -> None:
         if isinstance(value, torch.Tensor):
-            if value.numel():  # an empty tensor holds no data to share
+            # an empty tensor holds no data to share; sparse, nested and meta ones no one storage
+            if value.numel() and value.layout is torch.strided and not value.is_nested and not value.is_meta:
                 storage = value.untyped_storage()
                 groups.setdefault((str(value.device), storage.data_ptr()), set()).add(path)
         elif isinstance(value, Mapping):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import BadInputError, UnsafeInputError
+from ..model.needs import need_torch
 from ..model.refs import Tree
 from .dcp import is_dcp_folder, read_dcp, read_dcp_safely
 from .detect import check_input, open_input, sniff
@@ -111,12 +112,16 @@ def read_checkpoint(
                 return _read_with_torch(path, FORMAT_TORCH_LEGACY, file_size, unsafe=True)
             return Checkpoint(path, FORMAT_TORCH_LEGACY, root, file_size, globals_seen)
     if what.kind == "tar":
-        try:
-            return _read_with_torch(path, FORMAT_TORCH_TAR, file_size, unsafe=False)
-        except UnsafeInputError:
-            if not unsafe_load:
-                raise
-            return _read_with_torch(path, FORMAT_TORCH_TAR, file_size, unsafe=True)
+        # torch reads the tar format only by running its pickles (it refuses weights_only=True
+        # for it), and ckptfix has no restricted reader for it: only --unsafe-load reads one
+        need_torch()
+        if not unsafe_load:
+            raise BadInputError(
+                f"{path}: a torch checkpoint in the tar format of torch before 0.4, which torch reads only "
+                "with weights_only=False (running code from the file); ckptfix has no safe reader for it",
+                hint="only if you trust this file: --unsafe-load (unsafe_load=True), then save it in today's format",
+            )
+        return _read_with_torch(path, FORMAT_TORCH_TAR, file_size, unsafe=True)
     raise BadInputError(f"{path}: {what.description}")
 
 

@@ -37,7 +37,7 @@ from ..errors import BadInputError, UsageError
 from ..fileio import strictjson
 from ..fileio.ranges import BLOCK, SMALL_COPY, FileRange, OpenFiles, OutputStream, is_plain_range
 from ..model.data import is_c_contiguous, tensor_c_bytes
-from ..model.dtypes import DTYPE_ITEMSIZE, DTYPE_TO_SAFETENSORS, SAFETENSORS_DTYPES
+from ..model.dtypes import DTYPE_ITEMSIZE, DTYPE_TO_SAFETENSORS, SAFETENSORS_DTYPES, SAFETENSORS_PACKED
 from ..model.needs import need_torch
 from ..model.refs import Reduce, TensorRef, is_torch_tensor, tensor_from_range
 
@@ -148,6 +148,13 @@ def _check_entry(path: str, name: str, info: Any) -> tuple[int, int, str, tuple[
         ):
             raise BadInputError(f"{path}: corrupt safetensors entry for {name!r}: field {key!r:.40} is invalid")
     begin, end = offsets
+    packed = SAFETENSORS_PACKED.get(dtype, 1)
+    if packed > 1:  # F4: the header counts 4-bit values, torch (and the data) whole bytes of them
+        if not shape or shape[-1] % packed:
+            raise BadInputError(
+                f"{path}: safetensors tensor {name!r} ({code} {shape}) does not end on a byte boundary: corrupt"
+            )
+        shape = [*shape[:-1], shape[-1] // packed]
     numel = 1
     for size in shape:  # in order, with the library's checked u64 arithmetic
         numel *= size
@@ -270,6 +277,19 @@ def _in_source_order(kept: list[tuple[str, TensorRef]]) -> list[tuple[str, Tenso
     return ordered
 
 
+#: the torch tensor kinds a pickle rebuilds through a call ckptfix keeps as a record, by that call
+_TENSOR_KINDS = {
+    "torch._utils._rebuild_qtensor": "quantized tensor",
+    "torch._utils._rebuild_sparse_tensor": "sparse tensor",
+    "torch._utils._rebuild_nested_tensor": "nested tensor",
+    "torch._utils._rebuild_meta_tensor_no_storage": "meta tensor (on the meta device, no data)",
+    "torch._utils._rebuild_wrapper_subclass": "tensor subclass (wrapper)",
+    "torch._utils._rebuild_device_tensor_from_numpy": "device tensor rebuilt from numpy",
+    "torch._utils._rebuild_device_tensor_from_cpu_tensor": "device tensor rebuilt from a CPU tensor",
+    "torch._tensor._rebuild_from_type_v2": "tensor subclass",
+}
+
+
 def _view_key(t: TensorRef) -> _ViewKey:
     return (id(t.storage), t.storage_offset, t.shape, t.stride, t.dtype)
 
@@ -366,16 +386,31 @@ def plan_safetensors(
         if not isinstance(name, str):
             raise UsageError(f"safetensors needs string keys; found key {name!r}")
         if isinstance(value, Reduce):
-            raise UsageError(
-                f"tensor {name!r} is a {value.func.name.lstrip('_').replace('_', ' ')} (sparse, quantized, "
-                "nested or meta), which safetensors cannot hold; drop it or write a .pth file"
+            kind = _TENSOR_KINDS.get(value.func.full, f"{value.func.full} tensor")
+            raise BadInputError(
+                f"tensor {name!r} is a {kind}, which safetensors cannot hold (it stores dense tensors only)",
+                hint="drop it (--drop), or write a .pth file, which carries it as it is",
             )
         if not isinstance(value, TensorRef):
             raise UsageError(f"{name!r} is a {type(value).__name__}, not a tensor; safetensors holds only tensors")
         if value.dtype not in DTYPE_TO_SAFETENSORS:
-            raise UsageError(f"tensor {name!r} has dtype {value.dtype}, which safetensors cannot hold")
+            raise BadInputError(
+                f"tensor {name!r} has dtype {value.dtype}"
+                + (" (quantized)" if value.dtype.startswith(("qint", "quint")) else "")
+                + ", which safetensors cannot hold",
+                hint="drop it (--drop), cast it (--dtype, floating point only), or write a .pth file",
+            )
+        if value.dtype in SAFETENSORS_PACKED and not value.shape:
+            raise BadInputError(
+                f"tensor {name!r} is a 0-dim {value.dtype}, which safetensors cannot hold: its shapes count the "
+                f"{SAFETENSORS_PACKED[value.dtype]} values packed in each element along the last dimension",
+                hint="reshape it to 1 element with a dimension, or write a .pth file",
+            )
         if value.device == "meta":
-            raise UsageError(f"tensor {name!r} is on the meta device: it has no data to write")
+            raise BadInputError(
+                f"tensor {name!r} is a meta tensor (on the meta device): it has no data, which safetensors cannot hold",
+                hint="drop it (--drop), or write a .pth file, which carries it as it is",
+            )
         groups.setdefault(_view_key(value), []).append(name)
     aliases: dict[str, str] = {}
     kept: list[tuple[str, TensorRef]] = []
@@ -399,9 +434,12 @@ def plan_safetensors(
     offset = 0
     for name, t in kept:
         size = t.nbytes
+        shape = list(t.shape)
+        if t.dtype in SAFETENSORS_PACKED:  # F4 counts 4-bit values; 0-dim ones were refused above
+            shape[-1] *= SAFETENSORS_PACKED[t.dtype]
         header[name] = {
             "dtype": DTYPE_TO_SAFETENSORS[t.dtype],
-            "shape": list(t.shape),
+            "shape": shape,
             "data_offsets": [offset, offset + size],
         }
         offset += size

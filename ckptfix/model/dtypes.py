@@ -110,8 +110,14 @@ SAFETENSORS_DTYPES: dict[str, str] = {
     "F8_E4M3FNUZ": "float8_e4m3fnuz",
     "F8_E5M2": "float8_e5m2",
     "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
+    "F4": "float4_e2m1fn_x2",
 }
 DTYPE_TO_SAFETENSORS: dict[str, str] = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+#: torch dtypes that pack several safetensors elements into one byte -> how many: safetensors
+#: counts float4 values (``F4``, shape ``[2, 6]``), torch counts bytes of two (``[2, 3]``), so the
+#: last dimension differs by this factor, and a 0-dim tensor of them has no safetensors shape
+SAFETENSORS_PACKED: dict[str, int] = {"float4_e2m1fn_x2": 2}
 
 #: dtype -> storage class torch.save uses for it (the rest use UntypedStorage + _rebuild_tensor_v3)
 DTYPE_STORAGE: dict[str, str] = {v: k for k, v in STORAGE_DTYPE.items() if k != "UntypedStorage"}

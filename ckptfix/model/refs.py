@@ -219,9 +219,9 @@ def tensor_from_range(dtype: str, shape: tuple[int, ...], source: Source, locati
     itemsize = DTYPE_ITEMSIZE[dtype]
     numel = source.size // itemsize
     stride, step = [], 1
-    for size in reversed(shape):
+    for size in reversed(shape):  # torch's contiguous strides: a 0-size dimension counts as 1
         stride.append(step)
-        step *= size
+        step *= max(size, 1)
     storage_name = DTYPE_STORAGE.get(dtype)
     if storage_name:
         storage = StorageRef("0", Global("torch", storage_name), location, numel, itemsize, dtype, source)

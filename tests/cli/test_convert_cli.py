@@ -103,7 +103,7 @@ def test_training_checkpoint_needs_select_and_names_candidates(tmp_path: Path) -
 def test_tensors_safetensors_cannot_hold_are_named(tmp_path: Path, tensor: torch.Tensor, words: str) -> None:
     torch.save({"ok": torch.ones(1), "bad.weight": tensor}, tmp_path / "in.pth")
     result = invoke_cli("convert", tmp_path / "in.pth", tmp_path / "out.safetensors")
-    assert result.returncode == 2 and "'bad.weight'" in result.stderr and words in result.stderr
+    assert result.returncode == 3 and "'bad.weight'" in result.stderr and words in result.stderr
     assert not (tmp_path / "out.safetensors").exists()
 
 
