@@ -460,7 +460,7 @@ def convert(
         found = check_output(
             ckpt.root,
             None if file_format == "safetensors" else root,
-            converted=[s["global"] for s in report.sanitized],
+            converted=[s["path"] for s in report.sanitized],
             sanitize_requested=opts.sanitize,
             select_given=bool(opts.select),
         )

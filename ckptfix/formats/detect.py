@@ -45,6 +45,9 @@ def _is_legacy(head: bytes) -> bool:
     return body.startswith(_LEGACY_MAGIC)
 
 
+#: torch's legacy magic number as protocols 0 and 1 pickle it (LONG, in decimal text)
+_LEGACY_MAGIC_TEXT = b"L119547037146038801333356L\n."
+
 _ARCHIVES = {
     b"\x1f\x8b": "a gzip-compressed file: decompress it first (gunzip)",
     b"7z\xbc\xaf\x27\x1c": "a 7z archive: extract the checkpoint from it first",
@@ -162,6 +165,8 @@ def sniff(head: bytes, file_size: int) -> Sniffed:
             "not-checkpoint",
             "a plain Python pickle, not a torch checkpoint (torch.save always starts with its own header)",
         )
+    if head.startswith(_LEGACY_MAGIC_TEXT):  # protocols 0 and 1: no header, the magic number as text
+        return Sniffed("legacy", "a legacy torch checkpoint (saved with _use_new_zipfile_serialization=False)")
     if len(head) >= 262 and head[257:262] == b"ustar":
         return Sniffed("tar", "a tar archive (the format of torch before 0.4)")
     if head.startswith(b"\x1f\x8b"):

@@ -27,7 +27,7 @@ from typing import Any
 from ..errors import CkptfixError, UnsafeInputError
 from ..model.paths import Path, format_path
 from ..model.statedicts import find_state_dicts
-from ..pickling.globals import allow_options, kept_along
+from ..pickling.globals import allow_options, companion, kept_along
 from ..pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS, ForeignGlobals, display_name, foreign_globals
 
 
@@ -45,7 +45,8 @@ class OutputGlobals:
             notes.append(f"kept as they are (allowed): {', '.join(self.kept)}")
         if self.ignored:
             by_path: dict[str, list[str]] = {}
-            for entry in self.ignored:
+            # the classes themselves first, the plain types they are rebuilt through after
+            for entry in sorted(self.ignored, key=lambda e: companion(e["global"])):
                 by_path.setdefault(entry["path"], []).append(entry["global"])
             held = "; ".join(
                 f"{path} holds {', '.join(names[:4])}" + (f" and {len(names) - 4} more" if len(names) > 4 else "")
@@ -72,19 +73,32 @@ def check_output(
     """Check the tree about to be written (``output``; None when the output carries no pickled
     objects, as safetensors) against the whole checkpoint as read (``whole``).
 
-    ``converted``: globals ``--sanitize`` turned into plain data (neither kept nor ignored).
-    Raises :class:`UnsafeInputError` naming every not-allowed global in ``output``.
+    ``converted``: the paths (as formatted) of the objects ``--sanitize`` turned into plain data:
+    what was under them is neither kept nor ignored. Raises :class:`UnsafeInputError` naming
+    every not-allowed global in ``output``.
     """
     in_output = foreign_globals(output) if output is not None else ForeignGlobals()
     if in_output.unallowed:
         raise _refusal(whole, output, in_output, sanitize_requested, select_given)
-    everywhere = foreign_globals(whole, paths_per_name=1)
-    done = set(converted) | set(in_output.unallowed)
+    everywhere = foreign_globals(whole, paths_per_name=_PATHS_PER_NAME)
+    prefixes = tuple(converted)
     result = OutputGlobals(kept=sorted(in_output.allowed))
     for name, paths in everywhere.unallowed.items():
-        if name not in done:
-            result.ignored.append({"path": _top(paths[0]), "global": name})
+        left_out = [p for p in paths if not _under(format_path(p), prefixes)]
+        if left_out:
+            result.ignored.append({"path": _top(left_out[0]), "global": name})
     return result
+
+
+#: occurrences looked at per global to tell "left out" from "converted" (a name seen this often
+#: inside converted objects only is taken as converted)
+_PATHS_PER_NAME = 64
+
+
+def _under(path: str, prefixes: tuple[str, ...]) -> bool:
+    if "(top level)" in prefixes:  # the root itself was converted
+        return True
+    return any(path == p or path.startswith((f"{p}.", f"{p}[")) for p in prefixes)
 
 
 def _top(path: Path) -> str:

@@ -109,7 +109,7 @@ def _numpy_scalar(obj: OpaqueObject) -> Any:
 
     if len(obj.args) != 2:
         return _NO_RULE
-    dtype, raw = _numpy_dtype(obj.args[0]), obj.args[1]
+    dtype, raw = _numpy_dtype(obj.args[0]), _plain(obj.args[1])
     raw = raw.encode("latin-1") if isinstance(raw, str) else raw
     if not isinstance(raw, bytes) or len(raw) != dtype.itemsize:
         raise BadInputError(f"cannot sanitize a corrupt numpy scalar ({_name(obj)})")
@@ -193,11 +193,34 @@ def _generic(obj: OpaqueObject) -> Any:
     return _fields(obj.state, obj.dictitems, obj.items) if not obj.args else _NO_RULE
 
 
+_BUILTIN_TYPES = {"bytes": bytes, "str": str, "int": int, "float": float, "bool": bool, "complex": complex}
+_BUILTIN_TYPES |= {"tuple": tuple, "list": list, "dict": dict, "set": set, "frozenset": frozenset}
+
+
+def _builtin(obj: OpaqueObject) -> Any:
+    """A builtin type called on a plain value (protocol 2 pickles ``b""`` as ``bytes()``)."""
+    kind = _BUILTIN_TYPES[_name(obj).rsplit(".", 1)[1]]
+    args = tuple(_plain(a) for a in obj.args)
+    if obj.state is not ABSENT or obj.items or obj.dictitems or len(args) > 2:
+        return _NO_RULE
+    if any(type(a) not in (str, bytes, int, float, bool, tuple, list, dict) for a in args):
+        return _NO_RULE
+    if len(args) == 2 and not (kind is bytes and type(args[0]) is str and type(args[1]) is str):
+        return _NO_RULE
+    if kind is bytes and args and type(args[0]) is int:
+        return _NO_RULE  # bytes(10**12) would allocate
+    try:
+        return kind(*args)
+    except (TypeError, ValueError, LookupError, OverflowError):
+        raise BadInputError(f"cannot sanitize a corrupt {_name(obj)}{args!r:.60}") from None
+
+
 _NO_RULE: Any = object()
 _PATHS = ("Path", "PosixPath", "WindowsPath", "PurePath", "PurePosixPath", "PureWindowsPath")
 
 #: (does it apply to this global name, what it makes): the first that applies decides
 RULES: tuple[tuple[Callable[[str], bool], Callable[[OpaqueObject], Any]], ...] = (
+    (lambda n: n.startswith("builtins.") and n[9:] in _BUILTIN_TYPES, _builtin),
     (lambda n: n == "argparse.Namespace", _namespace),
     (lambda n: n in {f"pathlib.{p}" for p in _PATHS}, _path),
     (lambda n: n in {f"{m}.scalar" for m in NUMPY_MODULES}, _numpy_scalar),
@@ -233,7 +256,7 @@ def _array_to_tensor(obj: OpaqueObject) -> TensorRef:
     if not (isinstance(state, tuple) and len(state) == 5):
         raise BadInputError("cannot sanitize a numpy array with an unexpected pickled state")
     _, shape, dtype_obj, fortran, raw = state
-    dtype = _numpy_dtype(dtype_obj)
+    dtype, raw = _numpy_dtype(dtype_obj), _plain(raw)  # an empty array's b"" is pickled as bytes()
     raw = raw.encode("latin-1") if isinstance(raw, str) else raw
     if not (isinstance(shape, tuple) and all(type(s) is int and s >= 0 for s in shape) and isinstance(raw, bytes)):
         raise BadInputError("cannot sanitize a corrupt numpy array")
