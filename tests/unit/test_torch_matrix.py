@@ -411,8 +411,8 @@ def test_legacy_nested_tensor_is_repaired(tmp_path: Path) -> None:
         tree = _tree({"module.x": KINDS["nested"][0](), "module.dense": torch.arange(4.0)})
         src = tmp_path / "in.pth"
         torch.save(tree, src, _use_new_zipfile_serialization=False)
-        with pytest.raises(RuntimeError):  # sizes read from garbage: the words vary from run to run
-            torch.load(src, weights_only=False)
+        # torch's own loader reads the sizes from uninitialised memory here: it usually raises, but
+        # not always (so that is not asserted); ckptfix's result is checked against what was saved
         check_everything(src, tree, tmp_path, refusal="tensor 'x' is a nested tensor, which safetensors cannot hold")
 
 
