@@ -21,9 +21,8 @@ from click.core import ParameterSource
 
 from .. import __version__
 from ..errors import ExitCode, UsageError
-from ..formats.detect import FILE_FORMATS
 from . import render
-from .options import BATCH_OPTIONS, IN_OUT, INPUTS, MAX_EXPAND, PIPELINE, PREFIX, Decorator, allow_global, apply
+from .options import BATCH_OPTIONS, IN_OUT, INPUTS, PIPELINE, PREFIX, Decorator, allow_global, apply
 from .render import emit_json, printable, say
 
 if TYPE_CHECKING:  # the pipeline (and all it reads with) is imported when a command runs, not for --help
@@ -237,17 +236,24 @@ def _write_command(spec: WriteCommand) -> click.Command:
     return click.command(spec.name, context_settings=CONTEXT)(apply([INPUTS, *spec.options, PIPELINE])(run))
 
 
+def pipeline_options(kw: dict[str, Any], **preset: Any) -> ConvertOptions:
+    """The shared pipeline options (PIPELINE) as a :class:`ConvertOptions`, popped from ``kw``;
+    what is left in ``kw`` is the command's own options."""
+    from ..pipeline import ConvertOptions
+
+    option_fields = {f.name for f in fields(ConvertOptions)}
+    values = {k: kw.pop(k) for k in list(kw) if k in option_fields}
+    values["map_location"] = ",".join(values.get("map_location") or ()) or None
+    return ConvertOptions(**values, **preset)
+
+
 def run_write(spec: WriteCommand, paths: tuple[str, ...], as_json: bool, kw: dict[str, Any]) -> int:
     """Build the options and run one file (IN OUT) or a batch (-o DIR, --in-place, folders)."""
     from ..batch import expand_inputs, plan_outputs, run_batch
 
     batch = {k: kw.pop(k) for k in BATCH_OPTIONS}
-    from ..pipeline import ConvertOptions
-
-    option_fields = {f.name for f in fields(ConvertOptions)}
-    own = {k: kw.pop(k) for k in list(kw) if k not in option_fields}
-    kw["map_location"] = ",".join(kw["map_location"]) or None
-    opts = spec.preset(ConvertOptions(**kw, require_change=spec.require_change), own)
+    opts = pipeline_options(kw, require_change=spec.require_change)
+    opts = spec.preset(opts, kw)
     single = batch["output_dir"] is None and not opts.in_place
     if single:
         if len(paths) != 2:
@@ -334,6 +340,10 @@ def _refuse_batch_flags() -> None:
 for _spec in WRITE_COMMANDS:
     cli.add_command(_write_command(_spec))
 
+#: every command that writes a checkpoint: the table's rows, then fit and publish (defined
+#: below); each takes the shared pipeline options (options.PIPELINE)
+WRITING_COMMANDS = (*(spec.name for spec in WRITE_COMMANDS), "fit", "publish")
+
 
 # ----------------------------------------------------------------------------- the other commands
 
@@ -355,19 +365,12 @@ for _spec in WRITE_COMMANDS:
     type=click.Path(file_okay=False),
     help="With --model: search this folder first for MODULE (repeatable, in order; '.' for the current folder).",
 )
-@click.option("--select", metavar="PATH", help="The state dict to fit (default: the one that fits best).")
 @click.option(
     "--allow-partial",
     is_flag=True,
     help="Write even when keys stay missing/unexpected (those and wrong-shaped keys are left out).",
 )
-@click.option("--ema", is_flag=True, help="Fit the EMA copy of the weights instead of the model's own.")
-@click.option("--format", "out_format", type=click.Choice(FILE_FORMATS), help="Output format.")
-@click.option("--dry-run", is_flag=True, help="Report the plan; write nothing.")
-@click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
-@click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
-@MAX_EXPAND
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+@PIPELINE
 def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
     """Make a checkpoint's state dict match a model's keys, and write just that state dict.
 
@@ -376,16 +379,25 @@ def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
     mismatches. Exit 0 only when OUT loads with strict=True; otherwise exit 1, and OUT is
     written only with --allow-partial. Keys are never matched by position.
 
+    Takes every option convert takes, in the same pipeline: --select/--ema choose the state
+    dict to fit (default: the one that fits best); the fit's prefix changes run as the first
+    --strip-prefix/--add-prefix steps; then --drop/--keep (matched on the checkpoint's own key
+    names, as in convert), your --strip-prefix/--rename, --map-location, --dtype, and the
+    writer's options. The exit status is the fit's verdict: a --drop or --rename you add
+    changes the keys after it.
+
     \b
     Examples:
       ckptfix fit ddp.pth fixed.pth --reference bare_model.pth
       ckptfix fit train.ckpt weights.safetensors --model mypkg.models:build_model
       ckptfix fit train.ckpt weights.safetensors --model models:build --model-path ./src
       ckptfix fit pretrained.pth init.pth --reference new_head.pth --allow-partial
+      ckptfix fit gpu_ddp.pth cpu_fp16.pth --reference bare.pth --map-location cpu --dtype float16
     """
     from ..pipeline import fit_checkpoint
 
-    plan, report = fit_checkpoint(in_path, out_path, **kw)
+    opts = pipeline_options(kw)
+    plan, report = fit_checkpoint(in_path, out_path, options=opts, **kw)
     if as_json:
         emit_json({"plan": plan.to_dict(), "write": report.to_dict() if report else None})
     else:
@@ -489,34 +501,27 @@ def verify(
 @cli.command("publish", context_settings=CONTEXT)
 @click.argument("in_path", metavar="IN", type=click.Path())
 @click.argument("out_dir", metavar="OUTDIR", type=click.Path(file_okay=False))
-@click.option(
-    "--format",
-    "out_format",
-    type=click.Choice(FILE_FORMATS),
-    default="safetensors",
-    show_default=True,
-    help="Output format.",
-)
 @click.option("--name", help="File name stem (default: IN's name without extensions).")
-@click.option("--ema", is_flag=True, help="Publish the EMA copy of the weights instead of the model's own.")
-@click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
-@allow_global("Read objects of this global (dotted name, * ? [...] globs) as opaque records (they are not published).")
-@MAX_EXPAND
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+@PIPELINE
 def publish_command(in_path: str, out_dir: str, as_json: bool, **kw: Any) -> int:
     """Release preset: weights only, wrapper prefixes stripped, on cpu, named by content hash.
 
-    Writes OUTDIR/NAME-<first 8 hex of sha256>.<ext>, the name torch.hub's
-    load_state_dict_from_url(check_hash=True), timm and mmdet verify, and prints the full sha256.
+    Writes OUTDIR/NAME-<first 8 hex of sha256>.<ext> (--format safetensors, the default, or
+    pth), the name torch.hub's load_state_dict_from_url(check_hash=True), timm and mmdet
+    verify, and prints the full sha256. Takes every option convert takes; the preset fills in
+    what they leave open: --select (the largest state dict), --map-location (cpu), and its
+    wrapper strips run before your --strip-prefix.
 
     \b
     Examples:
       ckptfix publish train.ckpt release/ --name resnet50
       ckptfix publish ddp.pth release/ --format pth
+      ckptfix publish train.ckpt release/ --dtype bfloat16 --drop '*.num_batches_tracked'
     """
     from ..pipeline import publish
 
-    result = publish(in_path, out_dir, **kw)
+    opts = pipeline_options(kw)
+    result = publish(in_path, out_dir, options=opts, **kw)
     if as_json:
         emit_json({"path": result.path, "sha256": result.sha256, "report": result.report.to_dict()})
     else:
