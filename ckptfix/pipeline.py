@@ -27,7 +27,14 @@ from .fileio.atomic import atomic_output, check_destination
 from .fileio.extents import shared_bytes, shared_bytes_of
 from .fileio.ranges import FileRange, OpenFiles, OutputStream
 from .fileio.sizes import parse_size
-from .formats.checkpoint import FORMAT_SAFETENSORS, Checkpoint, read_checkpoint
+from .formats.checkpoint import (
+    FORMAT_DCP,
+    FORMAT_SAFETENSORS,
+    FORMAT_SHARDED,
+    FORMAT_TORCH_ZIP,
+    Checkpoint,
+    read_checkpoint,
+)
 from .formats.detect import FILE_FORMATS, OUTPUT_FORMATS, PTH_SUFFIXES
 from .formats.safetensors import (
     check_torch_expand_budget,
@@ -53,6 +60,13 @@ if TYPE_CHECKING:
     from .transforms.fit import FitPlan
 
 DEFAULT_SHARD_SIZE = "5GB"
+#: what a write target is called in reports: the words ``inspect`` prints for a format
+_FORMAT_WORDS = {
+    "pth": FORMAT_TORCH_ZIP,
+    "safetensors": FORMAT_SAFETENSORS,
+    "sharded": FORMAT_SHARDED,
+    "dcp": FORMAT_DCP,
+}
 #: --keep-metadata keeps values whose JSON form is at most this long
 _MAX_METADATA_VALUE = 1024
 
@@ -121,9 +135,15 @@ class Report:
     command: str
     input: str
     output: str | None
+    #: the words ``inspect`` prints: torch-zip, torch-legacy, torch-tar, safetensors, sharded, dcp
     input_format: str
+    #: torch-zip, safetensors, sharded or dcp (``--format pth`` writes torch-zip)
     output_format: str
     dry_run: bool
+    #: for a sharded output, the shards' format (torch-zip or safetensors); None otherwise
+    shard_format: str | None = None
+    #: the input's size on disk (a folder's files together)
+    input_bytes: int = 0
     written: bool = False
     #: nothing needed changing: OUT (if written) holds the input's content as it was
     unchanged: bool = False
@@ -132,8 +152,9 @@ class Report:
     selected: str | None = None
     sanitized: list[dict[str, str]] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
-    bytes_dropped: int = 0
-    devices: dict[str, int] = field(default_factory=dict)
+    dropped_bytes: int = 0
+    #: storages moved by --map-location, per move (``{"cuda:1->cpu": 9}``)
+    device_moves: dict[str, int] = field(default_factory=dict)
     cast: dict[str, Any] = field(default_factory=dict)
     verify_seconds: float | None = None
     tensors: int = 0
@@ -153,6 +174,16 @@ class Report:
     @property
     def changed(self) -> bool:
         return any(step.changed for step in self.steps)
+
+    @property
+    def devices(self) -> dict[str, int]:
+        """The name before schema 2; use :attr:`device_moves`."""
+        return self.device_moves
+
+    @property
+    def bytes_dropped(self) -> int:
+        """The name before schema 2; use :attr:`dropped_bytes`."""
+        return self.dropped_bytes
 
     def to_dict(self) -> dict[str, Any]:
         document = asdict(self)
@@ -321,10 +352,10 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out
     if drop or opts.keep:
         root, selection = filter_tree(root, drop, opts.keep)
         report.dropped = selection.dropped
-        report.bytes_dropped = selection.bytes_before - selection.bytes_after
+        report.dropped_bytes = selection.bytes_before - selection.bytes_after
     if opts.drop or opts.keep or opts.prune:
         done = (
-            (f"dropped {len(report.dropped)} entries ({report.bytes_dropped} bytes of tensors)",)
+            (f"dropped {len(report.dropped)} entries ({report.dropped_bytes} bytes of tensors)",)
             if report.dropped
             else ()
         )
@@ -374,8 +405,8 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out
     elif opts.map_location:
         if not ckpt.lazy:
             raise UsageError(f"--map-location cannot be applied to a {ckpt.format} file read through torch")
-        root, report.devices = remap_devices(root, opts.map_location)
-        done = tuple(f"moved {n} storages {move}" for move, n in report.devices.items())
+        root, report.device_moves = remap_devices(root, opts.map_location)
+        done = tuple(f"moved {n} storages {move}" for move, n in report.device_moves.items())
         why = f"no device tag changes under --map-location {opts.map_location}"
         steps.append(Step(f"--map-location {opts.map_location}", done, why))
     if opts.dtype:
@@ -444,7 +475,9 @@ def convert(
         input=in_path,
         output=out_path,
         input_format=ckpt.format,
-        output_format=file_format if kind == "file" else f"sharded {file_format}",
+        output_format=_FORMAT_WORDS[kind if kind != "file" else file_format],
+        shard_format=_FORMAT_WORDS[file_format] if kind == "sharded" else None,
+        input_bytes=ckpt.file_size,
         dry_run=opts.dry_run,
         notes=list(ckpt.notes),
         selected=opts.select,
@@ -552,7 +585,8 @@ def _write(
     report.tensors = len(flat) if flat is not None else sum(1 for _ in iter_tensors(root))
     changes = _describe_changes(report)
     if opts.dry_run:
-        report.message = f"would write {report.output_format} to {out}{changes}; nothing written (dry run)"
+        what = f"{report.shard_format} shards" if report.shard_format else report.output_format
+        report.message = f"would write {what} to {out}{changes}; nothing written (dry run)"
         return
     if kind == "dcp":
         from .formats.dcp import write_dcp
@@ -581,6 +615,8 @@ def _write(
         report.outputs = [str(p) for p in written.files]
         report.output_bytes = sum(p.stat().st_size for p in written.files)
         report.shared_bytes = shared_bytes_of(report.outputs)
+        if len(written.files) == 1:  # one shard is a plain file in the folder, no index (the hub's way)
+            report.output_format, report.shard_format = _FORMAT_WORDS[file_format], None
     else:
         check = None
         if opts.verify or opts.in_place:

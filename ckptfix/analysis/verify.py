@@ -20,17 +20,19 @@ from ..errors import CkptfixError
 from ..fileio.ranges import OpenFiles, crc_of, iter_chunks
 from ..formats.checkpoint import read_checkpoint
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts
-from ..model.walk import iter_storages
+from ..model.walk import iter_storages, iter_tensors
 from ..transforms.devices import normalize_device
 from ..transforms.prefix import normalize_prefix
 
 
 @dataclass
 class VerifyResult:
-    path: str
+    input: str
     ok: bool = True
-    format: str = ""
-    tensors_bytes: int = 0
+    #: the words inspect prints; "unknown" when the file could not be read as a checkpoint
+    format: str = "unknown"
+    tensors: int = 0
+    tensor_bytes: int = 0
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -67,8 +69,9 @@ def verify_path(
                     )
             if zero_crc:
                 result.notes.append(f"{zero_crc} records carry CRC 0 (saved with CRC checking disabled): not checked")
+        result.tensors = sum(1 for _ in iter_tensors(ckpt.root))
         for storage in iter_storages(ckpt.root):
-            result.tensors_bytes += storage.nbytes
+            result.tensor_bytes += storage.nbytes
             if ckpt.archive is None and storage.source is not None:
                 try:
                     for _ in iter_chunks(storage.source, files):

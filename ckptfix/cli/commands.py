@@ -312,17 +312,17 @@ def run_write(spec: WriteCommand, paths: tuple[str, ...], as_json: bool, kw: dic
     if single:
         (result,) = report.files
         if result.status == "failed" and as_json:
-            render.json_error(result.exit_code, result.message)
+            render.json_error(spec.name, result.exit_code, result.message)
         elif result.status != "failed":
             assert result.report is not None  # a file that did not fail has its report
             if as_json:
-                emit_json(result.report)
+                emit_json(spec.name, report.exit_code, result.report)
             elif not quiet:
                 render.file_report(result.report, dry_run=opts.dry_run)
         return report.exit_code
     summary = report.to_dict()
     if as_json:
-        emit_json(summary)
+        emit_json(spec.name, report.exit_code, summary)
     elif not quiet:
         click.echo(render.batch_summary(summary, len(pairs), report.seconds, report.stopped_early))
     return report.exit_code
@@ -398,8 +398,10 @@ def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
 
     opts = pipeline_options(kw)
     plan, report = fit_checkpoint(in_path, out_path, options=opts, **kw)
+    code = ExitCode.OK if plan.loads_strictly else ExitCode.CHECK_FAILED
     if as_json:
-        emit_json({"plan": plan.to_dict(), "write": report.to_dict() if report else None})
+        written = report.to_dict() if report else {"input": in_path, "output": out_path, "written": False}
+        emit_json("fit", code, {**written, "plan": plan.to_dict()})
     else:
         click.echo(render.fit_plan(plan))
         say(
@@ -408,7 +410,7 @@ def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
             else "nothing written: the result would not load with strict=True "
             "(use --allow-partial to write the keys that fit)"
         )
-    return ExitCode.OK if plan.loads_strictly else ExitCode.CHECK_FAILED
+    return code
 
 
 @cli.command("diff", context_settings=CONTEXT)
@@ -446,11 +448,12 @@ def diff_command(
     from ..pipeline import ConvertOptions, diff_checkpoints
 
     report = diff_checkpoints(a_path, b_path, ConvertOptions(**kw), select_b=select_b, rtol=rtol, atol=atol)
+    code = ExitCode.OK if report.equal else ExitCode.CHECK_FAILED
     if as_json:
-        emit_json(report.to_dict())
+        emit_json("diff", code, report.to_dict())
     else:
         click.echo(render(type(report)(**printable(report.to_dict()))))
-    return ExitCode.OK if report.equal else ExitCode.CHECK_FAILED
+    return code
 
 
 @cli.command("verify", context_settings=CONTEXT)
@@ -491,11 +494,13 @@ def verify(
         for p, _ in expand_inputs(paths, recursive)
     ]
     failed = [r for r in results if not r.ok]
+    code = ExitCode.CHECK_FAILED if failed else ExitCode.OK
     if as_json:
-        emit_json({"ok": len(results) - len(failed), "failed": len(failed), "files": [r.to_dict() for r in results]})
+        counts = {"passed": len(results) - len(failed), "failed": len(failed)}
+        emit_json("verify", code, {"counts": counts, "files": [r.to_dict() for r in results]})
     else:
         render.verify_results(results, quiet)
-    return ExitCode.CHECK_FAILED if failed else ExitCode.OK
+    return code
 
 
 @cli.command("publish", context_settings=CONTEXT)
@@ -523,7 +528,7 @@ def publish_command(in_path: str, out_dir: str, as_json: bool, **kw: Any) -> int
     opts = pipeline_options(kw)
     result = publish(in_path, out_dir, options=opts, **kw)
     if as_json:
-        emit_json({"path": result.path, "sha256": result.sha256, "report": result.report.to_dict()})
+        emit_json("publish", ExitCode.OK, {**result.report.to_dict(), "sha256": result.sha256})
     else:
         say(result.report.message)
     return ExitCode.OK
@@ -550,13 +555,15 @@ def scan(paths: tuple[str, ...], recursive: bool, as_json: bool) -> int:
     from ..batch import expand_inputs
 
     results = [scan_path(p) for p, _ in expand_inputs(paths, recursive)]
+    if any(r.dangerous for r in results):
+        code = ExitCode.CHECK_FAILED
+    else:
+        code = ExitCode.BAD_INPUT if any(r.error for r in results) else ExitCode.OK
     if as_json:
-        emit_json({"files": [r.to_dict() for r in results]})
+        emit_json("scan", code, {"files": [r.to_dict() for r in results]})
     else:
         render.scan_results(results)
-    if any(r.dangerous for r in results):
-        return ExitCode.CHECK_FAILED
-    return ExitCode.BAD_INPUT if any(r.error for r in results) else ExitCode.OK
+    return code
 
 
 @cli.command("inspect", context_settings=CONTEXT)
@@ -583,7 +590,7 @@ def inspect_command(path: str, as_json: bool, unsafe_load: bool, allow_globals: 
 
     summary = inspect_checkpoint(path, unsafe_load=unsafe_load, allow_globals=allow_globals)
     if as_json:
-        emit_json(summary)
+        emit_json("inspect", ExitCode.OK, summary)
     else:
         click.echo(render(printable(summary)))
     return ExitCode.OK

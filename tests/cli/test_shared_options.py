@@ -66,7 +66,7 @@ def test_shared_steps_run_in_every_writing_command(command: str, tmp_path: Path)
     )
     assert result.returncode == 0, result.stderr
     document = json.loads(result.stdout)
-    report = document.get("report") or document.get("write") or document
+    report = document
     steps = {step["step"]: step["changed"] for step in report["steps"]}
     assert steps["--dtype float16"] and steps["--map-location cuda:1"], steps
     assert steps.get("--drop/--keep", steps.get("prune")) and steps["rename by rules"], steps
@@ -108,7 +108,7 @@ def test_publish_honours_dtype(tmp_path: Path) -> None:
 
     result = invoke_cli("publish", DDP, tmp_path, "--dtype", "bfloat16", "--json")
     assert result.returncode == 0, result.stderr
-    published = load_file(json.loads(result.stdout)["path"])
+    published = load_file(json.loads(result.stdout)["output"])
     source = torch.load(DDP, weights_only=True)
     for key, value in source.items():
         cast = value.to(torch.bfloat16) if value.is_floating_point() else value
