@@ -21,6 +21,8 @@ from click.core import ParameterSource
 
 from .. import __version__
 from ..errors import ExitCode, UsageError
+from ..formats.detect import FORMAT_NAME_ALIASES, FORMAT_NAMES
+from ..model.dtypes import CAST_ALIASES, CASTABLE
 from . import render
 from .options import BATCH_OPTIONS, IN_OUT, INPUTS, PIPELINE, PREFIX, Decorator, allow_global, apply
 from .render import emit_json, printable, say
@@ -461,16 +463,41 @@ def diff_command(
 @click.option(
     "--expect-prefix",
     metavar="none|PREFIX",
-    help="Require no wrapper prefix on any key ('none'), or PREFIX on every key.",
+    help="Require no wrapper prefix on any key ('none', what strip-module gives), or PREFIX on every key.",
 )
-@click.option("--expect-device", metavar="DEVICE", help="Require every storage on DEVICE (e.g. cpu).")
+@click.option("--expect-no-prefix", is_flag=True, help="Same as --expect-prefix none.")
+@click.option(
+    "--expect-device", metavar="DEVICE", help="Require every storage on DEVICE, as --map-location DEVICE writes."
+)
+@click.option(
+    "--expect-dtype",
+    type=click.Choice([*CASTABLE, *CAST_ALIASES]),
+    help="Require every floating-point state-dict tensor to be DTYPE, as --dtype DTYPE writes.",
+)
+@click.option(
+    "--expect-format",
+    type=click.Choice([*FORMAT_NAMES, *FORMAT_NAME_ALIASES]),
+    help="Require this format, as inspect names it (pth = torch-zip, what --format pth writes).",
+)
+@click.option("--expect-keys", type=click.IntRange(min=0), metavar="N", help="Require exactly N state-dict keys.")
+@click.option(
+    "--expect-metadata",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Require this safetensors __metadata__ entry, e.g. format=pt (what transformers needs; repeatable).",
+)
 @click.option("--recursive", is_flag=True, help="Folder inputs: include sub-folders.")
 @click.option("-q", "--quiet", is_flag=True, help="Print only failures.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
 def verify(
     paths: tuple[str, ...],
     expect_prefix: str | None,
+    expect_no_prefix: bool,
     expect_device: str | None,
+    expect_dtype: str | None,
+    expect_format: str | None,
+    expect_keys: int | None,
+    expect_metadata: tuple[str, ...],
     recursive: bool,
     quiet: bool,
     as_json: bool,
@@ -478,21 +505,31 @@ def verify(
     """Check checkpoints load safely and completely: a CI gate (exit 1 if any check fails).
 
     Each file is read by the safe readers (offsets in range, tensors inside their storages,
-    shard indexes consistent), every zip record's CRC32 is checked, all tensor data is read,
-    and optionally key prefixes and devices are as expected.
+    shard indexes consistent; safetensors headers held to the safetensors library's own rules,
+    and a key repeated in one is refused), every zip record's CRC32 is checked, all tensor data
+    is read, and the --expect-* options hold. Each expectation is named after the writing option
+    that makes a file meet it, and a failure says which command fixes it.
 
     \b
     Examples:
       ckptfix verify checkpoints/ --recursive
-      ckptfix verify release/*.safetensors --expect-prefix none --expect-device cpu --json
+      ckptfix verify release/*.safetensors --expect-no-prefix --expect-device cpu --json
+      ckptfix verify model.safetensors --expect-format safetensors --expect-dtype bfloat16 --expect-metadata format=pt
     """
-    from ..analysis.verify import verify_path
+    from ..analysis.verify import Expectations, verify_path
     from ..batch import expand_inputs
 
-    results = [
-        verify_path(p, expect_prefix=expect_prefix, expect_device=expect_device)
-        for p, _ in expand_inputs(paths, recursive)
-    ]
+    if expect_no_prefix and expect_prefix not in (None, "none"):
+        raise UsageError("give --expect-no-prefix or --expect-prefix PREFIX, not both")
+    expect = Expectations(
+        prefix="none" if expect_no_prefix else expect_prefix,
+        device=expect_device,
+        dtype=expect_dtype,
+        format=expect_format,
+        keys=expect_keys,
+        metadata=expect_metadata,
+    )
+    results = [verify_path(p, expect) for p, _ in expand_inputs(paths, recursive)]
     failed = [r for r in results if not r.ok]
     code = ExitCode.CHECK_FAILED if failed else ExitCode.OK
     if as_json:
