@@ -37,8 +37,8 @@ class FileResult:
     status: str  # "written", "unchanged" (nothing to do), "failed"
     message: str = ""
     exit_code: int = 0
-    bytes_in: int = 0
-    bytes_out: int = 0
+    input_bytes: int = 0
+    output_bytes: int = 0
     seconds: float = 0.0
     report: dict[str, Any] | None = None
 
@@ -64,8 +64,9 @@ class BatchReport:
         counts = {s: sum(1 for f in self.files if f.status == s) for s in ("written", "unchanged", "failed")}
         return {
             "command": self.command,
-            **counts,
+            "ok": self.exit_code == 0,
             "exit_code": self.exit_code,
+            "counts": counts,
             "stopped_early": self.stopped_early,
             "seconds": round(self.seconds, 4),
             "files": [asdict(f) for f in self.files],
@@ -166,7 +167,7 @@ def process_one(
     result = FileResult(in_path, out_path, "failed")
     backup_path = None
     try:
-        result.bytes_in = _size(Path(in_path))
+        result.input_bytes = _size(Path(in_path))
         if backup:
             backup_path = Path(in_path + backup)
             if backup_path.exists() and not options.force:
@@ -177,7 +178,7 @@ def process_one(
         result.report = report.to_dict()
         result.message = report.message
         result.status = "unchanged" if report.unchanged or not report.written else "written"
-        result.bytes_out = report.output_bytes or 0
+        result.output_bytes = report.output_bytes or 0
         if backup_path is not None and not report.written:
             backup_path.unlink(missing_ok=True)
     except CkptfixError as exc:

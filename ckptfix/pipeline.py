@@ -16,7 +16,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -27,7 +27,14 @@ from .fileio.atomic import atomic_output, check_destination
 from .fileio.extents import shared_bytes, shared_bytes_of
 from .fileio.ranges import FileRange, OpenFiles, OutputStream
 from .fileio.sizes import parse_size
-from .formats.checkpoint import FORMAT_SAFETENSORS, Checkpoint, read_checkpoint
+from .formats.checkpoint import (
+    FORMAT_DCP,
+    FORMAT_SAFETENSORS,
+    FORMAT_SHARDED,
+    FORMAT_TORCH_ZIP,
+    Checkpoint,
+    read_checkpoint,
+)
 from .formats.detect import FILE_FORMATS, OUTPUT_FORMATS, PTH_SUFFIXES
 from .formats.safetensors import (
     check_torch_expand_budget,
@@ -54,6 +61,13 @@ if TYPE_CHECKING:
     from .transforms.fit import FitPlan
 
 DEFAULT_SHARD_SIZE = "5GB"
+#: what a write target is called in reports: the words ``inspect`` prints for a format
+_FORMAT_WORDS = {
+    "pth": FORMAT_TORCH_ZIP,
+    "safetensors": FORMAT_SAFETENSORS,
+    "sharded": FORMAT_SHARDED,
+    "dcp": FORMAT_DCP,
+}
 #: --keep-metadata keeps values whose JSON form is at most this long
 _MAX_METADATA_VALUE = 1024
 
@@ -122,9 +136,15 @@ class Report:
     command: str
     input: str
     output: str | None
+    #: the words ``inspect`` prints: torch-zip, torch-legacy, torch-tar, safetensors, sharded, dcp
     input_format: str
+    #: torch-zip, safetensors, sharded or dcp (``--format pth`` writes torch-zip)
     output_format: str
     dry_run: bool
+    #: for a sharded output, the shards' format (torch-zip or safetensors); None otherwise
+    shard_format: str | None = None
+    #: the input's size on disk (a folder's files together)
+    input_bytes: int = 0
     written: bool = False
     #: nothing needed changing: OUT (if written) holds the input's content as it was
     unchanged: bool = False
@@ -137,8 +157,9 @@ class Report:
     #: globals outside torch's allow-list that the output carries, allowed by --allow-global
     kept_globals: list[str] = field(default_factory=list)
     dropped: list[str] = field(default_factory=list)
-    bytes_dropped: int = 0
-    devices: dict[str, int] = field(default_factory=dict)
+    dropped_bytes: int = 0
+    #: storages moved by --map-location, per move (``{"cuda:1->cpu": 9}``)
+    device_moves: dict[str, int] = field(default_factory=dict)
     cast: dict[str, Any] = field(default_factory=dict)
     verify_seconds: float | None = None
     tensors: int = 0
@@ -158,6 +179,16 @@ class Report:
     @property
     def changed(self) -> bool:
         return any(step.changed for step in self.steps)
+
+    @property
+    def devices(self) -> dict[str, int]:
+        """The name before schema 2; use :attr:`device_moves`."""
+        return self.device_moves
+
+    @property
+    def bytes_dropped(self) -> int:
+        """The name before schema 2; use :attr:`dropped_bytes`."""
+        return self.dropped_bytes
 
     def to_dict(self) -> dict[str, Any]:
         document = asdict(self)
@@ -326,10 +357,10 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out
     if drop or opts.keep:
         root, selection = filter_tree(root, drop, opts.keep)
         report.dropped = selection.dropped
-        report.bytes_dropped = selection.bytes_before - selection.bytes_after
+        report.dropped_bytes = selection.bytes_before - selection.bytes_after
     if opts.drop or opts.keep or opts.prune:
         done = (
-            (f"dropped {len(report.dropped)} entries ({report.bytes_dropped} bytes of tensors)",)
+            (f"dropped {len(report.dropped)} entries ({report.dropped_bytes} bytes of tensors)",)
             if report.dropped
             else ()
         )
@@ -379,8 +410,8 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out
     elif opts.map_location:
         if not ckpt.lazy:
             raise UsageError(f"--map-location cannot be applied to a {ckpt.format} file read through torch")
-        root, report.devices = remap_devices(root, opts.map_location)
-        done = tuple(f"moved {n} storages {move}" for move, n in report.devices.items())
+        root, report.device_moves = remap_devices(root, opts.map_location)
+        done = tuple(f"moved {n} storages {move}" for move, n in report.device_moves.items())
         why = f"no device tag changes under --map-location {opts.map_location}"
         steps.append(Step(f"--map-location {opts.map_location}", done, why))
     if opts.dtype:
@@ -450,7 +481,9 @@ def convert(
         input=in_path,
         output=out_path,
         input_format=ckpt.format,
-        output_format=file_format if kind == "file" else f"sharded {file_format}",
+        output_format=_FORMAT_WORDS[kind if kind != "file" else file_format],
+        shard_format=_FORMAT_WORDS[file_format] if kind == "sharded" else None,
+        input_bytes=ckpt.file_size,
         dry_run=opts.dry_run,
         notes=list(ckpt.notes),
         selected=opts.select,
@@ -568,7 +601,8 @@ def _write(
     report.tensors = len(flat) if flat is not None else sum(1 for _ in iter_tensors(root))
     changes = _describe_changes(report)
     if opts.dry_run:
-        report.message = f"would write {report.output_format} to {out}{changes}; nothing written (dry run)"
+        what = f"{report.shard_format} shards" if report.shard_format else report.output_format
+        report.message = f"would write {what} to {out}{changes}; nothing written (dry run)"
         return
     if kind == "dcp":
         from .formats.dcp import write_dcp
@@ -597,6 +631,8 @@ def _write(
         report.outputs = [str(p) for p in written.files]
         report.output_bytes = sum(p.stat().st_size for p in written.files)
         report.shared_bytes = shared_bytes_of(report.outputs)
+        if len(written.files) == 1:  # one shard is a plain file in the folder, no index (the hub's way)
+            report.output_format, report.shard_format = _FORMAT_WORDS[file_format], None
     else:
         check = None
         if opts.verify or opts.in_place:
@@ -736,8 +772,9 @@ def fit_checkpoint(
     reference: str | os.PathLike[str] | None = None,
     model: str | None = None,
     model_path: Sequence[str | os.PathLike[str]] = (),
-    select: str | None = None,
     allow_partial: bool = False,
+    options: ConvertOptions | None = None,
+    select: str | None = None,
     dry_run: bool = False,
     force: bool = False,
     unsafe_load: bool = False,
@@ -753,51 +790,92 @@ def fit_checkpoint(
     Writes only when the result would load with ``strict=True``, or with ``allow_partial`` (then
     unexpected and wrong-shaped keys are left out, so ``load_state_dict(strict=False)`` accepts
     the file).
+
+    ``options`` carries every other pipeline step, as :func:`convert` takes them (the keyword
+    arguments ``select`` ... ``ema`` are the same fields, kept for existing callers; ``options``
+    wins where both are given). ``select``/``ema`` choose the state dict that is fitted; the fit
+    then joins the pipeline as its prefix steps, so the output is what :func:`convert` writes with
+    ``--select`` the fitted state dict, your ``--drop``/``--keep`` (on the checkpoint's own key
+    names) plus the keys a partial fit leaves out, the fit's ``--strip-prefix`` steps before yours,
+    its ``--add-prefix``, then ``--rename``, ``--map-location``, ``--dtype`` and the writer's
+    options. The verdict (``plan.loads_strictly``) is the fit's: steps you add after it (a drop,
+    a rename) change the keys it checked.
     Returns the plan and the write report (None when nothing was written).
     """
     from .transforms.fit import best_fit, reference_from_model, shapes_of
 
-    if (reference is None) == (model is None):
-        raise UsageError("give exactly one of --reference FILE or --model package.module:callable")
-    if model_path and model is None:
-        raise UsageError("--model-path goes with --model (it says where to find the model's module)")
-    if model is not None:
-        ref_shapes = reference_from_model(model, model_path)
-    else:
-        assert reference is not None  # exactly one of the two, checked above
-        ref = read_checkpoint(reference, unsafe_load=unsafe_load, inert_unknown=True)  # only its shapes
-        found = find_state_dicts(ref.root)
-        if not found:
-            raise UsageError(f"{reference}: no state dict found in the reference")
-        ref_shapes = shapes_of(max(found, key=lambda item: len(item[1]))[1])
-    ckpt = read_checkpoint(in_path, unsafe_load=unsafe_load, inert_unknown=True)  # convert() checks OUT
-    tree, base, _ = model_or_ema(ckpt.root, ema)  # the model's weights, not its EMA copy (or the reverse)
-    plan = best_fit(tree, ref_shapes, *select_path(tree, select)) if select else best_fit(tree, ref_shapes)
-    if not plan.loads_strictly and not allow_partial:
-        return plan, None
-    drop: list[str] = []
-    if allow_partial:
-        bad = set(plan.unexpected) | {m["key"] for m in plan.shape_mismatches}
-        drop = ["".join(f"[{c}]" if c in "*?[" else c for c in plan.renamed[k]) for k in sorted(bad)]
-    opts = ConvertOptions(
-        select=format_path(base + plan.state_dict) or None,
-        ema=ema and not base,  # a top-level EMA entry is selected by its path already
-        drop=drop,
-        strip_prefixes=plan.strips,
-        add_prefix=plan.add or None,
+    legacy = ConvertOptions(
+        select=select,
+        ema=ema,
         dry_run=dry_run,
         force=force,
         unsafe_load=unsafe_load,
         out_format=out_format,
         max_expand=max_expand,
     )
+    user = _merged(legacy, options)
+    if (reference is None) == (model is None):
+        raise UsageError("give exactly one of --reference FILE or --model package.module:callable")
+    if model_path and model is None:
+        raise UsageError("--model-path goes with --model (it says where to find the model's module)")
+    if user.out_format == "dcp" or user.max_shard_size is not None:
+        raise UsageError("fit writes one file (.pth or .safetensors), not shards or a DCP folder")
+    if model is not None:
+        ref_shapes = reference_from_model(model, model_path)
+    else:
+        assert reference is not None  # exactly one of the two, checked above
+        # only its shapes are used: its other contents are read as inert records
+        ref = read_checkpoint(reference, unsafe_load=user.unsafe_load, inert_unknown=True)
+        found = find_state_dicts(ref.root)
+        if not found:
+            raise UsageError(f"{reference}: no state dict found in the reference")
+        ref_shapes = shapes_of(max(found, key=lambda item: len(item[1]))[1])
+    check_global_patterns(user.allow_globals)
+    # unknown classes read as inert records: convert() below checks what OUT carries
+    ckpt = read_checkpoint(in_path, unsafe_load=user.unsafe_load, allow_globals=user.allow_globals, inert_unknown=True)
+    tree, base, _ = model_or_ema(ckpt.root, user.ema)  # the model's weights, not its EMA copy (or the reverse)
+    chosen = select_path(tree, user.select) if user.select else None
+    plan = best_fit(tree, ref_shapes, *chosen) if chosen else best_fit(tree, ref_shapes)
+    if not plan.loads_strictly and not allow_partial:
+        return plan, None
+    drop: list[str] = []
+    if allow_partial:
+        bad = set(plan.unexpected) | {m["key"] for m in plan.shape_mismatches}
+        drop = ["".join(f"[{c}]" if c in "*?[" else c for c in plan.renamed[k]) for k in sorted(bad)]
+    if plan.add and user.add_prefix:
+        raise UsageError(f"the fit adds {plan.add!r} already; --add-prefix {user.add_prefix!r} would add a second")
+    opts = replace(
+        user,
+        select=format_path(base + plan.state_dict) or None,
+        ema=user.ema and not base,  # a top-level EMA entry is selected by its path already
+        drop=[*drop, *user.drop],
+        strip_prefixes=[*plan.strips, *user.strip_prefixes],
+        add_prefix=plan.add or user.add_prefix,
+        require_change=False,
+    )
     return plan, convert(in_path, out_path, opts, command="fit")
+
+
+def _merged(legacy: ConvertOptions, options: ConvertOptions | None) -> ConvertOptions:
+    """``options`` where given, else the legacy keyword arguments (fields left at their default
+    in ``options`` take the keyword's value)."""
+    if options is None:
+        return legacy
+    defaults = ConvertOptions()
+    changes = {
+        f.name: getattr(legacy, f.name)
+        for f in fields(ConvertOptions)
+        if getattr(options, f.name) == getattr(defaults, f.name)
+        and getattr(legacy, f.name) != getattr(defaults, f.name)
+    }
+    return replace(options, **changes)
 
 
 @dataclass
 class PublishResult:
     path: str
-    sha256: str
+    #: the published file's sha256 (None for a dry run: nothing was written)
+    sha256: str | None
     report: Report
 
 
@@ -806,58 +884,80 @@ def publish(
     in_path: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
     *,
-    out_format: str = "safetensors",
+    out_format: str | None = None,
     name: str | None = None,
     unsafe_load: bool = False,
     allow_globals: Sequence[str] = (),
     max_expand: str | int | None = None,
     ema: bool = False,
+    options: ConvertOptions | None = None,
 ) -> PublishResult:
     """The release preset: the weights only (the largest state dict), wrapper prefixes stripped,
     every tensor on ``cpu``, written as ``NAME-<first 8 hex of sha256>.<ext>`` -- the name
-    ``torch.hub.load_state_dict_from_url(check_hash=True)``, timm and mmdet check."""
+    ``torch.hub.load_state_dict_from_url(check_hash=True)``, timm and mmdet check.
+
+    ``options`` carries every other pipeline step, as :func:`convert` takes them (``--dtype``,
+    ``--drop``, ``--rename`` ...); the preset fills in what they leave open: ``select`` (the
+    largest state dict), ``map_location`` (``cpu``), ``out_format`` (safetensors), and its
+    wrapper strips run before any ``strip_prefixes`` given. The keyword arguments
+    ``out_format`` ... ``ema`` are the same fields, kept for existing callers.
+    """
     import hashlib
 
     from .transforms.fit import wrapper_chain
 
-    if out_format not in FILE_FORMATS:
-        raise UsageError(f"publish writes pth or safetensors, not {out_format!r}")
-    check_global_patterns(allow_globals)
+    legacy = ConvertOptions(
+        out_format=out_format, unsafe_load=unsafe_load, allow_globals=allow_globals, max_expand=max_expand, ema=ema
+    )
+    user = _merged(legacy, options)
+    fmt = user.out_format or "safetensors"
+    if fmt not in FILE_FORMATS:
+        raise UsageError(f"publish writes pth or safetensors, not {fmt!r}")
+    if user.in_place or user.max_shard_size is not None:
+        raise UsageError("publish writes one new file into OUTDIR (no --in-place, no --max-shard-size)")
+    check_global_patterns(user.allow_globals)
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise CannotWriteError(f"{out_dir}: not a folder")
-    ckpt = read_checkpoint(in_path, unsafe_load=unsafe_load, allow_globals=allow_globals, inert_unknown=True)
-    found = find_state_dicts(ckpt.root)
+    ckpt = read_checkpoint(in_path, unsafe_load=user.unsafe_load, allow_globals=user.allow_globals, inert_unknown=True)
+    tree = select_path(ckpt.root, user.select)[1] if user.select else ckpt.root
+    found = find_state_dicts(tree)
     if not found:
         raise UsageError(f"{in_path}: no state dict to publish")
     path, state_dict = max(found, key=lambda item: len(item[1]))
-    if ema and not ema_prefix(state_dict) and isinstance(ckpt.root, Mapping):
-        entry = next((e for e in EMA_ENTRIES if e in ckpt.root and looks_like_state_dict(ckpt.root[e])), None)
+    if user.ema and not ema_prefix(state_dict) and isinstance(tree, Mapping):
+        entry = next((e for e in EMA_ENTRIES if e in tree and looks_like_state_dict(tree[e])), None)
         if entry is None:
             raise UsageError(f"{in_path}: --ema, but there is no EMA copy of the weights")
-        path, state_dict = (entry,), ckpt.root[entry]
-    part, _ = split_ema(state_dict, ema)
+        path, state_dict = (entry,), tree[entry]
+    part, _ = split_ema(state_dict, user.ema)
     chain = wrapper_chain([k for k in part if isinstance(k, str)])
     stem = name or Path(str(in_path).rstrip("/")).name.split(".")[0]
-    ext = ".safetensors" if out_format == "safetensors" else ".pth"
+    ext = ".safetensors" if fmt == "safetensors" else ".pth"
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)  # a release folder is made, as `mkdir -p` would
+        if not user.dry_run:
+            out_dir.mkdir(parents=True, exist_ok=True)  # a release folder is made, as `mkdir -p` would
     except OSError as exc:
         raise CannotWriteError(f"{out_dir}: cannot create the folder ({exc.strerror})") from None
     staging = out_dir / f".{stem}.publish{ext}"
-    opts = ConvertOptions(
-        select=format_path(path) or None,
-        ema=ema and ema_prefix(state_dict) is not None,
-        strip_prefixes=list(dict.fromkeys(chain)),
-        map_location="cpu",
-        out_format=out_format,
+    base = select_path(ckpt.root, user.select)[0] if user.select else ()
+    opts = replace(
+        user,
+        select=format_path(base + path) or None,
+        ema=user.ema and ema_prefix(state_dict) is not None,
+        strip_prefixes=[*dict.fromkeys(chain), *user.strip_prefixes],
+        map_location=user.map_location or "cpu",
+        out_format=fmt,
         force=True,
-        unsafe_load=unsafe_load,
-        allow_globals=allow_globals,
-        max_expand=max_expand,
+        require_change=False,
     )
     try:
         report = convert(in_path, staging, opts, command="publish")
+        if opts.dry_run:
+            final = out_dir / f"{stem}-<sha256>{ext}"
+            report.output = str(final)
+            report.message = f"would publish {final}{_describe_changes(report)}; nothing written (dry run)"
+            return PublishResult(str(final), None, report)
         digest = hashlib.sha256()
         with open(staging, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 22), b""):
@@ -866,6 +966,7 @@ def publish(
         os.replace(staging, final)
     finally:
         staging.unlink(missing_ok=True)
+    report.output = str(final)
     report.outputs = [str(final)]
     report.message = f"published {final} (sha256 {digest.hexdigest()})"
     return PublishResult(str(final), digest.hexdigest(), report)

@@ -30,8 +30,9 @@ _MAX_LISTED = 50
 class DiffReport:
     """What differs between A and B; ``equal`` is the verdict."""
 
-    a: str
-    b: str
+    #: the two inputs compared (A is the one the options transformed)
+    input_a: str
+    input_b: str
     equal: bool = True
     tensors_compared: int = 0
     tensors_equal: int = 0

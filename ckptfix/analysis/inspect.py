@@ -163,16 +163,16 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         )
     unallowed = _unallowed(ckpt)
     shared = [
-        {"storage": storages[sid].key, "tensors": names}
+        {"storage": storages[sid].key, "paths": names}
         for sid, paths in users.items()
         if len(paths) > 1
         for names in ([format_path(p) for p in paths],)
     ]
     return {
-        "path": ckpt.path,
+        "input": ckpt.path,
         "diagnosis": _DIAGNOSIS.get(ckpt.format, ckpt.format),
         "format": ckpt.format,
-        "file_bytes": ckpt.file_size,
+        "input_bytes": ckpt.file_size,
         "tensors": tensors,
         "storages": len(storages),
         "tensor_bytes": sum(s.nbytes for s in storages.values()),
@@ -230,7 +230,7 @@ def _warnings(devices: Counter[str]) -> list[str]:
 
 def render(summary: dict[str, Any]) -> str:
     """The human-readable ``inspect`` report."""
-    lines = [f"{summary['path']}: {summary['diagnosis']}, {format_size(summary['file_bytes'])}"]
+    lines = [f"{summary['input']}: {summary['diagnosis']}, {format_size(summary['input_bytes'])}"]
     lines.append(
         f"tensors: {summary['tensors']} in {summary['storages']} storages, "
         f"{format_size(summary['tensor_bytes'])} of tensor data"
@@ -258,7 +258,7 @@ def render(summary: dict[str, Any]) -> str:
         prefixes = ", ".join(f"{p['prefix']!r} on {p['keys']}/{sd['keys']} keys" for p in sd["prefixes"])
         lines.append(f"state dict {where}: {sd['keys']} keys" + (f"; prefixes: {prefixes}" if prefixes else ""))
     for group in summary["shared_storages"][:10]:
-        lines.append(f"shared storage {group['storage']}: " + ", ".join(group["tensors"][:6]))
+        lines.append(f"shared storage {group['storage']}: " + ", ".join(group["paths"][:6]))
     if summary["globals"]:
         lines.append("pickle globals: " + ", ".join(summary["globals"]))
     lines.extend(f"note: {n}" for n in summary["notes"])

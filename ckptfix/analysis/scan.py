@@ -51,6 +51,11 @@ class Found:
     reason: str = ""
 
 
+#: what a sniffed kind is called in --json: the words ``inspect`` prints (``unknown``: not a
+#: checkpoint format; ``pickle``: a file that is one plain pickle, DCP's .metadata)
+SCAN_FORMAT_WORDS = {"zip": "torch-zip", "legacy": "torch-legacy", "tar": "torch-tar", "not-checkpoint": "unknown"}
+
+
 @dataclass
 class ScanResult:
     path: str
@@ -69,9 +74,9 @@ class ScanResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "path": self.path,
-            "format": self.format,
-            "error": self.error,
+            "input": self.path,
+            "format": SCAN_FORMAT_WORDS.get(self.format, self.format) or "unknown",
+            "problems": [self.error] if self.error else [],  # as verify's: "error" is the envelope's
             "notes": self.notes,
             "dangerous": sorted({g.name for g in self.dangerous}),
             "unknown": sorted({g.name for g in self.unknown}),
@@ -133,6 +138,8 @@ def scan_path(path: str | Path) -> ScanResult:
         part = _scan_pickle_file(file) if kind == "dcp" else _scan_file(file)
         result.globals += [Found(g.name, g.verdict, f"{file.name}:{g.where}", g.reason) for g in part.globals]
         result.error = result.error or (f"{file.name}: {part.error}" if part.error else "")
+        if kind == "file":  # a folder holding one model file: that file's format
+            result.format = part.format
     return result
 
 

@@ -16,21 +16,31 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import CkptfixError
+from ..errors import CkptfixError, UsageError
 from ..fileio.ranges import OpenFiles, crc_of, iter_chunks
-from ..formats.checkpoint import read_checkpoint
+from ..formats.checkpoint import (
+    FORMAT_SAFETENSORS,
+    FORMAT_SHARDED,
+    Checkpoint,
+    read_checkpoint,
+)
+from ..formats.detect import FORMAT_NAME_ALIASES, FORMAT_NAMES
+from ..model.dtypes import CAST_ALIASES, CASTABLE
+from ..model.refs import TensorRef
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts
-from ..model.walk import iter_storages
+from ..model.walk import iter_storages, iter_tensors
 from ..transforms.devices import normalize_device
 from ..transforms.prefix import normalize_prefix
 
 
 @dataclass
 class VerifyResult:
-    path: str
+    input: str
     ok: bool = True
-    format: str = ""
-    tensors_bytes: int = 0
+    #: the words inspect prints; "unknown" when the file could not be read as a checkpoint
+    format: str = "unknown"
+    tensors: int = 0
+    tensor_bytes: int = 0
     notes: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
 
@@ -38,10 +48,53 @@ class VerifyResult:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Expectations:
+    """What ``verify --expect-*`` requires beyond a safe, complete read; each is named after the
+    writing option that makes a file meet it, and a failure names that fix.
+
+    ``prefix``: ``"none"`` (no key starts with a wrapper prefix: what ``strip-module`` /
+    ``--strip-prefix`` give) or a prefix every key has (``add-module --prefix``); ``device``: every
+    storage's tag (``--map-location``); ``dtype``: every floating-point state-dict tensor's dtype
+    (``--dtype``; integers, bools, float8 and complex are not counted, as ``--dtype`` leaves them);
+    ``format``: the format ``inspect`` reports (``--format``; ``pth`` means ``torch-zip``);
+    ``keys``: the number of state-dict keys; ``metadata``: ``KEY=VALUE`` pairs the safetensors
+    ``__metadata__`` (or a shard index's ``metadata``) must hold, e.g. ``format=pt``.
+    """
+
+    prefix: str | None = None
+    device: str | None = None
+    dtype: str | None = None
+    format: str | None = None
+    keys: int | None = None
+    metadata: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:  # a bad expectation is a usage error before any file is read
+        if self.device is not None:
+            normalize_device(self.device)
+        if self.dtype is not None and CAST_ALIASES.get(self.dtype, self.dtype) not in CASTABLE:
+            raise UsageError(f"--expect-dtype {self.dtype}: choose one of {', '.join([*CASTABLE, *CAST_ALIASES])}")
+        if self.format is not None and FORMAT_NAME_ALIASES.get(self.format, self.format) not in FORMAT_NAMES:
+            choices = ", ".join([*FORMAT_NAMES, *FORMAT_NAME_ALIASES])
+            raise UsageError(f"--expect-format {self.format}: choose one of {choices}")
+        for pair in self.metadata:
+            if "=" not in pair:
+                raise UsageError(f"--expect-metadata {pair!r}: write KEY=VALUE, e.g. format=pt")
+
+
 def verify_path(
-    path: str | os.PathLike[str], *, expect_prefix: str | None = None, expect_device: str | None = None
+    path: str | os.PathLike[str],
+    expect: Expectations | None = None,
+    *,
+    expect_prefix: str | None = None,
+    expect_device: str | None = None,
 ) -> VerifyResult:
-    """Every check on one checkpoint; problems are collected, never raised."""
+    """Every check on one checkpoint; problems are collected, never raised.
+
+    ``expect`` holds the expectations (``expect_prefix``/``expect_device`` are its first two
+    fields, kept for existing callers)."""
+    if expect is None:
+        expect = Expectations(prefix=expect_prefix, device=expect_device)
     result = VerifyResult(str(path))
     try:
         ckpt = read_checkpoint(path)
@@ -67,33 +120,77 @@ def verify_path(
                     )
             if zero_crc:
                 result.notes.append(f"{zero_crc} records carry CRC 0 (saved with CRC checking disabled): not checked")
+        result.tensors = sum(1 for _ in iter_tensors(ckpt.root))
         for storage in iter_storages(ckpt.root):
-            result.tensors_bytes += storage.nbytes
+            result.tensor_bytes += storage.nbytes
             if ckpt.archive is None and storage.source is not None:
                 try:
                     for _ in iter_chunks(storage.source, files):
                         pass
                 except (CkptfixError, OSError) as exc:
                     result.problems.append(f"storage {storage.key}: {exc}")
-    _check_expectations(ckpt.root, result, expect_prefix, expect_device)
+    _check_expectations(ckpt, result, expect)
     result.ok = not result.problems
     return result
 
 
-def _check_expectations(root: Any, result: VerifyResult, expect_prefix: str | None, expect_device: str | None) -> None:
-    keys = [k for _, sd in find_state_dicts(root) for k in sd if isinstance(k, str)]
-    if expect_prefix is not None:
-        if expect_prefix.lower() == "none":
+def _check_expectations(ckpt: Checkpoint, result: VerifyResult, expect: Expectations) -> None:
+    root = ckpt.root
+    state_dicts = find_state_dicts(root)
+    keys = [k for _, sd in state_dicts for k in sd if isinstance(k, str)]
+    problems = result.problems
+    if expect.prefix is not None:
+        if expect.prefix.lower() == "none":
             wrapped = [k for k in keys if k.startswith(WRAPPER_PREFIXES)]
             if wrapped:
-                result.problems.append(f"{len(wrapped)} keys start with a wrapper prefix, e.g. {wrapped[0]!r}")
+                problems.append(
+                    f"{len(wrapped)} keys start with a wrapper prefix, e.g. {wrapped[0]!r}; "
+                    f"fix: ckptfix strip-module IN OUT --prefix {wrapped[0].split('.', 1)[0]}."
+                )
         else:
-            prefix = normalize_prefix(expect_prefix)
+            prefix = normalize_prefix(expect.prefix)
             bare = [k for k in keys if not k.startswith(prefix)]
             if bare:
-                result.problems.append(f"{len(bare)} keys lack the prefix {prefix!r}, e.g. {bare[0]!r}")
-    if expect_device is not None:
-        device = normalize_device(expect_device)
+                problems.append(
+                    f"{len(bare)} keys lack the prefix {prefix!r}, e.g. {bare[0]!r}; "
+                    f"fix: ckptfix add-module IN OUT --prefix {prefix}"
+                )
+    if expect.device is not None:
+        device = normalize_device(expect.device)
         others = sorted({s.location for s in iter_storages(root)} - {device})
         if others:
-            result.problems.append(f"storages on {', '.join(others)}, expected all on {device}")
+            problems.append(
+                f"storages on {', '.join(others)}, expected all on {device}; "
+                f"fix: ckptfix remap IN OUT --map-location {device}"
+            )
+    if expect.dtype is not None:
+        dtype = CAST_ALIASES.get(expect.dtype, expect.dtype)
+        found: dict[str, int] = {}
+        for _, sd in state_dicts:
+            for value in sd.values():
+                if isinstance(value, TensorRef) and value.dtype in CASTABLE and value.dtype != dtype:
+                    found[value.dtype] = found.get(value.dtype, 0) + 1
+        if found:
+            listed = ", ".join(f"{n} {d}" for d, n in sorted(found.items()))
+            problems.append(
+                f"floating-point tensors not {dtype}: {listed}; fix: ckptfix convert IN OUT --dtype {dtype}"
+            )
+    if expect.format is not None:
+        wanted = FORMAT_NAME_ALIASES.get(expect.format, expect.format)
+        if ckpt.format != wanted:
+            how = {v: f"--format {k}" for k, v in [*FORMAT_NAME_ALIASES.items(), ("safetensors", "safetensors")]}
+            fix = how.get(wanted, "--format dcp" if wanted == "dcp" else "(OUT a folder ending in /)")
+            problems.append(f"format {ckpt.format}, expected {wanted}; fix: ckptfix convert IN OUT {fix}")
+    if expect.keys is not None and len(keys) != expect.keys:
+        problems.append(f"{len(keys)} state-dict keys, expected {expect.keys}")
+    for pair in expect.metadata:
+        key, _, value = pair.partition("=")
+        have = ckpt.metadata.get(key)
+        if have != value:
+            what = "no such entry" if have is None else f"it is {have!r}"
+            where = (
+                "__metadata__"
+                if ckpt.format in (FORMAT_SAFETENSORS, FORMAT_SHARDED)
+                else "metadata (not a safetensors file)"
+            )
+            problems.append(f"{where} {key}={value!r} expected, {what}")

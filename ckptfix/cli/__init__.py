@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> None:
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     as_json = "--json" in args[: args.index("--")] if "--" in args else "--json" in args
+    # the command's name, for the --json envelope of an error (options before it take no value)
+    command = next((a for a in args if not a.startswith("-")), None)
+    command = command if command in cli.commands else None
     signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         code = cli.main(args=args, prog_name="ckptfix", standalone_mode=False)
@@ -41,14 +44,14 @@ def main(argv: list[str] | None = None) -> None:
         exc.show()
         code = exc.exit_code
         if as_json:
-            json_exception(exc, code)
+            json_exception(command, exc, code)
     except CkptfixError as exc:
         if debug:
             traceback.print_exc()
         click.echo(f"ckptfix: error: {exc}", err=True)
         code = exc.exit_code
         if as_json:
-            json_exception(exc, code)
+            json_exception(command, exc, code)
     except KeyboardInterrupt:
         click.echo("ckptfix: interrupted; no output was written", err=True)
         code = ExitCode.INTERRUPTED
@@ -62,5 +65,5 @@ def main(argv: list[str] | None = None) -> None:
         )
         code = ExitCode.INTERNAL
         if as_json:
-            json_exception(exc, code)
+            json_exception(command, exc, code)
     sys.exit(int(code) if isinstance(code, int) else 0)

@@ -21,9 +21,10 @@ from click.core import ParameterSource
 
 from .. import __version__
 from ..errors import ExitCode, UsageError
-from ..formats.detect import FILE_FORMATS
+from ..formats.detect import FORMAT_NAME_ALIASES, FORMAT_NAMES
+from ..model.dtypes import CAST_ALIASES, CASTABLE
 from . import render
-from .options import BATCH_OPTIONS, IN_OUT, INPUTS, MAX_EXPAND, PIPELINE, PREFIX, Decorator, allow_global, apply
+from .options import BATCH_OPTIONS, IN_OUT, INPUTS, PIPELINE, PREFIX, Decorator, allow_global, apply
 from .render import emit_json, printable, say
 
 if TYPE_CHECKING:  # the pipeline (and all it reads with) is imported when a command runs, not for --help
@@ -237,17 +238,24 @@ def _write_command(spec: WriteCommand) -> click.Command:
     return click.command(spec.name, context_settings=CONTEXT)(apply([INPUTS, *spec.options, PIPELINE])(run))
 
 
+def pipeline_options(kw: dict[str, Any], **preset: Any) -> ConvertOptions:
+    """The shared pipeline options (PIPELINE) as a :class:`ConvertOptions`, popped from ``kw``;
+    what is left in ``kw`` is the command's own options."""
+    from ..pipeline import ConvertOptions
+
+    option_fields = {f.name for f in fields(ConvertOptions)}
+    values = {k: kw.pop(k) for k in list(kw) if k in option_fields}
+    values["map_location"] = ",".join(values.get("map_location") or ()) or None
+    return ConvertOptions(**values, **preset)
+
+
 def run_write(spec: WriteCommand, paths: tuple[str, ...], as_json: bool, kw: dict[str, Any]) -> int:
     """Build the options and run one file (IN OUT) or a batch (-o DIR, --in-place, folders)."""
     from ..batch import expand_inputs, plan_outputs, run_batch
 
     batch = {k: kw.pop(k) for k in BATCH_OPTIONS}
-    from ..pipeline import ConvertOptions
-
-    option_fields = {f.name for f in fields(ConvertOptions)}
-    own = {k: kw.pop(k) for k in list(kw) if k not in option_fields}
-    kw["map_location"] = ",".join(kw["map_location"]) or None
-    opts = spec.preset(ConvertOptions(**kw, require_change=spec.require_change), own)
+    opts = pipeline_options(kw, require_change=spec.require_change)
+    opts = spec.preset(opts, kw)
     single = batch["output_dir"] is None and not opts.in_place
     if single:
         if len(paths) != 2:
@@ -306,17 +314,17 @@ def run_write(spec: WriteCommand, paths: tuple[str, ...], as_json: bool, kw: dic
     if single:
         (result,) = report.files
         if result.status == "failed" and as_json:
-            render.json_error(result.exit_code, result.message)
+            render.json_error(spec.name, result.exit_code, result.message)
         elif result.status != "failed":
             assert result.report is not None  # a file that did not fail has its report
             if as_json:
-                emit_json(result.report)
+                emit_json(spec.name, report.exit_code, result.report)
             elif not quiet:
                 render.file_report(result.report, dry_run=opts.dry_run)
         return report.exit_code
     summary = report.to_dict()
     if as_json:
-        emit_json(summary)
+        emit_json(spec.name, report.exit_code, summary)
     elif not quiet:
         click.echo(render.batch_summary(summary, len(pairs), report.seconds, report.stopped_early))
     return report.exit_code
@@ -333,6 +341,10 @@ def _refuse_batch_flags() -> None:
 
 for _spec in WRITE_COMMANDS:
     cli.add_command(_write_command(_spec))
+
+#: every command that writes a checkpoint: the table's rows, then fit and publish (defined
+#: below); each takes the shared pipeline options (options.PIPELINE)
+WRITING_COMMANDS = (*(spec.name for spec in WRITE_COMMANDS), "fit", "publish")
 
 
 # ----------------------------------------------------------------------------- the other commands
@@ -355,19 +367,12 @@ for _spec in WRITE_COMMANDS:
     type=click.Path(file_okay=False),
     help="With --model: search this folder first for MODULE (repeatable, in order; '.' for the current folder).",
 )
-@click.option("--select", metavar="PATH", help="The state dict to fit (default: the one that fits best).")
 @click.option(
     "--allow-partial",
     is_flag=True,
     help="Write even when keys stay missing/unexpected (those and wrong-shaped keys are left out).",
 )
-@click.option("--ema", is_flag=True, help="Fit the EMA copy of the weights instead of the model's own.")
-@click.option("--format", "out_format", type=click.Choice(FILE_FORMATS), help="Output format.")
-@click.option("--dry-run", is_flag=True, help="Report the plan; write nothing.")
-@click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
-@click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
-@MAX_EXPAND
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+@PIPELINE
 def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
     """Make a checkpoint's state dict match a model's keys, and write just that state dict.
 
@@ -376,18 +381,29 @@ def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
     mismatches. Exit 0 only when OUT loads with strict=True; otherwise exit 1, and OUT is
     written only with --allow-partial. Keys are never matched by position.
 
+    Takes every option convert takes, in the same pipeline: --select/--ema choose the state
+    dict to fit (default: the one that fits best); the fit's prefix changes run as the first
+    --strip-prefix/--add-prefix steps; then --drop/--keep (matched on the checkpoint's own key
+    names, as in convert), your --strip-prefix/--rename, --map-location, --dtype, and the
+    writer's options. The exit status is the fit's verdict: a --drop or --rename you add
+    changes the keys after it.
+
     \b
     Examples:
       ckptfix fit ddp.pth fixed.pth --reference bare_model.pth
       ckptfix fit train.ckpt weights.safetensors --model mypkg.models:build_model
       ckptfix fit train.ckpt weights.safetensors --model models:build --model-path ./src
       ckptfix fit pretrained.pth init.pth --reference new_head.pth --allow-partial
+      ckptfix fit gpu_ddp.pth cpu_fp16.pth --reference bare.pth --map-location cpu --dtype float16
     """
     from ..pipeline import fit_checkpoint
 
-    plan, report = fit_checkpoint(in_path, out_path, **kw)
+    opts = pipeline_options(kw)
+    plan, report = fit_checkpoint(in_path, out_path, options=opts, **kw)
+    code = ExitCode.OK if plan.loads_strictly else ExitCode.CHECK_FAILED
     if as_json:
-        emit_json({"plan": plan.to_dict(), "write": report.to_dict() if report else None})
+        written = report.to_dict() if report else {"input": in_path, "output": out_path, "written": False}
+        emit_json("fit", code, {**written, "plan": plan.to_dict()})
     else:
         click.echo(render.fit_plan(plan))
         say(
@@ -396,7 +412,7 @@ def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
             else "nothing written: the result would not load with strict=True "
             "(use --allow-partial to write the keys that fit)"
         )
-    return ExitCode.OK if plan.loads_strictly else ExitCode.CHECK_FAILED
+    return code
 
 
 @cli.command("diff", context_settings=CONTEXT)
@@ -434,11 +450,12 @@ def diff_command(
     from ..pipeline import ConvertOptions, diff_checkpoints
 
     report = diff_checkpoints(a_path, b_path, ConvertOptions(**kw), select_b=select_b, rtol=rtol, atol=atol)
+    code = ExitCode.OK if report.equal else ExitCode.CHECK_FAILED
     if as_json:
-        emit_json(report.to_dict())
+        emit_json("diff", code, report.to_dict())
     else:
         click.echo(render(type(report)(**printable(report.to_dict()))))
-    return ExitCode.OK if report.equal else ExitCode.CHECK_FAILED
+    return code
 
 
 @cli.command("verify", context_settings=CONTEXT)
@@ -446,16 +463,41 @@ def diff_command(
 @click.option(
     "--expect-prefix",
     metavar="none|PREFIX",
-    help="Require no wrapper prefix on any key ('none'), or PREFIX on every key.",
+    help="Require no wrapper prefix on any key ('none', what strip-module gives), or PREFIX on every key.",
 )
-@click.option("--expect-device", metavar="DEVICE", help="Require every storage on DEVICE (e.g. cpu).")
+@click.option("--expect-no-prefix", is_flag=True, help="Same as --expect-prefix none.")
+@click.option(
+    "--expect-device", metavar="DEVICE", help="Require every storage on DEVICE, as --map-location DEVICE writes."
+)
+@click.option(
+    "--expect-dtype",
+    type=click.Choice([*CASTABLE, *CAST_ALIASES]),
+    help="Require every floating-point state-dict tensor to be DTYPE, as --dtype DTYPE writes.",
+)
+@click.option(
+    "--expect-format",
+    type=click.Choice([*FORMAT_NAMES, *FORMAT_NAME_ALIASES]),
+    help="Require this format, as inspect names it (pth = torch-zip, what --format pth writes).",
+)
+@click.option("--expect-keys", type=click.IntRange(min=0), metavar="N", help="Require exactly N state-dict keys.")
+@click.option(
+    "--expect-metadata",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="Require this safetensors __metadata__ entry, e.g. format=pt (what transformers needs; repeatable).",
+)
 @click.option("--recursive", is_flag=True, help="Folder inputs: include sub-folders.")
 @click.option("-q", "--quiet", is_flag=True, help="Print only failures.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
 def verify(
     paths: tuple[str, ...],
     expect_prefix: str | None,
+    expect_no_prefix: bool,
     expect_device: str | None,
+    expect_dtype: str | None,
+    expect_format: str | None,
+    expect_keys: int | None,
+    expect_metadata: tuple[str, ...],
     recursive: bool,
     quiet: bool,
     as_json: bool,
@@ -463,62 +505,68 @@ def verify(
     """Check checkpoints load safely and completely: a CI gate (exit 1 if any check fails).
 
     Each file is read by the safe readers (offsets in range, tensors inside their storages,
-    shard indexes consistent), every zip record's CRC32 is checked, all tensor data is read,
-    and optionally key prefixes and devices are as expected.
+    shard indexes consistent; safetensors headers held to the safetensors library's own rules,
+    and a key repeated in one is refused), every zip record's CRC32 is checked, all tensor data
+    is read, and the --expect-* options hold. Each expectation is named after the writing option
+    that makes a file meet it, and a failure says which command fixes it.
 
     \b
     Examples:
       ckptfix verify checkpoints/ --recursive
-      ckptfix verify release/*.safetensors --expect-prefix none --expect-device cpu --json
+      ckptfix verify release/*.safetensors --expect-no-prefix --expect-device cpu --json
+      ckptfix verify model.safetensors --expect-format safetensors --expect-dtype bfloat16 --expect-metadata format=pt
     """
-    from ..analysis.verify import verify_path
+    from ..analysis.verify import Expectations, verify_path
     from ..batch import expand_inputs
 
-    results = [
-        verify_path(p, expect_prefix=expect_prefix, expect_device=expect_device)
-        for p, _ in expand_inputs(paths, recursive)
-    ]
+    if expect_no_prefix and expect_prefix not in (None, "none"):
+        raise UsageError("give --expect-no-prefix or --expect-prefix PREFIX, not both")
+    expect = Expectations(
+        prefix="none" if expect_no_prefix else expect_prefix,
+        device=expect_device,
+        dtype=expect_dtype,
+        format=expect_format,
+        keys=expect_keys,
+        metadata=expect_metadata,
+    )
+    results = [verify_path(p, expect) for p, _ in expand_inputs(paths, recursive)]
     failed = [r for r in results if not r.ok]
+    code = ExitCode.CHECK_FAILED if failed else ExitCode.OK
     if as_json:
-        emit_json({"ok": len(results) - len(failed), "failed": len(failed), "files": [r.to_dict() for r in results]})
+        counts = {"passed": len(results) - len(failed), "failed": len(failed)}
+        emit_json("verify", code, {"counts": counts, "files": [r.to_dict() for r in results]})
     else:
         render.verify_results(results, quiet)
-    return ExitCode.CHECK_FAILED if failed else ExitCode.OK
+    return code
 
 
 @cli.command("publish", context_settings=CONTEXT)
 @click.argument("in_path", metavar="IN", type=click.Path())
 @click.argument("out_dir", metavar="OUTDIR", type=click.Path(file_okay=False))
-@click.option(
-    "--format",
-    "out_format",
-    type=click.Choice(FILE_FORMATS),
-    default="safetensors",
-    show_default=True,
-    help="Output format.",
-)
 @click.option("--name", help="File name stem (default: IN's name without extensions).")
-@click.option("--ema", is_flag=True, help="Publish the EMA copy of the weights instead of the model's own.")
-@click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
-@allow_global("Read objects of this global (dotted name, * ? [...] globs) as opaque records (they are not published).")
-@MAX_EXPAND
-@click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+@PIPELINE
 def publish_command(in_path: str, out_dir: str, as_json: bool, **kw: Any) -> int:
     """Release preset: weights only, wrapper prefixes stripped, on cpu, named by content hash.
 
-    Writes OUTDIR/NAME-<first 8 hex of sha256>.<ext> (OUTDIR is created if missing), the name torch.hub's
+    Writes OUTDIR/NAME-<first 8 hex of sha256>.<ext> (--format safetensors, the default, or
+    pth; OUTDIR is created if missing), the name torch.hub's
     load_state_dict_from_url(check_hash=True), timm and mmdet verify, and prints the full sha256.
+    Takes every option convert takes; the preset fills in what they leave open: --select (the
+    largest state dict), --map-location (cpu), and its wrapper strips run before your
+    --strip-prefix.
 
     \b
     Examples:
       ckptfix publish train.ckpt release/ --name resnet50
       ckptfix publish ddp.pth release/ --format pth
+      ckptfix publish train.ckpt release/ --dtype bfloat16 --drop '*.num_batches_tracked'
     """
     from ..pipeline import publish
 
-    result = publish(in_path, out_dir, **kw)
+    opts = pipeline_options(kw)
+    result = publish(in_path, out_dir, options=opts, **kw)
     if as_json:
-        emit_json({"path": result.path, "sha256": result.sha256, "report": result.report.to_dict()})
+        emit_json("publish", ExitCode.OK, {**result.report.to_dict(), "sha256": result.sha256})
     else:
         say(result.report.message)
     return ExitCode.OK
@@ -549,13 +597,15 @@ def scan(paths: tuple[str, ...], recursive: bool, as_json: bool, strict: bool) -
     from ..batch import expand_inputs
 
     results = [scan_path(p) for p, _ in expand_inputs(paths, recursive)]
+    if any(r.dangerous or (strict and r.unknown) for r in results):
+        code = ExitCode.CHECK_FAILED
+    else:
+        code = ExitCode.BAD_INPUT if any(r.error for r in results) else ExitCode.OK
     if as_json:
-        emit_json({"files": [r.to_dict() for r in results]})
+        emit_json("scan", code, {"files": [r.to_dict() for r in results]})
     else:
         render.scan_results(results)
-    if any(r.dangerous or (strict and r.unknown) for r in results):
-        return ExitCode.CHECK_FAILED
-    return ExitCode.BAD_INPUT if any(r.error for r in results) else ExitCode.OK
+    return code
 
 
 @cli.command("inspect", context_settings=CONTEXT)
@@ -582,7 +632,7 @@ def inspect_command(path: str, as_json: bool, unsafe_load: bool, allow_globals: 
 
     summary = inspect_checkpoint(path, unsafe_load=unsafe_load, allow_globals=allow_globals)
     if as_json:
-        emit_json(summary)
+        emit_json("inspect", ExitCode.OK, summary)
     else:
         click.echo(render(printable(summary)))
     return ExitCode.OK

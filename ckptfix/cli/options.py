@@ -95,117 +95,125 @@ MAX_EXPAND = click.option(
     "out in full, e.g. a stride-0 expand (default: 16x the input size, at least 1GiB).",
 )
 
-#: the options every writing command shares (one pipeline: ckptfix.pipeline.convert)
-PIPELINE = apply(
-    [
-        click.option("--select", metavar="PATH", help="Use this sub-tree as the checkpoint, e.g. state_dict or ema."),
-        click.option(
-            "--ema",
-            is_flag=True,
-            help="Take the EMA copy of the weights (state_dict_ema/model_ema/ema, or a model_ema. submodule beside "
-            "the model's; with --select the model's own part is taken by default).",
-        ),
-        click.option(
-            "--drop",
-            multiple=True,
-            metavar="GLOB",
-            help="Drop entries whose dotted path (or state-dict key) matches, e.g. optimizer or 'ema.*'.",
-        ),
-        click.option(
-            "--keep",
-            multiple=True,
-            metavar="GLOB",
-            help="In state dicts, keep only keys matching GLOB, e.g. 'backbone.*' (repeatable).",
-        ),
-        click.option(
-            "--strip-prefix",
-            "strip_prefixes",
-            multiple=True,
-            metavar="P",
-            help="Strip this key prefix (repeatable; applied in order).",
-        ),
-        click.option("--add-prefix", metavar="P", help="Add this key prefix to keys lacking it."),
-        click.option(
-            "--rename",
-            "--rule",
-            "rename",
-            multiple=True,
-            metavar="RULE",
-            help="Rename state-dict keys: 'REGEX=>REPLACEMENT' (Python re, backrefs; repeatable, in order; "
-            "--rule is the same option).",
-        ),
-        click.option(
-            "--key",
-            "keys",
-            multiple=True,
-            metavar="PATH",
-            help="Only rename keys of the state dict(s) at or under this dotted path (repeatable).",
-        ),
-        click.option(
-            "--map-location",
-            "map_location",
-            multiple=True,
-            metavar="SPEC",
-            help="Rewrite device tags: 'cpu', 'cuda' (= cuda:0), 'cuda:1', or FROM=TO pairs "
-            "(repeatable or comma-separated): cuda:1=cuda:0,cuda:2=cpu; FROM 'cuda' means any cuda:N.",
-        ),
-        click.option(
-            "--dtype",
-            type=click.Choice([*CASTABLE, *CAST_ALIASES]),
-            help="Cast floating-point state-dict tensors (ints, bools, optimizer state untouched).",
-        ),
-        click.option(
-            "--dtype-keep",
-            "dtype_keep",
-            multiple=True,
-            metavar="GLOB",
-            help="With --dtype: keep keys matching GLOB as they are, e.g. '*norm*' (repeatable).",
-        ),
-        click.option(
-            "--format",
-            "out_format",
-            type=click.Choice(OUTPUT_FORMATS),
-            help="Output format (default: from OUT's extension; a folder means safetensors shards; "
-            "dcp: a torch.distributed.checkpoint folder).",
-        ),
-        click.option(
-            "--max-shard-size", metavar="SIZE", help="Write HF-style shards of at most SIZE (e.g. 2GB, 5GiB)."
-        ),
-        MAX_EXPAND,
-        click.option(
-            "--keep-metadata",
-            is_flag=True,
-            help="safetensors: keep small plain values (epoch, config) as __metadata__ strings.",
-        ),
-        click.option("--dry-run", is_flag=True, help="Say what would change; write nothing."),
-        click.option("--force", is_flag=True, help="Overwrite OUT if it exists."),
-        click.option("--in-place", is_flag=True, help="Replace IN atomically (no OUT); implies --verify."),
-        click.option(
-            "--verify",
-            is_flag=True,
-            help="Re-read the output and check every tensor's bytes, keys, dtypes, shapes, devices and "
-            "ties against the plan before it replaces anything (exit 4 if not).",
-        ),
-        click.option(
-            "--unsafe-load",
-            is_flag=True,
-            help="For TRUSTED files only: allow torch.load(weights_only=False), which runs code "
-            "from the file, when the safe reader refuses it.",
-        ),
-        allow_global(
-            "Keep objects of this pickle global (or glob, e.g. 'numpy.*') as they are, without "
-            "importing or running anything; the output carries them unchanged. NAME is a dotted Python "
-            "name; parts may hold * ? [...] globs (anything else is a usage error)."
-        ),
-        click.option(
-            "--sanitize",
-            is_flag=True,
-            help="Replace argparse.Namespace, numpy values and pathlib paths by plain data (dict, numbers, "
-            "tensors, str) so the output loads with weights_only=True.",
-        ),
-        click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout."),
-    ]
-)
+#: the options every writing command shares (one pipeline: ckptfix.pipeline.convert): the
+#: table-built commands, fit and publish alike; ``tests/cli/test_shared_options.py`` checks it
+PIPELINE_OPTIONS: list[Decorator] = [
+    click.option("--select", metavar="PATH", help="Use this sub-tree as the checkpoint, e.g. state_dict or ema."),
+    click.option(
+        "--ema",
+        is_flag=True,
+        help="Take the EMA copy of the weights (state_dict_ema/model_ema/ema, or a model_ema. submodule beside "
+        "the model's; with --select the model's own part is taken by default).",
+    ),
+    click.option(
+        "--drop",
+        multiple=True,
+        metavar="GLOB",
+        help="Drop entries whose dotted path (or state-dict key) matches, e.g. optimizer or 'ema.*'.",
+    ),
+    click.option(
+        "--keep",
+        multiple=True,
+        metavar="GLOB",
+        help="In state dicts, keep only keys matching GLOB, e.g. 'backbone.*' (repeatable).",
+    ),
+    click.option(
+        "--strip-prefix",
+        "strip_prefixes",
+        multiple=True,
+        metavar="P",
+        help="Strip this key prefix (repeatable; applied in order).",
+    ),
+    click.option("--add-prefix", metavar="P", help="Add this key prefix to keys lacking it."),
+    click.option(
+        "--rename",
+        "--rule",
+        "rename",
+        multiple=True,
+        metavar="RULE",
+        help="Rename state-dict keys: 'REGEX=>REPLACEMENT' (Python re, backrefs; repeatable, in order; "
+        "--rule is the same option).",
+    ),
+    click.option(
+        "--key",
+        "keys",
+        multiple=True,
+        metavar="PATH",
+        help="Only rename keys of the state dict(s) at or under this dotted path (repeatable).",
+    ),
+    click.option(
+        "--map-location",
+        "map_location",
+        multiple=True,
+        metavar="SPEC",
+        help="Rewrite device tags: 'cpu', 'cuda' (= cuda:0), 'cuda:1', or FROM=TO pairs "
+        "(repeatable or comma-separated): cuda:1=cuda:0,cuda:2=cpu; FROM 'cuda' means any cuda:N.",
+    ),
+    click.option(
+        "--dtype",
+        type=click.Choice([*CASTABLE, *CAST_ALIASES]),
+        help="Cast floating-point state-dict tensors (ints, bools, optimizer state untouched).",
+    ),
+    click.option(
+        "--dtype-keep",
+        "dtype_keep",
+        multiple=True,
+        metavar="GLOB",
+        help="With --dtype: keep keys matching GLOB as they are, e.g. '*norm*' (repeatable).",
+    ),
+    click.option(
+        "--format",
+        "out_format",
+        type=click.Choice(OUTPUT_FORMATS),
+        help="Output format (default: from OUT's extension; a folder means safetensors shards; "
+        "dcp: a torch.distributed.checkpoint folder).",
+    ),
+    click.option("--max-shard-size", metavar="SIZE", help="Write HF-style shards of at most SIZE (e.g. 2GB, 5GiB)."),
+    MAX_EXPAND,
+    click.option(
+        "--keep-metadata",
+        is_flag=True,
+        help="safetensors: keep small plain values (epoch, config) as __metadata__ strings.",
+    ),
+    click.option("--dry-run", is_flag=True, help="Say what would change; write nothing."),
+    click.option("--force", is_flag=True, help="Overwrite OUT if it exists."),
+    click.option("--in-place", is_flag=True, help="Replace IN atomically (no OUT); implies --verify."),
+    click.option(
+        "--verify",
+        is_flag=True,
+        help="Re-read the output and check every tensor's bytes, keys, dtypes, shapes, devices and "
+        "ties against the plan before it replaces anything (exit 4 if not).",
+    ),
+    click.option(
+        "--unsafe-load",
+        is_flag=True,
+        help="For TRUSTED files only: allow torch.load(weights_only=False), which runs code "
+        "from the file, when the safe reader refuses it.",
+    ),
+    allow_global(
+        "Keep objects of this pickle global (or glob, e.g. 'numpy.*') as they are, without "
+        "importing or running anything; the output carries them unchanged. NAME is a dotted Python "
+        "name; parts may hold * ? [...] globs (anything else is a usage error)."
+    ),
+    click.option(
+        "--sanitize",
+        is_flag=True,
+        help="Replace argparse.Namespace, numpy values and pathlib paths by plain data (dict, numbers, "
+        "tensors, str) so the output loads with weights_only=True.",
+    ),
+    click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout."),
+]
+PIPELINE = apply(PIPELINE_OPTIONS)
+
+
+def option_names(options: Decorator) -> list[str]:
+    """The parameter names a bundle of options declares (what a command built with it takes)."""
+
+    def probe() -> None:
+        """Only carries the options."""
+
+    return [param.name for param in getattr(options(probe), "__click_params__", []) if param.name]
+
 
 PREFIX = apply(
     [

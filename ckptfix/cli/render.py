@@ -17,24 +17,37 @@ import click
 
 from ..errors import one_line
 
-#: the version of every --json document's shape (bumped when a field changes meaning or goes)
-SCHEMA_VERSION = 1
+#: the version of every --json document's shape (bumped when a field changes meaning or goes).
+#: 2: one envelope for every command (``command``, ``ok``, ``exit_code``), one name per concept
+#: (``input``/``output``, ``*_bytes``, the format words ``inspect`` prints); README "JSON output"
+SCHEMA_VERSION = 2
+
+#: the keys every --json document starts with, success or failure (an error adds ``error``)
+ENVELOPE = ("schema_version", "command", "ok", "exit_code")
 
 
-def emit_json(data: dict[str, Any]) -> None:
-    """The --json document: names exactly as the file holds them, its schema version first."""
-    click.echo(json.dumps({"schema_version": SCHEMA_VERSION, **data}, indent=2, default=str))
+def emit_json(command: str | None, exit_code: int, data: dict[str, Any]) -> None:
+    """The --json document: the envelope (schema version, command, ``ok`` = exit code 0, the exit
+    code), then the command's own fields, names exactly as the file holds them."""
+    document: dict[str, Any] = {
+        "schema_version": SCHEMA_VERSION,
+        "command": command,
+        "ok": int(exit_code) == 0,
+        "exit_code": int(exit_code),
+    }
+    document.update((k, v) for k, v in data.items() if k not in document)
+    click.echo(json.dumps(document, indent=2, default=str))
 
 
-def json_error(exit_code: int, message: str, kind: str = "Error", hint: str | None = None) -> None:
+def json_error(command: str | None, exit_code: int, message: str, kind: str = "Error", hint: str | None = None) -> None:
     """What --json prints on stdout when the command fails (the one stderr line still goes out),
     so a script reading stdout always gets one JSON object."""
-    emit_json({"ok": False, "exit_code": exit_code, "error": {"type": kind, "message": message, "hint": hint}})
+    emit_json(command, exit_code, {"error": {"type": kind, "message": message, "hint": hint}})
 
 
-def json_exception(error: Exception, exit_code: int) -> None:
+def json_exception(command: str | None, error: Exception, exit_code: int) -> None:
     message = getattr(error, "message", None) or str(error)
-    json_error(exit_code, message, type(error).__name__, getattr(error, "hint", None))
+    json_error(command, exit_code, message, type(error).__name__, getattr(error, "hint", None))
 
 
 def printable(data: Any) -> Any:
@@ -104,8 +117,9 @@ def batch_line(result: Any) -> str:
 
 def batch_summary(summary: dict[str, Any], total: int, seconds: float, stopped_early: bool) -> str:
     stopped = "; stopped at the first failure" if stopped_early else ""
+    counts = summary["counts"]
     return (
-        f"{summary['written']} written, {summary['unchanged']} unchanged, {summary['failed']} failed "
+        f"{counts['written']} written, {counts['unchanged']} unchanged, {counts['failed']} failed "
         f"of {total} ({seconds:.2f} s){stopped}"
     )
 
@@ -134,9 +148,9 @@ def verify_results(results: list[Any], quiet: bool) -> None:
     failed = [r for r in results if not r.ok]
     for r in results:
         if not r.ok:
-            say(f"FAIL {r.path}: " + "; ".join(r.problems), err=True)
+            say(f"FAIL {r.input}: " + "; ".join(r.problems), err=True)
         elif not quiet:
-            say(f"ok   {r.path} ({r.format})" + ("".join(f"; {n}" for n in r.notes)))
+            say(f"ok   {r.input} ({r.format})" + ("".join(f"; {n}" for n in r.notes)))
     if not quiet:
         click.echo(f"{len(results) - len(failed)} ok, {len(failed)} failed")
 

@@ -30,6 +30,11 @@ CHECKPOINT_SUFFIXES = (*PTH_SUFFIXES, ".safetensors")
 FILE_FORMATS = ("pth", "safetensors")
 #: every ``--format`` of the writing commands (dcp: a torch.distributed.checkpoint folder)
 OUTPUT_FORMATS = (*FILE_FORMATS, "dcp")
+#: what ``inspect`` (and every --json ``format`` field) calls the formats read: checkpoint.py's
+#: FORMAT_* values, here so the CLI can offer them without importing the readers
+FORMAT_NAMES = ("torch-zip", "torch-legacy", "torch-tar", "safetensors", "sharded", "dcp")
+#: the ``--format`` names that differ from what they write
+FORMAT_NAME_ALIASES = {"pth": "torch-zip"}
 
 #: torch's legacy format begins with a pickled magic number (LONG1 0x1950a86a20f9469cfc6c), after
 #: the PROTO opcode of whatever ``pickle_protocol`` it was saved with (2-5; 4+ adds a FRAME)

@@ -32,7 +32,7 @@ def test_two_hundred_files_with_two_jobs_match_torch(tmp_path: Path) -> None:
     result = invoke_cli("strip-module", *inputs, "-o", tmp_path / "out", "--jobs", "2", "--json", timeout=300)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)
-    assert report["written"] == 200 and report["failed"] == 0 and report["exit_code"] == 0
+    assert report["counts"]["written"] == 200 and report["counts"]["failed"] == 0 and report["exit_code"] == 0
     assert [f["input"] for f in report["files"]] == [str(p) for p in inputs]
     for src in inputs:
         out = tmp_path / "out" / src.name
@@ -56,7 +56,7 @@ def test_broken_inputs_with_continue_on_error(tmp_path: Path) -> None:
     )
     assert result.returncode == 3
     report = json.loads(result.stdout)
-    assert (report["written"], report["failed"]) == (47, 3)
+    assert (report["counts"]["written"], report["counts"]["failed"]) == (47, 3)
     failed = [f for f in report["files"] if f["status"] == "failed"]
     assert [Path(f["input"]).name for f in failed] == ["ckpt_005.pth", "ckpt_020.pth", "ckpt_041.pth"]
     assert all(f["message"] and f["exit_code"] == 3 for f in failed)

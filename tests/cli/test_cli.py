@@ -152,7 +152,7 @@ def test_inspect_reports_shared_storage(tmp_path: Path) -> None:
     weight = torch.zeros(3, 2)
     torch.save({"emb.weight": weight, "head.weight": weight}, src)
     info = json.loads(invoke_cli("inspect", src, "--json").stdout)
-    assert info["shared_storages"] == [{"storage": "0", "tensors": ["emb.weight", "head.weight"]}]
+    assert info["shared_storages"] == [{"storage": "0", "paths": ["emb.weight", "head.weight"]}]
 
 
 def test_output_mode_follows_umask(tmp_path: Path) -> None:

@@ -298,7 +298,7 @@ def test_batch_verify_and_scan_escape_file_names(hostile: dict[str, Path], tmp_p
         assert result.returncode == 0, result.stderr
         _assert_escaped(result.stdout + result.stderr, "ev\\x1b[31mred\\nil\\r.pth")
     scanned = json.loads(invoke_cli("scan", evil, "--json").stdout)
-    assert scanned["files"][0]["path"] == str(evil)
+    assert scanned["files"][0]["input"] == str(evil)
 
 
 def test_help_documents_the_new_options() -> None:

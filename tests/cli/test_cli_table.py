@@ -125,7 +125,7 @@ def test_json_on_error_is_one_object_on_stdout(capsys: pytest.CaptureFixture[str
     ):
         code, out, err = run(capsys, *args)
         document = json.loads(out)
-        assert document["schema_version"] == 1 and document["ok"] is False
+        assert document["schema_version"] == 2 and document["ok"] is False
         assert document["exit_code"] == code and code in (2, 3)
         assert document["error"]["message"] and err.count("\n") >= 1
 
@@ -149,7 +149,7 @@ def test_remap_to_safetensors_says_there_are_no_device_tags(capsys: pytest.Captu
     out = ddp.with_name("w.safetensors")
     code, stdout, _ = run(capsys, "remap", ddp, out, "--map-location", "cuda:0", "--json")
     report = json.loads(stdout)
-    assert code == 0 and out.exists() and report["devices"] == {} and report["unchanged"]
+    assert code == 0 and out.exists() and report["device_moves"] == {} and report["unchanged"]
     assert report["steps"] == [{"step": "--map-location cuda:0", "changed": False}]
     assert any("no device tags" in note for note in report["notes"])
 

@@ -814,7 +814,7 @@ def test_scan_keeps_the_finding_when_the_pickle_is_garbage_afterwards(base_zip: 
     result = ck("scan", "--json", src)
     assert result.returncode == 1
     report = json.loads(result.stdout)["files"][0]
-    assert report["dangerous"] == ["os.system"] and report["error"]
+    assert report["dangerous"] == ["os.system"] and report["problems"]
     human = ck("scan", src)
     assert human.returncode == 1 and human.stdout.startswith("DANGEROUS")
 
@@ -1089,7 +1089,7 @@ def test_scan_of_unhashable_set_elements_is_not_an_internal_error(
     if b"posix" in payload:
         assert result.returncode == 1 and "os.system" in result.stdout, result.stderr
     else:
-        assert result.returncode == 3 and json.loads(result.stdout)["files"][0]["error"], result.stderr
+        assert result.returncode == 3 and json.loads(result.stdout)["files"][0]["problems"], result.stderr
 
 
 # =========================================================================== 10. smaller ones

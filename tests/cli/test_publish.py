@@ -31,7 +31,7 @@ def test_publish_name_matches_sha256_and_torch_hub_accepts_it(tmp_path: Path) ->
         result = invoke_cli("publish", src, tmp_path / "release", "--name", "tinynet", "--format", fmt, "--json")
         assert result.returncode == 0, result.stderr
         report = json.loads(result.stdout)
-        path = Path(report["path"])
+        path = Path(report["output"])
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         ext = "safetensors" if fmt == "safetensors" else "pth"
         assert report["sha256"] == digest and path.name == f"tinynet-{digest[:8]}.{ext}"

@@ -87,7 +87,7 @@ def test_drop_and_keep(tmp_path: Path) -> None:
     out = torch.load(tmp_path / "a.ckpt", weights_only=True)
     assert "optimizer_states" not in out and "lr_schedulers" not in out and out["epoch"] == 3
     assert list(out["state_dict"]) == ["model.conv1.weight", "model.conv1.bias"]
-    assert report["bytes_dropped"] > 0 and "optimizer_states" in report["dropped"]
+    assert report["dropped_bytes"] > 0 and "optimizer_states" in report["dropped"]
     nbt = invoke_cli("convert", DP, tmp_path / "b.pth", "--drop", "*.num_batches_tracked")
     assert nbt.returncode == 0
     assert not any(k.endswith("num_batches_tracked") for k in torch.load(tmp_path / "b.pth"))
@@ -102,7 +102,7 @@ def test_prune_keeps_weights_and_reports_bytes(tmp_path: Path) -> None:
     original = torch.load(LIGHTNING, weights_only=True)
     assert set(pruned) == {"epoch", "global_step", "pytorch-lightning_version", "state_dict", "hyper_parameters"}
     assert set(pruned["state_dict"]) == set(original["state_dict"])
-    assert report["bytes_dropped"] == sum(
+    assert report["dropped_bytes"] == sum(
         t.untyped_storage().nbytes() for s in original["optimizer_states"][0]["state"].values() for t in s.values()
     )
     assert (tmp_path / "w.ckpt").stat().st_size < LIGHTNING.stat().st_size
@@ -219,7 +219,7 @@ def test_fit_new_head_needs_allow_partial(tmp_path: Path) -> None:
     assert refused.returncode == 1 and not (tmp_path / "out.pth").exists()
     plan = json.loads(refused.stdout)["plan"]
     assert {m["key"] for m in plan["shape_mismatches"]} == {"fc.weight", "fc.bias"}
-    assert plan["loads_strictly"] is False and json.loads(refused.stdout)["write"] is None
+    assert plan["loads_strictly"] is False and json.loads(refused.stdout)["written"] is False
     partial = invoke_cli("fit", DP, tmp_path / "out.pth", "--reference", tmp_path / "new.pth", "--allow-partial")
     assert partial.returncode == 1 and (tmp_path / "out.pth").exists()
     assert "shape mismatch: fc.weight: checkpoint [2, 4] vs reference [10, 4]" in partial.stdout
