@@ -80,6 +80,12 @@ DANGEROUS: dict[str, str] = {
     **_names("unpickles nested bytes with weights_only=False", "torch.serialization._load"),
     **_names("unpickles nested bytes with weights_only=False", "torch.serialization._legacy_load"),
     **_names("runs TorchScript code", "torch.jit.load"),
+    **_names("builds code objects or functions from bytes", "types.CodeType", "types.FunctionType"),
+    **_names("imports any module by name", "pkgutil.resolve_name", "builtins.apply"),
+    **_names("opens files", "logging.FileHandler", "distutils.file_util.write_file"),
+    **_names("runs shell commands", "imaplib.IMAP4_stream", "doctest.debug_script", "torch.utils.collect_env.run"),
+    **_names("runs shell commands", *(f"uuid.{n}" for n in ("_get_command_stdout", "_popen", "getnode"))),
+    **_modules("compiles and loads code", "torch._inductor", "torch._dynamo", "numpy.f2py", "ensurepip", "idlelib"),
 }
 _DANGEROUS_NAMES = {k: v for k, v in DANGEROUS.items() if not k.endswith(".")}
 _DANGEROUS_PREFIXES = tuple(k for k in DANGEROUS if k.endswith("."))

@@ -13,6 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,6 +61,8 @@ VALUES: dict[str, tuple[Any, Any]] = {  # live value, what --sanitize must make 
     "date": (datetime.date(2020, 1, 2), "2020-01-02"),
     "timedelta": (datetime.timedelta(days=1, microseconds=5), 86400.000005),
     "typing": (typing.Optional, "typing.Optional"),
+    "time": (datetime.time(1, 2, 3), "01:02:03"),
+    "numpy dtype": (np.dtype("float16"), "float16"),
     "empty bytes": (b"", b""),
 }
 
@@ -86,6 +89,14 @@ def test_sanitize_rules_match_the_live_objects(tmp_path: Path, case: str, protoc
     assert not foreign_globals(root).unallowed
     out = _write(root, ckpt.archive, tmp_path / "out.pth")  # the plain result is writable, and loads safely
     assert torch.load(out, weights_only=True)["extra"] == expected
+
+
+def test_empty_numpy_arrays_sanitize(tmp_path: Path) -> None:
+    """Protocol 2 pickles an empty array's bytes as ``bytes()``: a builtin call, converted first."""
+    ckpt = read_checkpoint(_save(tmp_path, np.zeros((0, 3), dtype=np.int16)), inert_unknown=True)
+    root, _ = sanitize(ckpt.root)
+    out = torch.load(_write(root, ckpt.archive, tmp_path / "out.pth"), weights_only=True)["extra"]
+    assert out.shape == (0, 3) and out.dtype == torch.int16
 
 
 def test_protocol_1_objects_sanitize_through_the_reconstructor(tmp_path: Path) -> None:
