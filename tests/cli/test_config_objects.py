@@ -274,3 +274,37 @@ def test_pass_through_of_a_dataclass_round_trips(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     loaded = torch.load(out, weights_only=False)
     assert loaded["opt"] == Optim(lr=0.5) and loaded["state_dict"]["w"].dtype == torch.bfloat16
+
+
+def test_a_plain_training_checkpoint_with_configs(tmp_path: Path) -> None:
+    """Not Lightning: {"model", "optimizer", "args", "config", "epoch"} as a hand-written loop saves it."""
+    import argparse
+
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    optimizer.step()
+    src = tmp_path / "last.pth"
+    config = OmegaConf.create({"lr": 1e-3, "model": {"hidden": 4}})
+    torch.save(
+        {
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "args": argparse.Namespace(lr=1e-3, cfg=config),
+            "config": config,
+            "epoch": 3,
+        },
+        src,
+    )
+    out = tmp_path / "model.safetensors"
+    assert invoke_cli("convert", src, out, "--select", "model").returncode == 0
+    fresh = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    fresh.load_state_dict(load_file(out), strict=True)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    report = ckptfix.load_into(fresh, src)
+    assert report.state_dict == "model" and not report.missing
+    whole = invoke_cli("convert", src, tmp_path / "plain.pth", "--sanitize")
+    assert whole.returncode == 0, whole.stderr
+    plain = torch.load(tmp_path / "plain.pth", weights_only=True)
+    assert plain["args"] == {"lr": 1e-3, "cfg": OmegaConf.to_container(config)}
+    assert plain["optimizer"]["param_groups"] == optimizer.state_dict()["param_groups"]
