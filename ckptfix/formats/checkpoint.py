@@ -69,8 +69,8 @@ def read_checkpoint(
 
     Zip-format torch checkpoints (whatever their extension: .pth, .pt, .bin, .ckpt, .tar),
     legacy (non-zip) torch files, safetensors files and HF shard folders (or their
-    ``*.index.json``) are read lazily by ckptfix's own readers. Only the pre-2018 tar format goes
-    through ``torch.load(weights_only=True)``.
+    ``*.index.json``) are read lazily by ckptfix's own readers. The pre-2018 tar format has no
+    safe reader: it is read through ``torch.load(weights_only=False)`` with ``unsafe_load`` only.
     ``unsafe_load=True`` allows a fallback to ``torch.load(weights_only=False)`` for pickles
     the allow-list refuses -- only for trusted files. ``allow_globals`` (names or globs such as
     ``argparse.Namespace`` or ``numpy.*``) lets those globals through as opaque records that are
