@@ -137,25 +137,24 @@ def _safetensors_content(path: Path) -> dict[str, torch.Tensor]:
     return {**stored, **{alias: stored[kept] for alias, kept in aliases.items()}}
 
 
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors of a test tree (dicts, lists, tuples), in the order torch.save meets them."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (dict, list, tuple)):
+        for v in value.values() if isinstance(value, dict) else value:
+            yield from _tensors_in(v)
+
+
 def _dense_dtypes(tree: Any) -> tuple[dict[str, int], dict[str, int]]:
     """The dense tensors' dtypes with their counts, and all tensors' (as inspect reports them)."""
     dense: dict[str, int] = {}
     everything: dict[str, int] = {}
-
-    def visit(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            name = _name(value.dtype)
-            everything[name] = everything.get(name, 0) + 1
-            if value.layout is torch.strided and not value.is_quantized and not value.is_nested and not value.is_meta:
-                dense[name] = dense.get(name, 0) + 1
-        elif isinstance(value, dict):
-            for v in value.values():
-                visit(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                visit(v)
-
-    visit(tree)
+    for value in _tensors_in(tree):
+        name = _name(value.dtype)
+        everything[name] = everything.get(name, 0) + 1
+        if value.layout is torch.strided and not value.is_quantized and not value.is_nested and not value.is_meta:
+            dense[name] = dense.get(name, 0) + 1
     return dense, everything
 
 
@@ -490,19 +489,9 @@ def _storage_units(tree: Any) -> list[int]:
     pickler meets them), the bytes a big-endian machine swaps as one: the element size, half of
     it for complex numbers (torch's ``_byteswap``)."""
     units: dict[int, int] = {}
-
-    def visit(value: Any) -> None:
-        if isinstance(value, torch.Tensor):
-            size = value.element_size()
-            units.setdefault(value.untyped_storage()._cdata, size // 2 if value.is_complex() else size)
-        elif isinstance(value, dict):
-            for v in value.values():
-                visit(v)
-        elif isinstance(value, (list, tuple)):
-            for v in value:
-                visit(v)
-
-    visit(tree)
+    for value in _tensors_in(tree):
+        size = value.element_size()
+        units.setdefault(value.untyped_storage()._cdata, size // 2 if value.is_complex() else size)
     return list(units.values())
 
 
