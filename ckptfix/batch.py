@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import BadInputError, CannotWriteError, CkptfixError, ExitCode, UsageError
+from .errors import BadInputError, CannotWriteError, CkptfixError, ExitCode, UsageError, one_line
 from .formats.detect import CHECKPOINT_SUFFIXES, FILE_FORMATS
 from .formats.sharded import INDEX_NAMES, find_index
 
@@ -41,6 +41,8 @@ class FileResult:
     output_bytes: int = 0
     seconds: float = 0.0
     report: dict[str, Any] | None = None
+    #: for a failed file: ``{"type", "message", "hint"}``, the object ``--json`` shows for an error
+    error: dict[str, Any] | None = None
 
 
 @dataclass
@@ -183,12 +185,15 @@ def process_one(
             backup_path.unlink(missing_ok=True)
     except CkptfixError as exc:
         result.message, result.exit_code = str(exc), exc.exit_code
+        result.error = {"type": type(exc).__name__, "message": one_line(exc.message), "hint": exc.hint}
     except OSError as exc:
         result.message, result.exit_code = f"{in_path}: {exc.strerror or exc}", ExitCode.CANNOT_WRITE
+        result.error = {"type": type(exc).__name__, "message": result.message, "hint": None}
     except Exception as exc:  # a bug: report it for this file, keep the batch's report intact
         if raise_bugs:
             raise
         result.message, result.exit_code = f"internal error: {type(exc).__name__}: {exc}", ExitCode.INTERNAL
+        result.error = {"type": "InternalError", "message": result.message, "hint": None}
     if result.status == "failed" and backup_path is not None and backup_path.exists() and not Path(in_path).exists():
         os.replace(backup_path, os.path.realpath(in_path))  # through a symlink, as --in-place writes
     result.seconds = round(time.perf_counter() - started, 4)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from .analysis.inspect import describe_tree, summarize
-from .errors import BadInputError, CannotWriteError, CheckFailedError, UsageError
+from .errors import BadInputError, CannotWriteError, CheckFailedError, UnsafeInputError, UsageError
 from .fileio.atomic import atomic_output, check_destination
 from .fileio.extents import shared_bytes, shared_bytes_of
 from .fileio.ranges import FileRange, OpenFiles, OutputStream
@@ -490,13 +490,16 @@ def convert(
     )
     root = apply_transforms(ckpt, opts, report, file_format)
     if ckpt.lazy and has_foreign(ckpt.globals):
-        found = check_output(
-            ckpt.root,
-            None if file_format == "safetensors" else root,
-            converted=[s["path"] for s in report.sanitized],
-            sanitize_requested=opts.sanitize,
-            select_given=bool(opts.select),
-        )
+        try:
+            found = check_output(
+                ckpt.root,
+                None if file_format == "safetensors" else root,
+                converted=[s["path"] for s in report.sanitized],
+                sanitize_requested=opts.sanitize,
+                select_given=bool(opts.select),
+            )
+        except UnsafeInputError as exc:
+            raise exc.at(in_path) from None
         report.kept_globals, report.ignored = found.kept, found.ignored
         report.notes += found.notes()
     if opts.require_change and not report.changed:

@@ -314,7 +314,10 @@ def run_write(spec: WriteCommand, paths: tuple[str, ...], as_json: bool, kw: dic
     if single:
         (result,) = report.files
         if result.status == "failed" and as_json:
-            render.json_error(spec.name, result.exit_code, result.message)
+            error = result.error or {"message": result.message}
+            render.json_error(
+                spec.name, result.exit_code, error["message"], error.get("type", "Error"), error.get("hint")
+            )
         elif result.status != "failed":
             assert result.report is not None  # a file that did not fail has its report
             if as_json:

@@ -73,7 +73,7 @@ TYPES: dict[str, tuple[type, ...]] = {
     "problems": (list,),
     "seconds": (float, int),
     "message": (str,),
-    "error": (dict,),
+    "error": (dict, type(None)),  # null in a batch's files that did not fail
 }
 #: names schema 2 replaced (file paths are input/output; sizes are <what>_bytes)
 RETIRED = {"file", "file_bytes", "tensors_bytes", "bytes_in", "bytes_out", "bytes_dropped", "size", "write", "a", "b"}
