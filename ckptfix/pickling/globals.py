@@ -86,13 +86,48 @@ DANGEROUS: dict[str, str] = {
     **_names("runs shell commands", "imaplib.IMAP4_stream", "doctest.debug_script", "torch.utils.collect_env.run"),
     **_names("runs shell commands", *(f"uuid.{n}" for n in ("_get_command_stdout", "_popen", "getnode"))),
     **_modules("compiles and loads code", "torch._inductor", "torch._dynamo", "numpy.f2py", "ensurepip", "idlelib"),
+    **_modules("runs Python source it is given (GraphModule's pickle execs its code)", "torch.fx"),
+    **_modules("imports and calls any dotted name a dict gives, or evaluates text", "logging.config"),
+    **_modules("imports and runs code from a file or folder", "zipimport", "site", "distutils", "setuptools"),
+    **_modules("spawns processes", "_winapi", "torch.distributed.rpc"),
+    **_modules("runs Python code given as text", "numpy.testing"),
+    **_names("imports and calls any dotted name it is given", "hydra.utils.instantiate", "hydra.utils.call"),
+    **_names("imports any module by name", "hydra.utils.get_method", "hydra.utils.get_class", "hydra.utils.get_object"),
+    **_modules("imports any module by name", "hydra._internal.utils"),
+    **_names("waits for input or starts a debugger", "builtins.help"),
 }
 _DANGEROUS_NAMES = {k: v for k, v in DANGEROUS.items() if not k.endswith(".")}
 _DANGEROUS_PREFIXES = tuple(k for k in DANGEROUS if k.endswith("."))
+#: the packages dangerous names live in (``torch`` for ``torch.load``): a dotted name through one
+_DANGEROUS_ROOTS = frozenset(k.split(".", 1)[0] for k in DANGEROUS)
+
+
+def resolved_name(module: str, name: str) -> str:
+    """The global ``module`` + ``name`` reaches, as far as names tell: protocol 4 resolves a
+    dotted ``name`` attribute by attribute (``pickle._getattribute``), so it can pass through a
+    module that ``module`` imported: ``pathlib`` + ``os.system`` *is* ``os.system``, and
+    ``collections`` + ``_sys.exit`` is ``sys.exit`` (``import sys as _sys``). No pickler writes
+    such a name (qualified names pass through classes: ``Outer.Inner``), so the first part of
+    ``name`` that names a standard-library or dangerous module decides; otherwise the name is
+    ``module.name`` itself. :func:`danger` judges what this returns."""
+    parts = name.split(".")
+    for i, part in enumerate(parts[:-1]):
+        root = MODULE_ALIASES.get(part, part.strip("_"))
+        if root in sys.stdlib_module_names or root in _DANGEROUS_ROOTS:
+            return ".".join((root, *parts[i + 1 :]))
+    return f"{module}.{name}"
+
+
+#: why a name that passes through a dunder attribute is refused (see :func:`danger`)
+_THROUGH_DUNDER = "reaches the interpreter's internals through attributes (__globals__, __builtins__, __class__)"
 
 
 def danger(name: str) -> str | None:
-    """Why ``name`` (as pickled or canonical) is an attack when a pickle calls it, or None."""
+    """Why ``name`` (as pickled, canonical or :func:`resolved_name`) is an attack when a pickle
+    calls it, or None. A dunder inside a dotted name (``Cfg.__init__.__globals__.get``) is one
+    whatever the rest says: protocol 4 follows it attribute by attribute to any object."""
+    if any(p[:2] == "__" == p[-2:] for p in name.split(".")[1:-1]):
+        return _THROUGH_DUNDER
     known = canonical_name(name)
     reason = _DANGEROUS_NAMES.get(known)
     if reason is not None:

@@ -38,7 +38,16 @@ from ..model.dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS
 from ..model.paths import Path
 from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef, Tree
 from ..model.walk import check_nesting, walk
-from .globals import MODULE_ALIASES, SANITIZABLE, allow_options, canonical_name, companion, danger, kept_along
+from .globals import (
+    MODULE_ALIASES,
+    SANITIZABLE,
+    allow_options,
+    canonical_name,
+    companion,
+    danger,
+    kept_along,
+    resolved_name,
+)
 from .names import is_dotted_identifier
 from .recording import looks_like_pickle, protocol2_bytes, record_globals
 from .vm import Budgets, Hooks, PickleVM, collector_paused
@@ -312,9 +321,12 @@ class ReaderHooks(Hooks):
             raise BadInputError(f"corrupt or hostile pickle: a global named {full!r:.120}, not a Python name")
         result = Global(module, name)
         if full not in TORCH_GLOBALS and full not in PYTHON_GLOBALS:
-            reason = danger(full)
+            reached = resolved_name(module, name)  # pathlib + os.system is os.system
+            reason = danger(reached)
             if reason is not None:  # an attack wherever it is: never allowed, never read past
                 shown = [display_name(module, name)]
+                if reached != full:
+                    shown = [f"{reached} (pickled as {full})"]
                 raise UnsafeInputError(full, shown=shown, hostile=[full], reasons={full: reason})
             if self.allow and allowed_by_name(full, self.allow):
                 self._opaque.add(id(result))
@@ -512,8 +524,11 @@ class ForeignGlobals:
 
 def foreign_globals(root: Tree, paths_per_name: int = 3) -> ForeignGlobals:
     """Every global in ``root`` that is neither torch's nor a plain Python builder: objects,
-    bare names (``typing.Any`` as a value), dict keys. What an output built from ``root`` would
-    carry -- one walk over it, every atom included."""
+    bare names (``typing.Any`` as a value), dict keys and what they hold (a record, or a tuple
+    or frozenset of records: ``{(Split.TRAIN, 0): ...}``). What an output built from ``root``
+    would carry -- every atom included, each container entered once: the keys are walked
+    together, in rounds (keys inside keys), so 20 000 keys sharing one big list cost one walk
+    of it, not 20 000."""
     result = ForeignGlobals()
 
     def note(path: Path, value: Any) -> None:
@@ -527,12 +542,29 @@ def foreign_globals(root: Tree, paths_per_name: int = 3) -> ForeignGlobals:
         if len(where) < paths_per_name:
             where.append(path)
 
-    keyed: list[tuple[Path, Any]] = []
-    for path, value in walk(root, leaves=True):
-        note(path, value)
-        if isinstance(value, Mapping):
-            keyed += [(path, key) for key in value if type(key) in (Global, OpaqueObject)]
-    for path, key in keyed:  # records as keys (DCP's MetadataIndex): what they hold, too
-        for inner, value in walk(key, leaves=True):
-            note(path + inner, value)
+    entered: set[int] = set()  # containers walked in any round (all stay alive in the tree)
+
+    def descend(path: Path, value: Any) -> bool:
+        if id(value) in entered:
+            return False
+        entered.add(id(value))
+        return True
+
+    roots: list[tuple[Path, Any]] = [((), root)]
+    rounds: list[list[Any]] = []  # kept alive: a freed round's id must not match a later object
+    while roots:
+        keyed: list[tuple[Path, Any]] = []
+        rounds.append([node for _, node in roots])
+        for index, (path, value) in enumerate(walk(rounds[-1], descend, leaves=True)):
+            if index == 0:
+                continue  # the round's own list
+            where = roots[path[0]][0] + path[1:]
+            note(where, value)
+            if isinstance(value, Mapping):
+                keyed += [(where, key) for key in value if type(key) not in _PLAIN_KEYS]
+        roots = keyed
     return result
+
+
+#: dict keys that hold no global (everything else -- records, tuples, frozensets -- is walked)
+_PLAIN_KEYS = frozenset({str, int, float, bool, type(None), bytes, complex})

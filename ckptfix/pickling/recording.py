@@ -22,6 +22,7 @@ from typing import Any
 
 from ..errors import BadInputError
 from ..model.walk import walk
+from .globals import danger, resolved_name
 from .names import is_dotted_identifier
 from .vm import Hooks, PickleVM
 
@@ -79,7 +80,8 @@ class RecordingHooks(Hooks):
         full = f"{module}.{name}"
         if self.headerless and not is_dotted_identifier(full):
             return Symbol(full, "junk")  # bytes that happen to parse, not a pickle someone wrote
-        self.found.append((full, self.where))
+        reached = resolved_name(module, name)  # a dotted name through a module is that module's
+        self.found.append((reached if danger(reached) is not None else full, self.where))
         return Symbol(full, "global")
 
     def _flag(self, what: str) -> None:
