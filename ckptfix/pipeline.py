@@ -759,8 +759,10 @@ def diff_checkpoints(
 
     opts = options or ConvertOptions()
     check_global_patterns(opts.allow_globals)
-    a = read_checkpoint(a_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals)
-    b = read_checkpoint(b_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals)
+    # diff writes nothing: unknown classes (configs) are read as inert records, compared by state
+    inert = not opts.unsafe_load
+    a = read_checkpoint(a_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals, inert_unknown=inert)
+    b = read_checkpoint(b_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals, inert_unknown=inert)
     scratch = Report("diff", str(a_path), None, a.format, b.format, dry_run=True)
     root_a = apply_transforms(a, opts, scratch)
     root_b = select_path(b.root, select_b, flag="--select-b")[1] if select_b else b.root

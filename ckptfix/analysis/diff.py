@@ -20,7 +20,7 @@ from ..fileio.ranges import OpenFiles, read_all
 from ..model.data import tensor_c_bytes
 from ..model.dtypes import DTYPE_ITEMSIZE
 from ..model.paths import Path, format_path
-from ..model.refs import Reduce, StorageRef, TensorRef, is_tensor_like, is_torch_tensor
+from ..model.refs import OpaqueObject, Reduce, StorageRef, TensorRef, is_tensor_like, is_torch_tensor
 from ..model.walk import ATTRS, walk
 
 _MAX_LISTED = 50
@@ -49,13 +49,17 @@ class DiffReport:
 
 def flatten(root: Any) -> dict[str, Any]:
     """``{dotted path: leaf}`` over mappings, lists and tuples; tensors, records, plain values and
-    empty containers are leaves. One walk: a sub-tree shared by two paths is listed under the
-    first, and a cycle ends where it closes."""
+    empty containers are leaves. Objects read as inert records (a config's ``DictConfig``) are
+    compared by what was pickled: their class (``<object>``) and their arguments, items and state.
+    One walk: a sub-tree shared by two paths is listed under the first, and a cycle ends where it
+    closes (a config's parent links)."""
     leaves: dict[str, Any] = {}
 
     def into(path: Path, value: Any) -> bool:
         if type(value) is Reduce:  # a sparse, quantized, nested or meta tensor: compared by its parts
             return is_tensor_like(value)
+        if type(value) is OpaqueObject:
+            return True
         return isinstance(value, (Mapping, list, tuple)) and bool(value) and not is_tensor_like(value)
 
     for path, value in walk(root, lambda p, v: into(p, v) and ATTRS not in p, leaves=True):
@@ -65,6 +69,8 @@ def flatten(root: Any) -> dict[str, Any]:
             leaves[format_path(path)] = value
         elif type(value) is Reduce:
             leaves[f"{format_path(path)}.<rebuilt by>"] = value.func.full
+        elif type(value) is OpaqueObject:
+            leaves[f"{format_path(path)}.<object>"] = f"{value.global_.full} ({value.kind})"
     return leaves
 
 

@@ -308,3 +308,21 @@ def test_a_plain_training_checkpoint_with_configs(tmp_path: Path) -> None:
     plain = torch.load(tmp_path / "plain.pth", weights_only=True)
     assert plain["args"] == {"lr": 1e-3, "cfg": OmegaConf.to_container(config)}
     assert plain["optimizer"]["param_groups"] == optimizer.state_dict()["param_groups"]
+
+
+def test_diff_compares_config_checkpoints_by_what_was_pickled(hydra_ckpt: Path, tmp_path: Path) -> None:
+    """diff writes nothing: configs are read as inert records and compared by class and state."""
+    same = invoke_cli("diff", hydra_ckpt, hydra_ckpt)
+    assert same.returncode == 0 and "equal" in same.stdout, same.stderr
+    changed = hyper_parameters()
+    changed["cfg"].optim.lr = 0.2
+    changed["optim"].lr = 0.5
+    other = tmp_path / "other.ckpt"
+    torch.save(lightning_style(changed), other)
+    result = invoke_cli("diff", hydra_ckpt, other, "--json")
+    assert result.returncode == 1, result.stderr
+    differ = {d["path"]: (d["a"], d["b"]) for d in json.loads(result.stdout)["values_differ"]}
+    lr = next(path for path in differ if path.startswith("hyper_parameters.cfg.") and path.endswith("._val"))
+    assert "optim" in lr and differ[lr] == ("0.1", "0.2")
+    assert differ["hyper_parameters.optim.__state__.lr"] == ("0.0003", "0.5")
+    assert len(differ) == 2  # nothing else differs: the weights and every other config are equal

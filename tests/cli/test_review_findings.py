@@ -175,9 +175,10 @@ def test_every_refused_second_pass_does_not_hang(tmp_path: Path) -> None:
     pkl = b"\x80\x02cevil\nthing\n0]q\x00(" + b"K\x00" * k + b"e0cbuiltins\nlen\nq\x010"
     pkl += b"h\x01h\x00\x85R0" * m + b"}."
     src = _replace_data_pkl(tmp_path / "q.pth", pkl)
-    # diff reads strictly: the reader stops at evil.thing, and the second pass lists everything
-    # (writing commands read it as an inert record, and the pickle pops it: nothing to refuse)
-    _refused(invoke_cli("diff", src, src, timeout=6))
+    # verify reads strictly: the reader stops at evil.thing, and the second pass lists everything
+    # (writing commands and diff read it as an inert record, and the pickle pops it)
+    result = invoke_cli("verify", src, timeout=6)
+    assert result.returncode == 1 and "evil.thing" in result.stdout + result.stderr, result
 
 
 # -- 4. "nothing to change" still writes OUT: a byte copy ------------------------------------------
