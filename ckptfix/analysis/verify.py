@@ -16,7 +16,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..errors import CkptfixError, UsageError
+from ..errors import CkptfixError, UsageError, group_by_module
 from ..fileio.ranges import OpenFiles, crc_of, iter_chunks
 from ..formats.checkpoint import (
     FORMAT_SAFETENSORS,
@@ -26,9 +26,11 @@ from ..formats.checkpoint import (
 )
 from ..formats.detect import FORMAT_NAME_ALIASES, FORMAT_NAMES
 from ..model.dtypes import CAST_ALIASES, CASTABLE
+from ..model.paths import format_path
 from ..model.refs import TensorRef
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts
 from ..model.walk import iter_storages, iter_tensors
+from ..pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS, foreign_globals
 from ..transforms.devices import normalize_device
 from ..transforms.prefix import normalize_prefix
 
@@ -82,6 +84,20 @@ class Expectations:
                 raise UsageError(f"--expect-metadata {pair!r}: write KEY=VALUE, e.g. format=pt")
 
 
+def _unallowed_classes(ckpt: Checkpoint) -> list[str]:
+    if not ckpt.lazy or all(n in TORCH_GLOBALS or n in PYTHON_GLOBALS for n in ckpt.globals):
+        return []
+    names = list(foreign_globals(ckpt.root).unallowed)
+    if not names:
+        return []
+    state_dicts = [format_path(p) for p, _ in find_state_dicts(ckpt.root) if p]
+    weights = f"; --select {state_dicts[0]} (the weights only)" if state_dicts else ""
+    return [
+        f"holds classes outside the allow-list, which torch.load(weights_only=True) refuses: "
+        f"{group_by_module(names)}; fix: ckptfix convert IN OUT --sanitize (plain data){weights}"
+    ]
+
+
 def verify_path(
     path: str | os.PathLike[str],
     expect: Expectations | None = None,
@@ -97,11 +113,14 @@ def verify_path(
         expect = Expectations(prefix=expect_prefix, device=expect_device)
     result = VerifyResult(str(path))
     try:
-        ckpt = read_checkpoint(path)
+        # classes outside the allow-list are read as inert records, so the other checks still
+        # run, and are then a failure of their own (torch.load(weights_only=True) refuses them)
+        ckpt = read_checkpoint(path, inert_unknown=True)
     except CkptfixError as exc:
         result.ok, result.problems = False, [str(exc)]
         return result
     result.format = ckpt.format
+    result.problems += _unallowed_classes(ckpt)
     with OpenFiles() as files:
         if ckpt.archive is not None:
             zero_crc = 0

@@ -326,3 +326,15 @@ def test_diff_compares_config_checkpoints_by_what_was_pickled(hydra_ckpt: Path, 
     assert "optim" in lr and differ[lr] == ("0.1", "0.2")
     assert differ["hyper_parameters.optim.__state__.lr"] == ("0.0003", "0.5")
     assert len(differ) == 2  # nothing else differs: the weights and every other config are equal
+
+
+def test_verify_fails_a_config_checkpoint_and_names_the_fix(hydra_ckpt: Path, tmp_path: Path) -> None:
+    """verify is the gate for torch.load(weights_only=True): configs fail it, every other check
+    still runs, and the fix it names makes a file that passes."""
+    result = invoke_cli("verify", hydra_ckpt, "--json")
+    assert result.returncode == 1
+    (problem,) = json.loads(result.stdout)["files"][0]["problems"]
+    assert "omegaconf.dictconfig.DictConfig" in problem and "--sanitize" in problem and "--select state_dict" in problem
+    fixed = tmp_path / "fixed.ckpt"
+    assert invoke_cli("convert", hydra_ckpt, fixed, "--sanitize").returncode == 0
+    assert invoke_cli("verify", fixed).returncode == 0
