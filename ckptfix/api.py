@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import UsageError
+from .errors import UnsafeInputError, UsageError
 from .formats.checkpoint import Checkpoint, read_checkpoint
 from .model.needs import need_torch
 from .model.paths import format_path, get_at
@@ -74,7 +74,10 @@ def _refuse_opaque(ckpt: Checkpoint, root: Tree, sanitize: bool, select: str | N
     kept by ``allow_globals`` either -- torch.load(weights_only=True) refuses them, and ckptfix
     does not import them."""
     if ckpt.lazy and has_foreign(ckpt.globals):
-        check_output(ckpt.root, root, sanitize_requested=sanitize, select_given=bool(select))
+        try:
+            check_output(ckpt.root, root, sanitize_requested=sanitize, select_given=bool(select))
+        except UnsafeInputError as exc:
+            raise exc.at(ckpt.path).for_api() from None
     kept = sorted({value.name for _, value in walk(root) if isinstance(value, OpaqueObject)})
     if kept:
         raise UsageError(

@@ -83,6 +83,21 @@ def group_by_module(names: Sequence[str]) -> str:
     return ", ".join(parts[:20]) + (f" and {len(parts) - 20} more modules" if len(parts) > 20 else "")
 
 
+#: how the ways out are spelled on the command line and in the Python API (``api=True``)
+_CLI_SPELLING = {
+    "sanitize": "--sanitize",
+    "select": "--select {}",
+    "unsafe": "--unsafe-load",
+    "weights": "write the weights",
+}
+_API_SPELLING = {
+    "sanitize": "sanitize=True",
+    "select": "select={!r}",
+    "unsafe": "unsafe_load=True",
+    "weights": "load the weights",
+}
+
+
 class UnsafeInputError(BadInputError):
     """The pickle references globals outside the allow-list; nothing in it was run (exit 3).
 
@@ -111,6 +126,7 @@ class UnsafeInputError(BadInputError):
         select: str | None = None,
         writing: bool = False,
         kept_along: Sequence[str] = (),
+        api: bool = False,
     ) -> None:
         self.global_names = [names] if isinstance(names, str) else list(names)
         self.shown = list(shown) if shown is not None else list(self.global_names)
@@ -124,6 +140,8 @@ class UnsafeInputError(BadInputError):
             allow_options = [f"--allow-global {n}" for n in self.global_names if n not in self.hostile]
         self.allow_options = list(allow_options)
         self.kept_along = list(kept_along)
+        self.api = api
+        spell = _API_SPELLING if api else _CLI_SPELLING
         where = f"{path}: " if path else ""
         ways = []
         if self.hostile:
@@ -131,21 +149,30 @@ class UnsafeInputError(BadInputError):
             for name in self.hostile:
                 ways.append(f"{named.get(name, name)} {self.reasons.get(name, 'runs code when unpickled')}")
             ways[-1] += ": the file is hostile"
-        keep = " ".join(self.allow_options)
+        # the API hands back real objects: ones kept by allow_globals could not be built, so that
+        # way out is the command line's only
+        keep = "" if api else " ".join(self.allow_options)
         if keep and self.kept_along:
             keep += f" (which also keeps {', '.join(self.kept_along)}: plain types they are rebuilt through)"
         if keep:
             whom = "the others" if self.hostile else "them as they are"
             ways.append(f"to keep {whom}, without running anything: {keep}")
         if sanitizable and not self.hostile:
-            ways.append("to turn them into plain data: --sanitize")
+            ways.append(f"to turn them into plain data: {spell['sanitize']}")
         if select and not self.hostile:
-            ways.append(f"to write the weights only: --select {select}")
+            ways.append(f"to {spell['weights']} only: {spell['select'].format(select)}")
         if not self.hostile:
-            ways.append("only if you trust this file: --unsafe-load (torch.load(weights_only=False) runs its code)")
+            ways.append(
+                f"only if you trust this file: {spell['unsafe']} (torch.load(weights_only=False) runs its code)"
+            )
         count = len(self.global_names)
         listed = group_by_module(self.shown)
-        if writing:
+        if writing and api:
+            message = (
+                f"{where}refusing to return a tree that holds {count} global{'s' if count > 1 else ''} outside "
+                f"the allow-list: {listed}; nothing from the file was run"
+            )
+        elif writing:
             message = (
                 f"{where}refusing to write an output that carries {count} global{'s' if count > 1 else ''} outside "
                 f"the allow-list: {listed}; nothing from the file was run"
@@ -164,6 +191,13 @@ class UnsafeInputError(BadInputError):
 
     def at(self, path: str) -> UnsafeInputError:
         """The same refusal, saying which file."""
+        return self._again(path, self.api)
+
+    def for_api(self) -> UnsafeInputError:
+        """The same refusal, its ways out spelled as the Python API's arguments."""
+        return self._again(self.path, True)
+
+    def _again(self, path: str | None, api: bool) -> UnsafeInputError:
         return UnsafeInputError(
             self.global_names,
             path,
@@ -175,6 +209,7 @@ class UnsafeInputError(BadInputError):
             select=self.select,
             writing=self.writing,
             kept_along=self.kept_along,
+            api=api,
         )
 
 
