@@ -385,6 +385,21 @@ def run_cli_batches(
 # =========================================================================== comparing checkpoints
 
 
+def train_and_save_lightning(module: Any, data: Any, path: Path, *, batch_size: int, **trainer: Any) -> None:
+    """Fit a LightningModule briefly on the CPU (no logger, checkpoints, bars or summary) and save
+    its checkpoint through the Trainer, as a user's training run would."""
+    import warnings
+
+    import pytorch_lightning as pl  # a test dependency (pyproject's [test] extra): never skipped
+
+    quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
+    run = pl.Trainer(accelerator="cpu", enable_model_summary=False, default_root_dir=path.parent, **quiet, **trainer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        run.fit(module, torch.utils.data.DataLoader(data, batch_size=batch_size))
+    run.save_checkpoint(path)
+
+
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """A tensor's values as raw bytes in logical (row-major) order: bitwise, NaN-safe."""
     flat = t.detach().cpu()

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from config_types import Optim, hyper_parameters, lightning_style, plain_data
-from conftest import invoke_cli
+from conftest import invoke_cli, train_and_save_lightning
 from omegaconf import OmegaConf
 from safetensors.torch import load_file
 
@@ -161,8 +161,6 @@ def test_sanitize_gives_what_the_libraries_give_as_plain_data(hydra_ckpt: Path, 
 
 
 def test_a_real_lightning_checkpoint_with_an_omegaconf_config(tmp_path: Path) -> None:
-    import warnings
-
     import pytorch_lightning as pl
 
     class Module(pl.LightningModule):
@@ -179,21 +177,9 @@ def test_a_real_lightning_checkpoint_with_an_omegaconf_config(tmp_path: Path) ->
 
     cfg = OmegaConf.create({"optim": {"lr": 0.01, "name": "adam"}, "dims": [3, 2]})
     module = Module(cfg)
-    trainer = pl.Trainer(
-        max_steps=1,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-    )
     data = torch.utils.data.TensorDataset(torch.randn(4, 3), torch.randn(4, 2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=2))
     ckpt = tmp_path / "real.ckpt"
-    trainer.save_checkpoint(ckpt)
+    train_and_save_lightning(module, data, ckpt, batch_size=2, max_steps=1)
     with pytest.raises(Exception, match="Unsupported global"):
         torch.load(ckpt, weights_only=True)  # what the user hits first
     out = tmp_path / "w.safetensors"

@@ -6,7 +6,7 @@ import warnings
 from pathlib import Path
 
 import torch
-from conftest import FIXTURES, assert_same_tree, invoke_cli
+from conftest import FIXTURES, assert_same_tree, invoke_cli, train_and_save_lightning
 from models import TinyNet, tiny_net
 from safetensors.torch import load_file
 
@@ -30,21 +30,8 @@ def _lightning_checkpoint(path: Path) -> dict[str, torch.Tensor]:
             return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
     data = torch.utils.data.TensorDataset(torch.randn(8, 3, 8, 8), torch.randint(0, 2, (8,)))
-    trainer = pl.Trainer(
-        max_epochs=1,
-        limit_train_batches=2,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=path.parent,
-    )
     module = Module()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4))
-    trainer.save_checkpoint(path)
+    train_and_save_lightning(module, data, path, batch_size=4, max_epochs=1, limit_train_batches=2)
     return {k: v.detach().clone() for k, v in module.model.state_dict().items()}
 
 
