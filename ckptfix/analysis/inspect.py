@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pathlib
 from collections import Counter
 from collections.abc import Mapping
 from typing import Any
 
+from ..fileio.extents import shared_bytes_of
 from ..fileio.sizes import format_size
 from ..formats.checkpoint import Checkpoint
 from ..model.paths import Path, format_path
@@ -183,9 +185,20 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         "shared_storages": shared,
         "globals": sorted(ckpt.globals),
         "unallowed_globals": unallowed,
+        "shared_bytes": shared_bytes_of(_files_of(ckpt.path)),
         "notes": list(ckpt.notes),
         "warnings": _warnings(devices) + _unallowed_warning(unallowed),
     }
+
+
+def _files_of(path: str) -> list[str]:
+    """The files a checkpoint is made of: the file, or those in its folder (shards, DCP)."""
+    where = pathlib.Path(path)
+    if where.is_dir():
+        return sorted(str(p) for p in where.iterdir() if p.is_file())
+    if where.name.endswith(".index.json"):
+        return sorted(str(p) for p in where.parent.iterdir() if p.is_file())
+    return [path]
 
 
 def _unallowed(ckpt: Checkpoint) -> dict[str, list[str]]:
@@ -231,6 +244,8 @@ def _warnings(devices: Counter[str]) -> list[str]:
 def render(summary: dict[str, Any]) -> str:
     """The human-readable ``inspect`` report."""
     lines = [f"{summary['input']}: {summary['diagnosis']}, {format_size(summary['input_bytes'])}"]
+    if summary.get("shared_bytes"):  # a reflinked copy: its blocks are another file's too
+        lines[0] += f" ({format_size(summary['shared_bytes'])} in blocks shared with another file)"
     lines.append(
         f"tensors: {summary['tensors']} in {summary['storages']} storages, "
         f"{format_size(summary['tensor_bytes'])} of tensor data"

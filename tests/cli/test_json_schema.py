@@ -65,6 +65,7 @@ TYPES: dict[str, tuple[type, ...]] = {
     "input_bytes": (int,),
     "output_bytes": (int, type(None)),
     "dropped_bytes": (int,),
+    "shared_bytes": (int, type(None)),
     "format": (str,),
     "input_format": (str,),
     "output_format": (str,),

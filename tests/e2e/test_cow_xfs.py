@@ -87,6 +87,10 @@ def test_strip_module_shares_blocks_and_xfs_io_agrees(xfs: Path, ddp: Path) -> N
     assert result.returncode == 0, result.stderr
     shared = _assert_shared(out, _tensor_bytes(ddp))
     assert json.loads(result.stdout)["shared_bytes"] == shared
+    inspected = invoke_cli("inspect", out, "--json")  # inspect says it too, for any file
+    assert (
+        json.loads(inspected.stdout)["shared_bytes"] == shared and "blocks shared" in invoke_cli("inspect", out).stdout
+    )
     # cross-check FIEMAP as read here with xfs_io's own listing (flag 0x2000: shared)
     listing = _run("xfs_io", "-c", "fiemap -v", out).stdout
     by_xfs_io = sum(
