@@ -89,9 +89,12 @@ def pid(
     return b"(" + u("storage") + (cls or g("torch", "FloatStorage")) + u(key) + u("cpu") + n(numel) + tail + b"tQ"
 
 
-def tensor(storage: bytes | None = None, offset: int = 0, size: Any = (4,), stride: Any = (1,)) -> bytes:
-    """_rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict()); ``size``/``stride``
-    are int tuples or ready opcodes."""
+def tensor(
+    storage: bytes | None = None, offset: int = 0, size: Any = (4,), stride: Any = (1,), metadata: bytes = b""
+) -> bytes:
+    """_rebuild_tensor_v2(storage, offset, size, stride, False, OrderedDict()[, metadata]);
+    ``size``/``stride`` are int tuples or ready opcodes, ``metadata`` the opcodes of the optional
+    seventh argument."""
     size_ops = size if isinstance(size, bytes) else tup(size)
     stride_ops = stride if isinstance(stride, bytes) else tup(stride)
     return (
@@ -103,6 +106,7 @@ def tensor(storage: bytes | None = None, offset: int = 0, size: Any = (4,), stri
         + stride_ops
         + b"\x89"
         + HOOKS
+        + metadata
         + b"tR"
     )
 
@@ -310,19 +314,7 @@ DEPTH_REFUSED = {
         + b"s"
         + b"b"
     ),
-    "tensor metadata 2000 deep": ckpt(
-        weight=g("torch._utils", "_rebuild_tensor_v2")
-        + b"("
-        + pid()
-        + n(0)
-        + tup((4,))
-        + tup((1,))
-        + b"\x89"
-        + HOOKS
-        + b"]" * 2000
-        + b"a" * 1999
-        + b"tR"
-    ),
+    "tensor metadata 2000 deep": ckpt(weight=tensor(metadata=b"]" * 2000 + b"a" * 1999)),
     "torch.Size args 2000 deep": ckpt(g("torch", "Size") + b"]" * 2000 + b"a" * 1999 + b"\x85R"),
     "allowed object state 2000 deep": ckpt(g("argparse", "Namespace") + b")\x81" + b"]" * 2000 + b"a" * 1999 + b"b"),
 }

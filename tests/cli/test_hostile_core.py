@@ -36,7 +36,6 @@ import torch
 from hostile import (
     CRASHY,
     DEPTH_REFUSED,
-    HOOKS,
     NAMESPACE,
     POSIX_STATE,
     PROTO,
@@ -402,21 +401,7 @@ OOB = {  # data/0 holds 16 bytes: four float32
         "needs 32 bytes",
     ),
     "storage record missing": (ckpt(weight=tensor(pid(key="7"))), "data/7"),
-    "tensor in tensor metadata": (
-        ckpt(
-            weight=g("torch._utils", "_rebuild_tensor_v2")
-            + b"("
-            + pid()
-            + n(0)
-            + tup((4,))
-            + tup((1,))
-            + b"\x89"
-            + HOOKS
-            + items(("m", tensor(offset=3)))
-            + b"tR"
-        ),
-        "needs 28 bytes",
-    ),
+    "tensor in tensor metadata": (ckpt(weight=tensor(metadata=items(("m", tensor(offset=3))))), "needs 28 bytes"),
 }
 
 
