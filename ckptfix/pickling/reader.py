@@ -493,14 +493,21 @@ def _check_nested_pickles(tree: Tree, hooks: ReaderHooks) -> None:
     without (protocol 0/1), nested in each other -- are read by the VM in recording mode: a
     dangerous global or laundering in them refuses the file, and in allowed objects every
     global they name must be one this read allows. So no unread pickle is ever carried into an
-    output. One walk over all such objects together: a sub-tree they share is looked at once."""
+    output. One walk over all such objects together: a sub-tree they share is looked at once,
+    and each blob once however many objects hold it (the walk yields atoms on every path: a
+    memoized 60 KB pickle in 2000 objects took 24 s before), first for the allowed ones."""
     opaque = tuple(value for _, value in walk(tree) if type(value) is OpaqueObject)
     allowed = tuple(value for value in opaque if value.global_.allowed)
+    read: set[bytes] = set()  # by content: equal blobs (one str encoded many times) read once
     for carrier in (allowed, tuple(value for value in opaque if not value.global_.allowed)):
         for _, blob in walk(carrier, leaves=True):
             if type(blob) not in (bytes, bytearray) or len(blob) <= 2:
                 continue
-            found, _ = record_globals(bytes(blob), "nested", _plain_global, headerless=not looks_like_pickle(blob))
+            data = bytes(blob)
+            if data in read:
+                continue
+            read.add(data)
+            found, _ = record_globals(data, "nested", _plain_global, headerless=not looks_like_pickle(data))
             for name, _ in found:
                 module, _, short = name.rpartition(".")
                 if name.startswith("<"):

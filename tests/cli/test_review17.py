@@ -179,3 +179,14 @@ def test_sanitize_converts_enum_dict_keys(tmp_path: Path) -> None:
     assert "ignored" not in result.stderr, result.stderr  # converted, not "left out"
     got = torch.load(out, weights_only=True)["extra"]
     assert got == ({"train": 1}, {("train", 0): 2}, {torch.float32: 3, "train": 4})
+
+
+def test_a_pickle_carried_as_bytes_is_read_once_however_many_objects_hold_it(tmp_path: Path) -> None:
+    """One memoized 60 KB protocol-0 pickle (a list of 20k ints) held by 2000 unknown objects: the
+    nested-pickle check read it per holder (24 s); once is enough."""
+    blob = b"(" + b"I1\n" * 20_000 + b"l."
+    extra = b"](cevil\nObj\nq\x00B" + struct.pack("<I", len(blob)) + blob + b"q\x01\x85R"
+    extra += b"h\x00h\x01\x85R" * 1999 + b"e"
+    src = _checkpoint(tmp_path / "blob.pth", extra)
+    result = invoke_cli("inspect", src, timeout=5)  # the inner deadline replaces an outer one
+    assert result.returncode == 0 and "evil.Obj" in result.stdout, result.stderr
