@@ -73,7 +73,7 @@ def _refuse_opaque(ckpt: Checkpoint, root: Tree, sanitize: bool, select: str | N
     allow-list (those elsewhere in the file are ignored: :func:`check_output`), and no object
     kept by ``allow_globals`` either -- torch.load(weights_only=True) refuses them, and ckptfix
     does not import them."""
-    if ckpt.lazy and has_foreign(ckpt.globals):
+    if has_foreign(ckpt):
         try:
             check_output(ckpt.root, root, sanitize_requested=sanitize, select_given=bool(select))
         except UnsafeInputError as exc:

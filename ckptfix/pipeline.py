@@ -489,7 +489,7 @@ def convert(
         selected=opts.select,
     )
     root = apply_transforms(ckpt, opts, report, file_format)
-    if ckpt.lazy and has_foreign(ckpt.globals):
+    if has_foreign(ckpt):
         try:
             found = check_output(
                 ckpt.root,

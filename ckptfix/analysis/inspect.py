@@ -14,7 +14,7 @@ from ..model.paths import Path, format_path
 from ..model.refs import Global, Reduce, TensorRef, is_tensor_like, is_torch_tensor
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts, is_optimizer_state, looks_like_state_dict
 from ..model.walk import iter_tensors, walk
-from ..pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS, foreign_globals
+from ..transforms.foreign import unallowed_globals
 
 #: how many entries and how deep the "layout" part of the report goes
 _MAX_TREE_LINES = 60
@@ -203,9 +203,7 @@ def _files_of(path: str) -> list[str]:
 
 def _unallowed(ckpt: Checkpoint) -> dict[str, list[str]]:
     """Classes the file holds that no allow-list covers (read as inert records), with where."""
-    if not ckpt.lazy or all(n in TORCH_GLOBALS or n in PYTHON_GLOBALS for n in ckpt.globals):
-        return {}
-    found = foreign_globals(ckpt.root).unallowed
+    found = unallowed_globals(ckpt)
     return {name: [format_path(p) or "(top level)" for p in paths] for name, paths in sorted(found.items())}
 
 

@@ -30,8 +30,8 @@ from ..model.paths import format_path
 from ..model.refs import TensorRef
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts
 from ..model.walk import iter_storages, iter_tensors
-from ..pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS, foreign_globals
 from ..transforms.devices import normalize_device
+from ..transforms.foreign import unallowed_globals
 from ..transforms.prefix import normalize_prefix
 
 
@@ -85,9 +85,7 @@ class Expectations:
 
 
 def _unallowed_classes(ckpt: Checkpoint) -> list[str]:
-    if not ckpt.lazy or all(n in TORCH_GLOBALS or n in PYTHON_GLOBALS for n in ckpt.globals):
-        return []
-    names = list(foreign_globals(ckpt.root).unallowed)
+    names = list(unallowed_globals(ckpt))
     if not names:
         return []
     state_dicts = [format_path(p) for p, _ in find_state_dicts(ckpt.root) if p]

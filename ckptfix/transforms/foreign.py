@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CkptfixError, UnsafeInputError
+from ..formats.checkpoint import Checkpoint
 from ..model.paths import Path, format_path
 from ..model.statedicts import find_state_dicts
 from ..pickling.globals import allow_options, companion, kept_along
@@ -56,10 +57,15 @@ class OutputGlobals:
         return notes
 
 
-def has_foreign(globals_seen: Iterable[str]) -> bool:
-    """Whether a read met any global besides torch's and the plain Python builders (the check
-    below costs a walk over the tree; most checkpoints need none)."""
-    return any(name not in TORCH_GLOBALS and name not in PYTHON_GLOBALS for name in globals_seen)
+def has_foreign(ckpt: Checkpoint) -> bool:
+    """Whether the read met any global besides torch's and the plain Python builders in a tree
+    of records (the checks here cost a walk over the tree; most checkpoints need none)."""
+    return ckpt.lazy and any(name not in TORCH_GLOBALS and name not in PYTHON_GLOBALS for name in ckpt.globals)
+
+
+def unallowed_globals(ckpt: Checkpoint) -> dict[str, list[Path]]:
+    """The classes ``ckpt`` holds that nothing allows (read as inert records), with where."""
+    return foreign_globals(ckpt.root).unallowed if has_foreign(ckpt) else {}
 
 
 def check_output(
@@ -80,6 +86,8 @@ def check_output(
     in_output = foreign_globals(output) if output is not None else ForeignGlobals()
     if in_output.unallowed:
         raise _refusal(whole, output, in_output, sanitize_requested, select_given)
+    if output is whole:  # the whole tree is written, and holds none: nothing was left out
+        return OutputGlobals(kept=sorted(in_output.allowed))
     everywhere = foreign_globals(whole, paths_per_name=_PATHS_PER_NAME)
     prefixes = tuple(converted)
     result = OutputGlobals(kept=sorted(in_output.allowed))
