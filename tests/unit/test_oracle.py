@@ -94,3 +94,15 @@ def test_a_dcp_folder_is_read_through_torch_dcp_loader() -> None:
     assert "torch.distributed.checkpoint.metadata.Metadata" in view.globals
     assert set(view.tree) == {"model", "rep", "step"}
     assert_scan_sees_what_torch_resolves(folder, dcp=True)
+
+
+FIXTURE_FILES = sorted(
+    p for p in (Path(__file__).resolve().parents[2] / "fixtures").iterdir() if p.suffix in (".pth", ".ckpt", ".pt")
+)
+
+
+@pytest.mark.parametrize("path", FIXTURE_FILES, ids=lambda p: p.name)
+def test_scan_of_every_fixture_names_what_torch_resolves(path: Path) -> None:
+    """Real checkpoints (CPU- and GPU-saved, legacy, Lightning, TorchScript): scan names every
+    global torch resolves reading them."""
+    assert_scan_sees_what_torch_resolves(path)
