@@ -46,13 +46,14 @@ class Symbol:
 
 
 def protocol2_bytes(args: tuple[Any, ...]) -> bytes | None:
-    """``_codecs.encode(text, "latin1"[, errors])``: how protocol 2 spells ``bytes`` (text codecs
-    only); None if it is not that. The reader's builder and the recording hooks both use it."""
+    """``_codecs.encode(text, "latin1"[, errors])``: how protocol 2 spells ``bytes`` (any text
+    encoding, as torch's weights-only unpickler calls it); None if it is not that. The reader's
+    builder and the recording hooks both use it."""
     if not (1 <= len(args) <= 3 and all(type(a) is str for a in args)):
         return None
     try:
-        if codecs.lookup(args[1] if len(args) > 1 else "utf-8").name not in ("latin-1", "iso8859-1", "ascii", "utf-8"):
-            return None
+        if not codecs.lookup(args[1] if len(args) > 1 else "utf-8")._is_text_encoding:
+            return None  # bytes-to-bytes codecs (zlib, base64...) are not read
         data: bytes = codecs.encode(*args)
         return data
     except (LookupError, UnicodeError):
@@ -69,6 +70,8 @@ class RecordingHooks(Hooks):
     reader builds itself (torch records, Python builtins): those never take BUILD or items."""
 
     python2_names_always = False  # as CPython: protocols 0-2 only
+    max_protocol = 5  # as CPython
+    list_arguments = True  # CPython stops there; reading on names more, never fewer
 
     def __init__(
         self, where: str, found: list[Finding], plain: Callable[[str], bool], depth: int = 0, headerless: bool = False

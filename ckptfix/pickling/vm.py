@@ -34,7 +34,7 @@ import mmap
 import re
 import struct
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -79,6 +79,10 @@ class Hooks:
     #: map Python 2 names (``__builtin__``, ``commands``...) in every protocol, as torch's weights-only
     #: unpickler does; False: only in protocols 0-2, as CPython's unpickler does
     python2_names_always = True
+    #: the highest PROTO accepted: torch's weights-only unpickler takes any (with a warning), CPython 5
+    max_protocol = 255
+    #: REDUCE / NEWOBJ with a list of arguments: torch's weights-only unpickler calls func(*list)
+    list_arguments = True
 
     def find_global(self, module: str, name: str) -> Any:
         raise NotImplementedError
@@ -491,7 +495,7 @@ class PickleVM:
         def op_proto(pos: int) -> int:
             pos = take(pos, 1)
             self.proto = data[pos]
-            if self.proto > 5:
+            if self.proto > hooks.max_protocol:
                 raise _bad(f"unsupported pickle protocol {self.proto}")
             return pos + 1
 
@@ -801,7 +805,7 @@ class PickleVM:
             target = top()
             charge(0, 40)
             kind = type(target)
-            if kind is dict or kind is OrderedDict:
+            if kind is dict or kind is OrderedDict or kind is Counter:
                 set_pairs(target, [key, value])
             else:
                 hooks.set_items(target, [(key, value)])
@@ -814,7 +818,7 @@ class PickleVM:
             target = top()
             charge(0, 40 * len(items))
             kind = type(target)
-            if kind is dict or kind is OrderedDict:
+            if kind is dict or kind is OrderedDict or kind is Counter:
                 set_pairs(target, items)
             else:
                 for i in range(0, len(items), 2):
@@ -901,6 +905,12 @@ class PickleVM:
             return pos
 
         # -- the doors to code: all through the hooks
+        def call_args(args: Any, what: str) -> tuple[Any, ...]:
+            # torch's weights-only unpickler calls func(*args): a list works there (CPython refuses)
+            if type(args) is list and hooks.list_arguments:
+                return tuple(args)
+            raise _bad(f"{what} arguments are not a tuple")
+
         def global_name(module: Any, name: Any) -> Any:
             if type(module) is not str or type(name) is not str:
                 raise _bad("STACK_GLOBAL with a name that is not a string")
@@ -934,7 +944,7 @@ class PickleVM:
             args = pop()
             func = top()
             if type(args) is not tuple:
-                raise _bad("REDUCE arguments are not a tuple")
+                args = call_args(args, "REDUCE")
             charge(1, 64)
             stack[-1] = hooks.call(func, args)
             return pos
@@ -943,7 +953,7 @@ class PickleVM:
             args = pop()
             cls = top()
             if type(args) is not tuple:
-                raise _bad("NEWOBJ arguments are not a tuple")
+                args = call_args(args, "NEWOBJ")
             charge(1, 64)
             stack[-1] = hooks.new_object(cls, args, None)
             return pos
@@ -1131,7 +1141,7 @@ class PickleVM:
                     raise _bad("stack underflow")
                 args = stack.pop()
                 if type(args) is not tuple:
-                    raise _bad("REDUCE arguments are not a tuple")
+                    args = call_args(args, "REDUCE")
                 objects += 1
                 alloc += 64
                 if objects > max_objects or alloc > max_alloc:
