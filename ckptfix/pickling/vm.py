@@ -23,6 +23,54 @@ object, and reads via one ``read()`` call per opcode in its pure-Python form. He
 * malformed input is recognised explicitly (truncation, stack underflow, bad memo index,
   unhashable keys...) and raised as :class:`BadInputError`; any other exception is a bug in
   ckptfix and surfaces as one (exit 5), so the fuzzer can find it.
+
+The semantics (what a port -- the native core -- must do the same; each point is tested against
+CPython 3.11's ``_pickle.c`` or torch's ``_weights_only_unpickler`` through the oracle):
+
+Reading the bytes. CPython's C unpickler reads a stream without ``peek()`` -- torch hands it
+``data.pkl`` and nested ``_load_from_bytes`` pickles as a ``BytesIO`` -- through a buffer that,
+after a FRAME, holds exactly that frame. ``framed=True`` (the default) follows it:
+
+* a fixed-size read (an opcode's argument or length, a string's bytes) that fits in the frame is
+  taken there; one that starts inside the frame and runs past its end is taken whole from the
+  bytes *after* the frame, and the frame's rest is dropped;
+* ``BINBYTES``/``SHORT_BINBYTES``/``BINBYTES8``/``BYTEARRAY8`` data is read through the frame's
+  end linearly (C ``ReadInto``: the frame's rest, then the stream);
+* a text line (``INT``, ``GLOBAL``...) not ending inside the frame is dropped there and read from
+  after the frame; lines have no length limit (a line costs its bytes in the allocation budget);
+* a ``FRAME`` inside a frame that fits in the frame's rest changes nothing; one that does not
+  is read from after the outer frame (the rest dropped); zero-length frames and frames in any
+  protocol are read the same way; a ``STOP`` leaves the next pickle to start after its frame.
+
+``framed=False`` reads linearly (``pickle.loads``, and a buffered file with ``peek()`` -- legacy
+files, DCP's ``.metadata`` -- whose reading through a frame's end depends on where its 8 KiB
+buffer happens to end). Every point where the two differ is reported to
+:meth:`Hooks.frame_crossed`: the reader refuses (torch's weights-only unpickler reads no FRAME at
+all, so this refuses nothing it loads); the recorder reads the pickle both ways, keeps both sets
+of globals and reports the crossing as a dangerous finding (no pickler writes one).
+
+Text opcodes, as C parses the NUL-terminated line (:func:`int_text` and friends): ``INT`` is
+``strtol(text, 0)`` (``010`` is 8, ``0x10`` 16; ``I01``/``I00`` and any other two-character
+line reading 0 or 1 are bools) falling back to ``int(text, 0)``; ``LONG`` drops one ``L`` and
+is ``int(text, 0)`` (``010L`` is refused); ``PUT``/``GET`` are ``int(text, 10)``; ``FLOAT``
+takes no blanks or underscores and refuses overflow; bytes after a NUL are not seen.
+Decimal integers of more than 4300 digits are refused, as CPython refuses them.
+
+Stack and names. ``STOP`` returns the top of the stack whatever is under it (open MARKs, extra
+items: CPython does not check). ``READONLY_BUFFER`` leaves bytes as they are (a bytearray
+becomes its bytes). Python 2 names (``_compat_pickle``) are renamed in protocols 0-2 only for
+the recorder (CPython's ``fix_imports``) and always for the reader (torch's weights-only
+unpickler); ``torch.tensor`` is ``torch._tensor`` always (torch's own ``find_class``).
+
+Keys. Dict keys and set elements must be hashable. Integers of any size are keys (digits are
+bounded where they are parsed, as CPython bounds them). Hashing work is budgeted, not only
+allocation: at most :data:`MAX_SHARED_HASH` distinct keys per hash (40 000 colliding ints,
+floats, complex numbers or tuples made CPython's dict quadratic: minutes), a total of atoms
+hashed proportional to the pickle's length, tuple/frozenset keys at most
+:data:`MAX_KEY_NESTING` deep. Past one of those the reader refuses and the recorder keeps the
+key unhashed (:class:`Unhashed`) and reads on. Every limit CPython does not have raises
+:class:`OverBudget`; the recorder turns it into a ``<not read to the end: ...>`` finding, which
+``scan`` calls dangerous: a pickle scan could not finish is never clean.
 """
 
 from __future__ import annotations
