@@ -335,7 +335,7 @@ class PickleVM:
         self.end = len(data) if end is None else end
         self.budgets = budgets or Budgets.for_length(self.end - start)
         self.proto = 0
-        self._key_weights: dict[int, tuple[int, Any]] = {}
+        self._key_weights: dict[int, tuple[int, int, Any]] = {}
         self._hashes: dict[int, Any] = {}  # hash -> the distinct key (or _SharedHash of keys) seen with it
         self._key_work = 0
         self._max_key_work = (1 << 22) + 16 * (self.end - start)
@@ -391,45 +391,48 @@ class PickleVM:
         return key
 
     def _key_weight(self, key: tuple[Any, ...] | frozenset[Any]) -> int:
-        """Atoms in ``key`` (its hashing work), or -1 if it nests deeper than allowed."""
-        weights = self._key_weights  # id -> (weight or -1, the key itself: kept alive so ids stay unique)
-        known = weights.get(id(key))
-        if known is not None:
-            return known[0]
-        # iterative post-order
-        stack: list[tuple[Any, int, bool]] = [(key, 1, False)]
+        """Atoms in ``key`` (its hashing work), or -1 if it nests deeper than allowed. Both are
+        cached per tuple/frozenset, so a key built level by level (each level a key itself)
+        still has its whole depth counted."""
+        known = self._key_weights  # id -> (depth, weight, the key: kept alive so ids stay unique)
+        found = known.get(id(key))
+        if found is None:
+            self._walk_key(key)
+            found = known[id(key)]
+        return -1 if found[0] > MAX_KEY_NESTING else found[1]
+
+    def _walk_key(self, key: tuple[Any, ...] | frozenset[Any]) -> None:
+        known = self._key_weights
+        too_deep = MAX_KEY_NESTING + 1
+        stack: list[tuple[Any, int, bool]] = [(key, 1, False)]  # iterative post-order
         while stack:
             value, level, done = stack.pop()
-            if id(value) in weights:
+            if id(value) in known:
                 continue
             if done:
-                total = 1
+                depth, weight = 1, 1
                 for v in value:
                     kind = type(v)
                     if kind is tuple or kind is frozenset:
-                        w = weights[id(v)][0]
-                        if w < 0:
-                            total = -1
-                            break
-                        total += w
+                        inner = known[id(v)]
+                        depth, weight = max(depth, 1 + inner[0]), weight + inner[1]
                     else:
-                        total += 1 + (v.bit_length() >> 6 if kind is int else 0)
-                weights[id(value)] = (total, value)
+                        weight += 1 + (v.bit_length() >> 6 if kind is int else 0)
+                known[id(value)] = (min(depth, too_deep), weight, value)
                 continue
             if level > MAX_KEY_NESTING:
-                weights[id(value)] = (-1, value)
+                known[id(value)] = (too_deep, 1, value)  # not walked further: refused or kept unhashed
                 continue
             stack.append((value, level, True))
             for v in value:
                 kind = type(v)
                 if kind is tuple or kind is frozenset:
-                    if id(v) not in weights:
+                    if id(v) not in known:
                         stack.append((v, level + 1, False))
                 elif kind in _UNHASHABLE:
                     raise _bad(f"an unhashable dict key or set element (holding a {kind.__name__})")
                 elif kind not in _ATOMS:
                     self.hooks.check_key(v)
-        return weights[id(key)][0]
 
     # ------------------------------------------------------------------ the machine
     def run(self) -> Any:

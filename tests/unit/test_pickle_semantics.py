@@ -307,3 +307,11 @@ def test_every_argument_form_torch_loads_is_read_as_torch_reads_it(case: str) ->
             theirs = weights_only(data)
         ours = restricted_load(data, None)[0]
         assert ours == theirs and type(ours) is type(theirs), (case, ours, theirs)
+
+
+def test_a_key_built_level_by_level_still_has_its_depth_counted() -> None:
+    """FROZENSET checks each level as it is made: the cache must carry depth, not only hashing work."""
+    for depth in (101, 150):
+        data = b"\x80\x04}" + b"(" * depth + b"\x91" * depth + b"Ns."
+        with pytest.raises(BadInputError, match="nested more than"):
+            restricted_load(data, None)
