@@ -145,6 +145,28 @@ def torch_view(path: str | Path, *, dcp: bool = False, mmap: bool = False, timeo
     return TorchView(str(path), tuple(reply["globals"]), reply["error"], tree, reply["wo_error"])
 
 
+@dataclass(frozen=True)
+class PickleView:
+    """What CPython's C unpickler resolves in one raw pickle (as torch reads ``data.pkl``), and
+    whether torch's weights-only unpickler accepts it (``weights_only_error`` None)."""
+
+    globals: tuple[str, ...]
+    error: str | None
+    weights_only_error: str | None
+
+
+def pickle_views(pickles: list[bytes], *, stream: str = "bytesio", timeout: float = 60.0) -> list[PickleView]:
+    """Many raw pickles in one request (the fuzzer's batches): read by CPython from a ``BytesIO``
+    (``stream="bytesio"``, torch's ``data.pkl``) or a buffered file (``"file"``: legacy files)."""
+    import base64
+
+    request = {"kind": "pickles", "stream": stream, "pickles": [base64.b64encode(p).decode() for p in pickles]}
+    reply = _CHILD.ask(request, timeout)
+    if "crashed" in reply:
+        raise AssertionError(f"oracle: a batch of {len(pickles)} pickles crashed the child: {reply['crashed']}")
+    return [PickleView(tuple(found), error, wo) for found, error, wo in reply["results"]]
+
+
 def torch_views(paths: Iterable[str | Path], **kwargs: Any) -> list[TorchView]:
     return [torch_view(p, **kwargs) for p in paths]
 

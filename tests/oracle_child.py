@@ -240,7 +240,37 @@ def _dcp_load(path: str) -> Any:
     return state
 
 
+def _one_pickle(data: bytes, stream: str) -> tuple[list[str], str | None, str | None]:
+    """One raw pickle through CPython's C unpickler (recorded, as ``_recorded_load``), read from a
+    ``BytesIO`` (how torch reads ``data.pkl``) or a buffered file (``peek()``: legacy files); and
+    through torch's weights-only unpickler (its error, or None)."""
+    import tempfile
+
+    from torch._weights_only_unpickler import Unpickler as WeightsOnly
+
+    def run() -> Any:
+        if stream == "file":
+            with tempfile.TemporaryFile() as f:
+                f.write(data)
+                f.seek(0)
+                return RecordingUnpickler(f, encoding="utf-8").load()
+        return RecordingUnpickler(io.BytesIO(data), encoding="utf-8").load()
+
+    found, error, _ = _recorded_load(run)
+    try:
+        WeightsOnly(io.BytesIO(data), encoding="utf-8").load()
+        wo_error = None
+    except BaseException as exc:
+        wo_error = _error(exc)
+    return found, error, wo_error
+
+
 def answer(request: dict[str, Any]) -> dict[str, Any]:
+    if request.get("kind") == "pickles":
+        import base64
+
+        stream = request.get("stream", "bytesio")
+        return {"results": [_one_pickle(base64.b64decode(p), stream) for p in request["pickles"]]}
     path = request["path"]
     if request.get("kind") == "dcp":
         found, error, tree = _recorded_load(lambda: _dcp_load(path))

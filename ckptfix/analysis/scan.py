@@ -86,6 +86,10 @@ class ScanResult:
 
 def classify(name: str) -> tuple[str, str]:
     """The verdict on one global (as pickled) and why."""
+    if name.startswith("<not read to the end"):
+        return "dangerous", "not read to the end (a limit of ckptfix's own): CPython reads on, and may run more"
+    if name.startswith("<a read at byte"):
+        return "dangerous", "CPython reads this pickle differently by stream (a read across a FRAME end)"
     if name.startswith("<"):
         return "dangerous", "laundering: the pickle changes or calls something the reader built"
     reason = danger(name)
