@@ -35,12 +35,15 @@ from typing import Any
 from ..errors import BadInputError, CkptfixError
 from ..fileio.ziparchive import read_record_bytes
 from ..formats.dcp import METADATA_NAME, is_dcp_folder
-from ..formats.detect import open_input, sniff
+from ..formats.detect import open_input, sniff_file
 from ..formats.sharded import find_index, read_index
+from ..formats.tarera import TarMember, open_tar, tar_layout
 from ..formats.torchzip import MAX_PICKLE_BYTES, read_checked_directory
+from ..model.dtypes import DTYPE_ITEMSIZE, STORAGE_DTYPE
 from ..pickling.globals import canonical_name, danger, plain_data
 from ..pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS
-from ..pickling.recording import record_globals
+from ..pickling.recording import RecordingHooks, Symbol, record_globals
+from ..pickling.vm import PickleVM
 
 
 @dataclass
@@ -176,7 +179,7 @@ def _scan_file(path: Path) -> ScanResult:
     try:
         f, size = open_input(str(path))  # never opens a FIFO or a device (they hang or never end)
         with f:
-            what = sniff(f.read(512), size)
+            what = sniff_file(f, size, path)
             result.format = what.kind
             if what.kind == "zip":
                 records = read_checked_directory(f, size, str(path))
@@ -194,7 +197,8 @@ def _scan_file(path: Path) -> ScanResult:
             elif what.kind == "safetensors":
                 pass  # JSON header and raw bytes: no code can be referenced
             elif what.kind == "tar":
-                result.error = "tar-era torch file: not scanned"
+                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                    result.error = _scan_tar(f, data, size, result.globals)
             else:
                 # not a format we know -- but a protocol 0/1 pickle has no header, and
                 # pickle.load would still run whatever it names: record that, if anything
@@ -205,3 +209,91 @@ def _scan_file(path: Path) -> ScanResult:
     except (OSError, CkptfixError, ValueError) as exc:
         result.error = str(exc)
     return result
+
+
+class _CannotFollow(Exception):
+    """torch's next read depends on a value ckptfix cannot know without running the pickle."""
+
+
+def _one_pickle(data: mmap.mmap, pos: int, end: int, where: str, found: list[Found]) -> tuple[Any, int]:
+    """Run one pickle of a tar member as torch's ``pickle_module.load(f)`` would; returns its value
+    (symbols for globals and calls) and where the next read starts."""
+    recorded: list[tuple[str, str]] = []
+    vm = PickleVM(data, RecordingHooks(where, recorded, _plain), start=pos, end=end)
+    try:
+        value = vm.run()
+    finally:
+        found += [Found(canonical_name(name), *_verdict(name, at)) for name, at in recorded]
+    return value, vm.pos
+
+
+def _storage_itemsize(args: Any) -> int:
+    """torch reads ``key, location, storage_type = args`` and takes the element size from the
+    storage class's *name* (any module): ``torch.serialization.StorageType``."""
+    if type(args) is tuple and len(args) == 3 and type(args[2]) is Symbol and args[2].kind == "global":
+        dtype = STORAGE_DTYPE.get(args[2].name.rsplit(".", 1)[-1])
+        if dtype is not None and dtype in DTYPE_ITEMSIZE and args[2].name.rsplit(".", 1)[-1] != "UntypedStorage":
+            return DTYPE_ITEMSIZE[dtype]
+    raise _CannotFollow("a storage record that does not name a storage class")
+
+
+def _raw(data: mmap.mmap, pos: int, size: int, end: int) -> int:
+    if pos + size > end:
+        raise EOFError
+    return pos + size
+
+
+def _scan_tar_member(data: mmap.mmap, member: TarMember, found: list[Found]) -> None:
+    """Every pickle torch's ``legacy_load`` unpickles from one member, following the raw records
+    between them exactly as torch reads them (storage sizes, tensor shapes)."""
+    where = f"tar member {member.name}"
+    pos, end = member.start, member.end
+    count, pos = _one_pickle(data, pos, end, where, found)
+    if member.name == "pickle":
+        return
+    if type(count) is not int:
+        raise _CannotFollow(f"its {member.name} count is {type(count).__name__}, not an int")
+    for _ in range(count):
+        if pos >= end:
+            raise EOFError  # torch's next pickle.load ends in EOFError: nothing more is unpickled
+        args, pos = _one_pickle(data, pos, end, where, found)
+        if member.name == "storages":
+            itemsize = _storage_itemsize(args)
+            numel = int.from_bytes(data[pos : _raw(data, pos, 8, end)], "little", signed=True)
+            pos = _raw(data, pos + 8, numel * itemsize, end) if numel >= 0 else end + 1
+            if pos > end:
+                raise EOFError
+        else:  # tensors: int32 ndim, 4 bytes, ndim sizes, ndim strides, the offset (int64s)
+            ndim = int.from_bytes(data[pos : _raw(data, pos, 4, end)], "little", signed=True)
+            if ndim < 0:
+                raise EOFError  # struct.unpack of a negative count fails: torch stops
+            pos = _raw(data, pos, 8 + 16 * ndim + 8, end)
+    if member.name == "storages":
+        _one_pickle(data, pos, end, where, found)  # the storage views
+
+
+def _scan_tar(f: Any, data: mmap.mmap, size: int, found: list[Found]) -> str:
+    """Scan what torch's tar reader unpickles (see :mod:`ckptfix.formats.tarera`); returns the
+    error that keeps the file from being called clean (a tar-era file is never read safely)."""
+    tar = open_tar(f)
+    if tar is None:  # sniffed as tar a moment ago: the file changed
+        return "the file changed while being scanned"
+    layout = tar_layout(tar, size)
+    error = "tar-era torch file: torch reads it only with weights_only=False (its members were scanned)"
+    for member in layout.members:
+        try:
+            _scan_tar_member(data, member, found)
+        except EOFError:
+            return error  # torch stops with an error there: nothing further is unpickled
+        except _CannotFollow as exc:
+            return f"tar member {member.name}: cannot follow torch's reading ({exc}); treat it as unsafe"
+        except BadInputError as exc:
+            return f"tar member {member.name}: {exc}"
+    if layout.problem:
+        return f"{layout.problem}; treat it as unsafe"
+    if layout.fallback:
+        # torch catches the TarError and reads the file from its start as legacy pickles
+        more, bad = scan_pickles(data, "pickles (torch's fallback after a tar error)", headerless=True)
+        found += more
+        return error + (f"; {bad}" if bad else "")
+    return error + (f" ({layout.stop})" if layout.stop else "")

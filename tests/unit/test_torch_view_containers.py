@@ -1,0 +1,152 @@
+"""Containers and folders read as torch reads them (issue 22, items 2-4 and the zip/safetensors
+container cases), each compared with the oracle: what ``torch.load`` / DCP unpickles, ``scan``
+must see; what torch refuses, ckptfix refuses; what torch loads, ckptfix reads the same."""
+
+from __future__ import annotations
+
+import io
+import pickle
+import struct
+import tarfile
+from pathlib import Path
+
+import pytest
+from hostile import make_legacy_header, system_call
+from oracle import assert_scan_sees_what_torch_resolves, torch_view
+
+from ckptfix.analysis.scan import scan_path
+from ckptfix.errors import BadInputError
+from ckptfix.formats.checkpoint import read_checkpoint
+
+# =========================================================================== tar polyglots
+
+
+def tar_of(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def tar_header_over(host: bytes, first_size: int) -> bytes:
+    """``host`` with a v7 tar header of one regular member of ``first_size`` bytes written into its
+    bytes 100-345 (printable digits and spaces only, so it fits inside a JSON string or a pickle's
+    bytes): tarfile accepts the first block as a header whatever bytes 0-100 hold."""
+    block = bytearray(host[:512].ljust(512, b"a"))
+    fields = b"0000644 0000000 0000000 " + b"%011o " % first_size + b"00000000000 " + b" " * 8 + b"0"
+    block[100 : 100 + len(fields)] = fields
+    block[329:345] = b"0000000 0000000 "
+    block[148:156] = b"%07o " % (256 + sum(block[:148]) + sum(block[156:]))
+    return bytes(block) + host[512:]
+
+
+def polyglot(host: bytes, members: dict[str, bytes]) -> bytes:
+    """``host`` (whose bytes 100-345 are free) that is also a tar holding ``members``: the first
+    member's data covers the host, the members follow it."""
+    first = -(-max(len(host) - 512, 0) // 512) * 512
+    return tar_header_over(host, first).ljust(512 + first, b"\0") + tar_of(members)
+
+
+def pkl(obj_code: bytes) -> bytes:
+    return b"\x80\x02" + obj_code + b"."
+
+
+FLOAT_ARGS = pkl(b"(X\x01\x00\x00\x000X\x03\x00\x00\x00cpuctorch\nFloatStorage\nt")
+TENSOR_ARGS = pkl(b"(X\x01\x00\x00\x001X\x01\x00\x00\x000ctorch\nFloatTensor\nt")
+
+
+def tar_era(marker: Path, where: str) -> dict[str, bytes]:
+    """The three members torch's tar reader unpickles, with a payload in one place: the ``pickle``
+    member, the storage views (after one storage's raw bytes, which look like a pickle and are
+    not one to torch), a tensor record (after another one's raw shape) or a storage count."""
+    evil = system_call(marker)
+    raw = b"cos\nsystem\n"  # 11 raw bytes torch never unpickles
+    storages = pickle.dumps(1, 2) + FLOAT_ARGS + struct.pack("<q", 3) + raw.ljust(12, b"\0")
+    storages += evil if where == "views" else pickle.dumps([], 2)
+    tensor = TENSOR_ARGS + struct.pack("<ii", 2, 0) + struct.pack("<5q", 3, 1, 1, 1, 0)
+    tensors = pickle.dumps(2, 2) + tensor + (evil if where == "tensor" else tensor)
+    members = {
+        "storages": evil if where == "count" else storages,
+        "tensors": pickle.dumps(0, 2) if where == "count" else tensors,
+        "pickle": evil if where == "pickle" else pickle.dumps({"w": 1}, 2),
+    }
+    return members
+
+
+def safetensors_bytes(pad: int) -> bytes:
+    header = b'{"__metadata__":{"p":"' + b"a" * 600 + b'"},"t":{"dtype":"U8","shape":[%d],"data_offsets":[0,%d]}}'
+    header = (header % (pad, pad)).ljust(700)  # JSON may end in spaces: a fixed length
+    return struct.pack("<Q", len(header)) + header
+
+
+def safetensors_polyglot(members: dict[str, bytes]) -> bytes:
+    """A valid safetensors file (one U8 tensor) whose JSON header holds a tar header and whose
+    tensor bytes hold the tar members."""
+    head_len = len(safetensors_bytes(0))
+    first = -(-(head_len + 16 - 512) // 512) * 512  # the tar members start inside the tensor data
+    tail = tar_of(members)
+    pad = 512 + first - head_len + len(tail)
+    head = safetensors_bytes(pad)
+    body = b"\0" * (512 + first - head_len) + tail
+    return tar_header_over(head + body, first)
+
+
+HOSTS = {
+    "tar-era": lambda m: tar_of(m),
+    "pickle": lambda m: polyglot(pkl(b"B" + struct.pack("<I", 600) + b"x" * 600), m),
+    "legacy": lambda m: polyglot(_legacy_host(), m),
+    "safetensors": safetensors_polyglot,
+}
+
+
+def _legacy_host() -> bytes:
+    """A legacy torch file (magic, protocol, sys_info: ckptfix reads it as legacy) whose sys_info
+    pickle first pushes and pops 600 bytes (bytes 100-345 are free for a tar header)."""
+    header = make_legacy_header()
+    sys_info_at = len(pickle.dumps(0x1950A86A20F9469CFC6C, 2)) + len(pickle.dumps(1001, 2))
+    rest = header[sys_info_at + 2 :]
+    body = b"\x80\x02B" + struct.pack("<I", 600) + b"y" * 600 + b"0" + rest
+    tree = pickle.dumps({"epoch": 1}, 2) + pickle.dumps([], 2)
+    return header[:sys_info_at] + body + tree
+
+
+@pytest.mark.parametrize("host", sorted(HOSTS))
+@pytest.mark.parametrize("where", ["pickle", "views", "tensor", "count"])
+def test_scan_reads_every_pickle_torchs_tar_reader_runs(tmp_path: Path, host: str, where: str) -> None:
+    marker = tmp_path / "ran"
+    path = tmp_path / "model.bin"
+    path.write_bytes(HOSTS[host](tar_era(marker, where)))
+    view = assert_scan_sees_what_torch_resolves(path)
+    assert "posix.system" in view.globals, view  # the payload is where torch reads it
+    assert view.weights_only_error and "tar" in view.weights_only_error
+    result = scan_path(path)
+    assert result.format == "tar" and result.dangerous and result.error, result
+    with pytest.raises(BadInputError, match="tar format"):  # torch refuses it with weights_only=True
+        read_checkpoint(path)
+    assert not marker.exists()
+
+
+def test_a_polyglot_named_safetensors_is_read_as_safetensors(tmp_path: Path) -> None:
+    """torch.load of a ``.safetensors`` path goes to the safetensors library: no tar, no pickle."""
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(safetensors_polyglot(tar_era(tmp_path / "ran", "pickle")))
+    view = torch_view(path)
+    assert view.globals == () and view.loads, view
+    result = scan_path(path)
+    assert result.format == "safetensors" and not result.globals and not result.error
+    assert read_checkpoint(path).format == "safetensors"
+
+
+def test_a_tar_error_after_the_first_header_falls_back_to_the_legacy_reader(tmp_path: Path) -> None:
+    """A member cut short is a TarError torch catches: it then unpickles the file from byte 0,
+    where a protocol-0 pickle sits in the first header's name field."""
+    evil = b"cposix\nsystem\n(Vtrue\ntR."  # protocol 0, shorter than the name field
+    whole = tar_of({"x": b"", "storages": b"s" * 2048})
+    path = tmp_path / "model.pt"
+    path.write_bytes(tar_header_over(evil + whole[len(evil) : 512], 0)[:512] + whole[512:2048])
+    view = assert_scan_sees_what_torch_resolves(path)
+    assert "posix.system" in view.globals, view
+    assert scan_path(path).dangerous
