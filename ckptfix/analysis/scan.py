@@ -28,13 +28,15 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from ..errors import BadInputError, CkptfixError
+from ..fileio.ranges import FileSlice
 from ..fileio.ziparchive import read_record_bytes
-from ..formats.dcp import METADATA_NAME, is_dcp_folder
+from ..formats.dcp import METADATA_NAME, dcp_items, is_dcp_folder
 from ..formats.detect import open_input, sniff_file
 from ..formats.sharded import find_index, read_index
 from ..formats.tarera import TarMember, open_tar, tar_layout
@@ -135,10 +137,12 @@ def scan_path(path: str | Path) -> ScanResult:
         return ScanResult(str(path), error=str(exc))
     if parts is None:
         return _scan_file(target)
+    if parts[0] == "dcp":
+        return _scan_dcp(target)
     kind, files, notes = parts
     result = ScanResult(str(path), kind, notes=notes)
     for file in files:
-        part = _scan_pickle_file(file) if kind == "dcp" else _scan_file(file)
+        part = _scan_file(file)
         result.globals += [Found(g.name, g.verdict, f"{file.name}:{g.where}", g.reason) for g in part.globals]
         result.error = result.error or (f"{file.name}: {part.error}" if part.error else "")
         if kind == "file":  # a folder holding one model file: that file's format
@@ -149,8 +153,7 @@ def scan_path(path: str | Path) -> ScanResult:
 def _parts(target: Path) -> tuple[str, list[Path], list[str]] | None:
     """The files of a checkpoint made of several (kind, files, notes), or None for one file."""
     if target.is_dir() and is_dcp_folder(target):
-        note = "DCP tensor data files (*.distcp) are not scanned: only .metadata holds a pickle ckptfix can find"
-        return "dcp", [target / METADATA_NAME], [note]
+        return "dcp", [target / METADATA_NAME], []
     index = find_index(target) if target.is_dir() else target
     if index is None:
         raise BadInputError(f"{target}: a folder with no checkpoint index or model file in it")
@@ -172,6 +175,54 @@ def _scan_pickle_file(path: Path) -> ScanResult:
     return result
 
 
+def _scan_zip(f: BinaryIO, size: int, path: str, result: ScanResult) -> None:
+    """Every record of a zip whose name ends in ``.pkl`` in any case (torch's lookup ignores case)."""
+    records = read_checked_directory(f, size, path)
+    for name, record in records.items():
+        if name.lower().endswith(".pkl"):
+            data = read_record_bytes(f, record, MAX_PICKLE_BYTES)
+            found, error = scan_pickles(data, name)
+            result.globals.extend(found)
+            result.error = result.error or (f"{name}: {error}" if error else "")
+
+
+def _scan_dcp(folder: Path) -> ScanResult:
+    """A DCP folder as torch's loader reads it: ``.metadata`` (plain ``pickle.load``), then every
+    item it lists -- non-tensor items are ``torch.load(weights_only=False)``-ed from their
+    ``.distcp`` byte range (a zip, or else legacy pickles: a BytesIO gets no tar attempt)."""
+    result = ScanResult(str(folder), "dcp")
+    meta = _scan_pickle_file(folder / METADATA_NAME)
+    result.globals += [Found(g.name, g.verdict, f"{METADATA_NAME}:{g.where}", g.reason) for g in meta.globals]
+    if meta.error:
+        result.error = f"{METADATA_NAME}: {meta.error}"
+    problems: list[str] = []
+    try:
+        items = dcp_items(folder, problems)
+    except (OSError, CkptfixError) as exc:
+        result.error = result.error or f"the items were not scanned: {exc}"
+        return result
+    for item in items:
+        label = f"{item.relative_path}@{item.offset}"
+        part = ScanResult(label)
+        try:
+            f, size = open_input(folder / item.relative_path)
+            with f:
+                if item.offset + item.length > size:
+                    raise BadInputError(f"{label}: the item runs past the end of the file ({size} bytes)")
+                blob = FileSlice(f, item.offset, item.length)
+                if blob.read(4) == b"PK\x03\x04":
+                    _scan_zip(cast(BinaryIO, blob), item.length, label, part)
+                else:
+                    data = os.pread(f.fileno(), min(item.length, MAX_PICKLE_BYTES), item.offset)
+                    part.globals, part.error = scan_pickles(data, "pickles", headerless=data[:1] != b"\x80")
+        except (OSError, CkptfixError, ValueError) as exc:
+            part.error = str(exc)
+        result.globals += [Found(g.name, g.verdict, f"{label}:{g.where}", g.reason) for g in part.globals]
+        result.error = result.error or (f"{item.fqn}: {part.error}" if part.error else "")
+    result.error = result.error or "; ".join(problems)
+    return result
+
+
 def _scan_file(path: Path) -> ScanResult:
     """Scan one file; never executes, never raises for bad input (the error is in the result)."""
     result = ScanResult(str(path))
@@ -182,13 +233,7 @@ def _scan_file(path: Path) -> ScanResult:
             what = sniff_file(f, size, path)
             result.format = what.kind
             if what.kind == "zip":
-                records = read_checked_directory(f, size, str(path))
-                for name, record in records.items():
-                    if name.lower().endswith(".pkl"):
-                        data = read_record_bytes(f, record, MAX_PICKLE_BYTES)
-                        found, error = scan_pickles(data, name)
-                        result.globals.extend(found)
-                        result.error = result.error or (f"{name}: {error}" if error else "")
+                _scan_zip(f, size, str(path), result)
             elif what.kind == "legacy" or (what.kind == "not-checkpoint" and "pickle" in what.description):
                 # a legacy file is exactly five pickles, then raw storage bytes (not opcodes)
                 with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:

@@ -150,3 +150,110 @@ def test_a_tar_error_after_the_first_header_falls_back_to_the_legacy_reader(tmp_
     view = assert_scan_sees_what_torch_resolves(path)
     assert "posix.system" in view.globals, view
     assert scan_path(path).dangerous
+
+
+# =========================================================================== DCP items
+
+
+@pytest.fixture(scope="module")
+def dcp_base(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A DCP folder saved by torch: a tensor, an int and a dict (both non-tensor items)."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp_path_factory.mktemp("dcp") / "base"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(3), "step": 4, "cfg": {"a": 1}}, checkpoint_id=str(folder), no_dist=True)
+    return folder
+
+
+def _zip_blob(tmp_path: Path, payload: bytes) -> bytes:
+    from hostile import make_base_zip, with_data_pkl
+
+    return with_data_pkl(make_base_zip(tmp_path), payload, tmp_path / "item.pth").read_bytes()
+
+
+#: an item blob whose unpickling calls posix.system, as torch.load(BytesIO) reads it
+ITEM_BLOBS = {
+    "zip": lambda tmp, evil: _zip_blob(tmp, evil),
+    "legacy-pickle": lambda tmp, evil: evil,
+    "protocol-0": lambda tmp, evil: b"cposix\nsystem\n(Vtrue\ntR.",
+}
+
+
+def dcp_with(base: Path, dest: Path, fqn: str, blob: bytes, *, duplicate: str = "") -> Path:
+    """A copy of ``base`` whose item ``fqn`` is ``blob`` (in a new .distcp file); with ``duplicate``
+    ("last" or "first") the original item stays and the blob's entry is a second key equal to it."""
+    import dataclasses
+    import shutil
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    shutil.copytree(base, dest)
+    (dest / "__9_0.distcp").write_bytes(blob)
+    with open(dest / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # made by torch in this test module
+    old_key = next(k for k in metadata.storage_data if k.fqn == fqn)
+    info = dataclasses.replace(metadata.storage_data[old_key], relative_path="__9_0.distcp", offset=0, length=len(blob))
+    if not duplicate:
+        metadata.storage_data[old_key] = info
+    else:
+        placeholder = "Q" * len(fqn)  # renamed to fqn in the pickle's bytes: two keys equal to torch
+        new_key = MetadataIndex(placeholder, old_key.offset)
+        old = metadata.storage_data.pop(old_key)
+        pairs = [(old_key, old), (new_key, info)] if duplicate == "last" else [(new_key, info), (old_key, old)]
+        metadata.storage_data.update(pairs)
+    raw = pickle.dumps(metadata, protocol=2)
+    if duplicate:
+        assert raw.count(placeholder.encode()) == 1
+        raw = raw.replace(placeholder.encode(), fqn.encode())
+    (dest / ".metadata").write_bytes(raw)
+    return dest
+
+
+@pytest.mark.parametrize("blob", sorted(ITEM_BLOBS))
+@pytest.mark.parametrize("fqn", ["step", "cfg.a"])
+def test_scan_reads_every_dcp_item_torch_unpickles(dcp_base: Path, tmp_path: Path, blob: str, fqn: str) -> None:
+    evil = system_call(tmp_path / "ran")
+    folder = dcp_with(dcp_base, tmp_path / "dcp", fqn, ITEM_BLOBS[blob](tmp_path, evil))
+    view = assert_scan_sees_what_torch_resolves(folder, dcp=True)
+    assert "posix.system" in view.globals, view
+    result = scan_path(folder)
+    assert result.dangerous and any("__9_0.distcp" in g.where for g in result.dangerous), result
+    assert not (tmp_path / "ran").exists()
+
+
+@pytest.mark.parametrize("evil_at", ["last", "first"])
+def test_two_equal_metadata_index_keys_are_refused(dcp_base: Path, tmp_path: Path, evil_at: str) -> None:
+    """torch's dict keeps the last of two equal MetadataIndex keys: whichever one holds the
+    payload, scan sees it where torch reads it, and the reader refuses the folder as ambiguous."""
+    evil = _zip_blob(tmp_path, system_call(tmp_path / "ran"))
+    folder = dcp_with(dcp_base, tmp_path / "dcp", "step", evil, duplicate=evil_at)
+    view = assert_scan_sees_what_torch_resolves(folder, dcp=True)
+    assert ("posix.system" in view.globals) == (evil_at == "last"), view
+    assert scan_path(folder).dangerous
+    with pytest.raises(BadInputError, match="ambiguous"):
+        read_checkpoint(folder)
+
+
+def test_a_non_tensor_item_stored_under_chunk_offsets_is_refused_as_torch_fails(dcp_base: Path, tmp_path: Path) -> None:
+    """torch looks a non-tensor item up as MetadataIndex(fqn): an entry with offsets is not it."""
+    import shutil
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    folder = tmp_path / "dcp"
+    shutil.copytree(dcp_base, folder)
+    with open(folder / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # made by torch in this test module
+    key = next(k for k in metadata.storage_data if k.fqn == "step")
+    metadata.storage_data[MetadataIndex("step", (0,))] = metadata.storage_data.pop(key)
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    view = torch_view(folder, dcp=True)
+    assert view.error and "step" in view.error, view
+    with pytest.raises(BadInputError, match="no stored item"):
+        read_checkpoint(folder)
