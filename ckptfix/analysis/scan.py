@@ -38,7 +38,7 @@ from ..fileio.ranges import FileSlice
 from ..fileio.ziparchive import read_record_bytes
 from ..formats.dcp import METADATA_NAME, dcp_items, is_dcp_folder
 from ..formats.detect import open_input, sniff_file
-from ..formats.sharded import find_index, read_index
+from ..formats.sharded import find_index, other_checkpoints, read_index
 from ..formats.tarera import TarMember, open_tar, tar_layout
 from ..formats.torchzip import MAX_PICKLE_BYTES, read_checked_directory
 from ..model.dtypes import DTYPE_ITEMSIZE, STORAGE_DTYPE
@@ -129,18 +129,41 @@ def scan_path(path: str | Path) -> ScanResult:
     anything; bad input is reported in the result, never raised.
 
     A sharded checkpoint is scanned file by file (the globals say which shard); a DCP folder's
-    ``.metadata`` is a plain pickle and is scanned as one."""
+    ``.metadata`` is a plain pickle and is scanned with every item it lists. A folder's other
+    checkpoint-like files (:func:`~ckptfix.formats.sharded.other_checkpoints`: what torch or
+    ``transformers`` would load besides the checkpoint the folder's marker names) are scanned
+    too, each finding naming its file; the verdict is the worst of them."""
     target = Path(path)
+    result = _scan_one(target)
+    if not target.is_dir() or result.format == "":
+        return result
+    try:
+        marker = target / METADATA_NAME if is_dcp_folder(target) else find_index(target)
+        others = other_checkpoints(target, marker) if marker is not None else []
+    except (OSError, CkptfixError) as exc:
+        result.error = result.error or f"the folder's other files were not scanned: {exc}"
+        return result
+    for other in others:
+        part = _scan_one(other)
+        result.globals += [Found(g.name, g.verdict, f"{other.name}:{g.where}", g.reason) for g in part.globals]
+        result.error = result.error or (f"{other.name}: {part.error}" if part.error else "")
+    if others:
+        names = ", ".join(p.name for p in others)
+        result.notes.append(f"also scanned the folder's other checkpoint-like files: {names}"[:400])
+    return result
+
+
+def _scan_one(target: Path) -> ScanResult:
     try:
         parts = _parts(target)
     except (OSError, CkptfixError) as exc:
-        return ScanResult(str(path), error=str(exc))
+        return ScanResult(str(target), error=str(exc))
     if parts is None:
         return _scan_file(target)
     if parts[0] == "dcp":
         return _scan_dcp(target)
     kind, files, notes = parts
-    result = ScanResult(str(path), kind, notes=notes)
+    result = ScanResult(str(target), kind, notes=notes)
     for file in files:
         part = _scan_file(file)
         result.globals += [Found(g.name, g.verdict, f"{file.name}:{g.where}", g.reason) for g in part.globals]

@@ -15,6 +15,7 @@ import os
 import stat
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import BadInputError
@@ -236,3 +237,19 @@ def sniff_file(f: BinaryIO, file_size: int, path: str | os.PathLike[str]) -> Sni
     if what.kind == "tar":  # "ustar" but a header tarfile refuses: torch reads it as a pickle
         return Sniffed("not-checkpoint", "a tar header torch's tar reader refuses (bad checksum or fields)")
     return what
+
+
+def checkpoint_like(path: Path) -> bool:
+    """Whether a file in a folder is one that torch or ``transformers`` might load: a name from
+    the suffix registry (:data:`CHECKPOINT_SUFFIXES`), or first bytes that torch.load takes for
+    a checkpoint or a pickle (``training_args.bin`` is one; so is a pickle named ``.txt``).
+    Anything that cannot be opened as a regular file counts too: checking it reports why."""
+    if path.name.lower().endswith(CHECKPOINT_SUFFIXES):
+        return True
+    try:
+        f, size = open_input(path)
+    except BadInputError:
+        return not path.is_dir()
+    with f:
+        what = sniff_file(f, size, path)
+    return what.kind != "not-checkpoint" or "pickle" in what.description or "tar header" in what.description

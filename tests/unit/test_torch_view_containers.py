@@ -257,3 +257,87 @@ def test_a_non_tensor_item_stored_under_chunk_offsets_is_refused_as_torch_fails(
     assert view.error and "step" in view.error, view
     with pytest.raises(BadInputError, match="no stored item"):
         read_checkpoint(folder)
+
+
+# =========================================================================== folders with decoys
+
+
+def _empty_dcp(folder: Path) -> None:
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(Metadata(state_dict_metadata={}, storage_data={}), f)
+
+
+def _safetensors(path: Path) -> None:
+    import safetensors.torch
+    import torch
+
+    safetensors.torch.save_file({"w": torch.ones(2)}, str(path))
+
+
+def _index(path: Path, shard: str) -> None:
+    import json
+
+    path.write_text(json.dumps({"metadata": {}, "weight_map": {"w": shard}}))
+
+
+def _decoy_folder(folder: Path, layout: str, evil: bytes) -> Path:
+    """A folder whose marker names one checkpoint, with a payload in a file torch or transformers
+    would load; returns that file."""
+    from hostile import make_base_zip, with_data_pkl
+
+    folder.mkdir()
+    base = make_base_zip(folder.parent)
+    if layout == "empty-dcp":
+        _empty_dcp(folder)
+        return with_data_pkl(base, evil, folder / "model.pth")
+    if layout == "index+bin":
+        _safetensors(folder / "model-00001-of-00001.safetensors")
+        _index(folder / "model.safetensors.index.json", "model-00001-of-00001.safetensors")
+        return with_data_pkl(base, evil, folder / "pytorch_model.bin")
+    if layout == "two-indexes":
+        _safetensors(folder / "model-00001-of-00001.safetensors")
+        _index(folder / "model.safetensors.index.json", "model-00001-of-00001.safetensors")
+        _index(folder / "pytorch_model.bin.index.json", "pytorch_model-00001-of-00001.bin")
+        return with_data_pkl(base, evil, folder / "pytorch_model-00001-of-00001.bin")
+    if layout == "safetensors+bin":
+        _safetensors(folder / "model.safetensors")
+        return with_data_pkl(base, evil, folder / "pytorch_model.bin")
+    assert layout == "training-args"
+    _safetensors(folder / "model.safetensors")
+    path = folder / "training_args.bin"
+    path.write_bytes(evil)
+    return path
+
+
+@pytest.mark.parametrize("layout", ["empty-dcp", "index+bin", "two-indexes", "safetensors+bin", "training-args"])
+def test_scan_and_verify_of_a_folder_check_every_checkpoint_like_file(tmp_path: Path, layout: str) -> None:
+    from oracle import dangerous_names, missed_by_scan
+
+    from ckptfix.analysis.verify import verify_path
+
+    marker = tmp_path / "ran"
+    decoy = _decoy_folder(tmp_path / "repo", layout, system_call(marker))
+    view = torch_view(decoy)  # what torch.load / transformers would run
+    assert dangerous_names(view.globals), view
+    result = scan_path(decoy.parent)
+    assert not missed_by_scan(view, [g.name for g in result.dangerous]), result
+    assert any(g.where.startswith(decoy.name) for g in result.dangerous), result
+    verified = verify_path(decoy.parent)
+    assert not verified.ok and any(decoy.name in p for p in verified.problems), verified
+    assert not marker.exists()
+
+
+def test_a_folder_whose_files_are_all_its_checkpoint_stays_clean(tmp_path: Path) -> None:
+    """The other files a folder may hold (configs, tokenizers) are not checkpoints: no noise."""
+    from ckptfix.analysis.verify import verify_path
+
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    _safetensors(folder / "model.safetensors")
+    (folder / "config.json").write_text('{"a": 1}')
+    (folder / "README.md").write_text("# model\n")
+    result = scan_path(folder)
+    assert not result.error and not result.dangerous and not result.notes, result
+    assert verify_path(folder).ok
