@@ -35,12 +35,12 @@ from typing import Any, BinaryIO, cast
 
 from ..errors import BadInputError, CkptfixError
 from ..fileio.ranges import FileSlice
-from ..fileio.ziparchive import read_record_bytes
+from ..fileio.ziparchive import read_directory, read_record_bytes
 from ..formats.dcp import METADATA_NAME, dcp_items, is_dcp_folder
 from ..formats.detect import open_input, sniff_file
 from ..formats.sharded import find_index, other_checkpoints, read_index
 from ..formats.tarera import TarMember, open_tar, tar_layout
-from ..formats.torchzip import MAX_PICKLE_BYTES, read_checked_directory
+from ..formats.torchzip import MAX_PICKLE_BYTES, check_record_names
 from ..model.dtypes import DTYPE_ITEMSIZE, STORAGE_DTYPE
 from ..pickling.globals import canonical_name, danger, plain_data
 from ..pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS
@@ -199,14 +199,20 @@ def _scan_pickle_file(path: Path) -> ScanResult:
 
 
 def _scan_zip(f: BinaryIO, size: int, path: str, result: ScanResult) -> None:
-    """Every record of a zip whose name ends in ``.pkl`` in any case (torch's lookup ignores case)."""
-    records = read_checked_directory(f, size, path)
+    """Every record of a zip whose name ends in ``.pkl`` in any case (torch's lookup ignores case:
+    an ``archive/DATA.PKL`` is what torch unpickles), scanned before the names are judged, so a
+    name the reader refuses still has its pickle's findings reported."""
+    records = read_directory(f, size, path)
     for name, record in records.items():
         if name.lower().endswith(".pkl"):
             data = read_record_bytes(f, record, MAX_PICKLE_BYTES)
             found, error = scan_pickles(data, name)
             result.globals.extend(found)
             result.error = result.error or (f"{name}: {error}" if error else "")
+    try:
+        check_record_names(records, path)
+    except BadInputError as exc:
+        result.error = result.error or str(exc)
 
 
 def _scan_dcp(folder: Path) -> ScanResult:

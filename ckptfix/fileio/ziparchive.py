@@ -21,6 +21,7 @@ import struct
 import zlib
 from array import array
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple, TypeGuard
 
@@ -498,6 +499,15 @@ def shares_blocks(source: FileRange | ComputedSource) -> TypeGuard[FileRange]:
     return is_plain_range(source) and source.size >= SMALL_COPY and source.offset % RECORD_ALIGNMENT == 0
 
 
+def _check_crc(name: str, source: FileRange | ComputedSource, recorded: int | None, actual: int) -> None:
+    if recorded and actual != recorded:
+        where = source.path if isinstance(source, FileRange) else "the input"
+        raise BadInputError(
+            f"{where}: the bytes copied into {name} have CRC32 {actual:08x}, but the input's record says "
+            f"{recorded:08x}: the input is corrupt (run `ckptfix verify` on it); nothing was written"
+        )
+
+
 _DESCRIPTOR = struct.Struct("<4sIII")
 #: the "FB" extra field's length and padding, for every padding torch's 64-byte alignment needs
 _PAD_LENGTH = [struct.pack("<H", n) + b"Z" * n for n in range(RECORD_ALIGNMENT)]
@@ -519,6 +529,8 @@ class ZipWriter:
         self._header_offsets = array("q")
         self._sizes = array("q")
         self._crcs = array("I")
+        #: kernel-copied records whose CRC a worker is computing: (name, source, recorded, future)
+        self._crc_checks: list[tuple[str, FileRange, int, Future[int]]] = []
         self._zip64_threshold = zip64_threshold
 
     @property
@@ -595,28 +607,44 @@ class ZipWriter:
     def add_copy(self, name: str, source: FileRange | ComputedSource, files: OpenFiles) -> int:
         """Add a record whose bytes come from ``source``; returns its CRC32.
 
-        A stored range is copied by the kernel: with a known CRC (a zip record) it keeps the
-        CRC the source recorded (CRC 0 stays 0, as torch wrote it), else the CRC is computed
-        beside the copy. Anything else is streamed in bounded chunks and its CRC computed on
-        the way. See :func:`shares_blocks` for where the record's data lands.
+        A stored range is copied by the kernel (adjacent ones merged into one call), anything
+        else streamed in bounded chunks. Where the source recorded a CRC (a zip record), the
+        bytes are checked against it: a record whose bytes do not match its CRC is corrupt,
+        and copying its CRC along would make the output pass every check. A kernel-copied
+        record's CRC is computed on a worker thread from the same source bytes while the kernel
+        copies them, and checked before the archive is closed (:meth:`close`); others as they
+        stream. CRC 0 marks a file saved with ``torch.serialization.set_crc32_options(False)``:
+        it stays 0, unchecked, as torch wrote it. See :func:`shares_blocks` for where the
+        record's data lands.
         """
+        recorded = source.crc if isinstance(source, FileRange) else None
         if is_plain_range(source) and source.size < SMALL_COPY:
             data = files.small_read(source.path, source.offset, source.size)
             if len(data) != source.size:
                 raise BadInputError(f"{source.path}: the file ended inside tensor data (truncated?)")
-            crc = source.crc if source.crc is not None else zlib.crc32(data)
+            crc = 0 if recorded == 0 else zlib.crc32(data)
+            _check_crc(name, source, recorded, crc)
             self.add_small(name, data, crc)
             return crc
+        if recorded and is_plain_range(source):
+            unchecked = FileRange(source.path, source.offset, source.size)
+            self._crc_checks.append((name, source, recorded, files.crc_in_background(unchecked)))
         header_offset = self._offset
         place = source.offset if shares_blocks(source) else None
         full = self._start_record(name, source.size, place)
         copied_crc = self._stream.copy(source, files, want_crc=True)
         assert copied_crc is not None
+        if not is_plain_range(source):  # streamed: the CRC is of the bytes written
+            _check_crc(name, source, recorded, copied_crc)
         self._finish_record(full, header_offset, source.size, copied_crc)
         return copied_crc
 
     def close(self) -> None:
-        """Write the central directory and the (zip64 and classic) end records."""
+        """Write the central directory and the (zip64 and classic) end records, once every
+        copied record's bytes matched the CRC its source recorded."""
+        for record, source, recorded, future in self._crc_checks:
+            _check_crc(record, source, recorded, future.result())
+        self._crc_checks.clear()
         cd_offset = self._offset
         for name, header_offset, size, crc in zip(self._names, self._header_offsets, self._sizes, self._crcs):
             zip64 = b""
