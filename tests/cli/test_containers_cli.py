@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_same_tree
 from hostile import assert_refused, ck, system_call
 from oracle import assert_reads_as_torch, assert_scan_sees_what_torch_resolves, torch_view
 
@@ -117,3 +118,85 @@ def test_a_version_torch_reads_is_carried(base: Path, tmp_path: Path, value: byt
     out = tmp_path / "out.pth"
     assert ck("convert", "--format", "pth", path, out).returncode == 0
     assert_reads_as_torch(path, out)
+
+
+# =========================================================================== outputs overlapping inputs
+
+
+def _shards(folder: Path, fmt: str = "safetensors") -> Path:
+    import ckptfix
+
+    src = folder.parent / f"{folder.name}-src.pth"
+    torch.save({f"layer{i}.weight": torch.arange(64.0) + i for i in range(4)}, src)
+    ckptfix.convert(src, folder, ckptfix.ConvertOptions(out_format=fmt, max_shard_size="600B"))
+    assert len(list(folder.glob(f"*-of-*.{'bin' if fmt == 'pth' else fmt}"))) > 1
+    return folder
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+def _assert_overlap_refused(args: list[object], folder: Path, before: dict[str, bytes]) -> None:
+    result = ck(*args)
+    assert result.returncode == 2, (result.returncode, result.stderr[-1000:])
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("ckptfix: error: ") and "input" in lines[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert _snapshot(folder) == before, "an input file was changed"
+
+
+@pytest.mark.parametrize(
+    "spelling", ["same", "index-in", "dotdot", "symlink", "shard-file", "hardlink", "bin-shards", "sharded-into-parent"]
+)
+def test_an_output_overlapping_the_input_is_refused_and_nothing_is_written(tmp_path: Path, spelling: str) -> None:
+    folder = _shards(tmp_path / "shards", "pth" if spelling == "bin-shards" else "safetensors")
+    index = next(folder.glob("*.index.json"))
+    first = sorted(folder.glob("*-of-*"))[0]
+    view = torch_view(first)
+    args: list[object] = ["convert", folder, f"{folder}/", "--force", "--max-shard-size", "600B"]
+    if spelling == "index-in":
+        args[1] = index
+    elif spelling == "dotdot":
+        args[2] = f"{tmp_path}/x/../shards/"
+        (tmp_path / "x").mkdir()
+    elif spelling == "symlink":
+        (tmp_path / "link").symlink_to(folder)
+        args[2] = f"{tmp_path}/link/"
+    elif spelling == "shard-file":
+        args = ["convert", folder, first, "--force"]
+    elif spelling == "hardlink":
+        other = tmp_path / "other.safetensors"
+        other.hardlink_to(first)
+        args = ["convert", folder, other, "--force"]
+    elif spelling == "bin-shards":
+        args += ["--format", "pth"]
+    elif spelling == "sharded-into-parent":
+        single = folder / "pytorch_model.bin"
+        torch.save({"w": torch.ones(3)}, single)
+        args = ["convert", single, f"{folder}/", "--format", "pth", "--force"]
+    before = _snapshot(folder)
+    _assert_overlap_refused(args, folder, before)
+    assert_same_tree(torch_view(first).tree, view.tree)  # torch still reads the input as before
+
+
+def test_a_dcp_output_replacing_the_input_folder_is_refused(tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "dcp"
+    shutil.copytree(Path(__file__).resolve().parents[2] / "fixtures" / "dcp_sharded_2ranks", folder)
+    before = _snapshot(folder)
+    _assert_overlap_refused(["convert", folder, folder, "--format", "dcp", "--force"], folder, before)
+    _assert_overlap_refused(["convert", folder, tmp_path, "--format", "dcp", "--force"], folder, before)
+
+
+def test_a_file_written_beside_its_input_is_fine(tmp_path: Path) -> None:
+    """Not an overlap: a single file's folder receives shards under names the input does not have."""
+    src = tmp_path / "ddp.pth"
+    torch.save({"module.w": torch.arange(300.0), "module.b": torch.ones(200)}, src)
+    assert ck("convert", src, f"{tmp_path}/", "--max-shard-size", "1KB").returncode == 0
+    shard = sorted(tmp_path.glob("model-*-of-*.safetensors"))[0]
+    assert torch_view(shard).loads
+    out = tmp_path / "bare.pth"
+    assert ck("strip-module", src, out).returncode == 0
+    assert set(torch_view(out).tree) == {"w", "b"}
