@@ -200,3 +200,19 @@ def test_a_file_written_beside_its_input_is_fine(tmp_path: Path) -> None:
     out = tmp_path / "bare.pth"
     assert ck("strip-module", src, out).returncode == 0
     assert set(torch_view(out).tree) == {"w", "b"}
+
+
+# =========================================================================== safetensors numbers
+
+
+@pytest.mark.parametrize("number", [b"1e400", b"-" + b"9" * 400, b"[1e309]"])
+def test_a_conversion_refuses_a_header_number_the_library_refuses(tmp_path: Path, number: bytes) -> None:
+    from safetensors import safe_open
+
+    header = b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":' + number + b"}}"
+    path = tmp_path / "odd.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + bytes(4))
+    with pytest.raises(Exception, match="out of range"):  # the loader itself refuses it
+        safe_open(str(path), "pt")
+    out = tmp_path / "out.pth"
+    assert_refused(ck("convert", path, out), "out of range", out=out)
