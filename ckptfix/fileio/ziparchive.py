@@ -84,8 +84,11 @@ class ZipRecord:
 
     def source(self, path: str, base: int = 0) -> FileRange:
         """The record's bytes as a :class:`FileRange` of the archive file ``path`` (whose zip
-        starts at ``base``: a zip stored inside another file)."""
+        starts at ``base``: a zip stored inside another file); a deflated record must pass
+        :func:`check_inflation` first."""
         deflated = self.compressed_size if self.method == DEFLATED else None
+        if deflated is not None:
+            check_inflation(self, path)
         return FileRange(path, base + self.data_offset, self.size, self.crc, deflated)
 
 
@@ -467,6 +470,28 @@ def _refuse_overlaps(records: ZipDirectory, path: str) -> None:
         previous = span
 
 
+#: how many times larger than its compressed bytes a deflated record may inflate: real data
+#: deflates 1.1x (weights) to ~6x (pickles); a zip bomb, ~1000x
+INFLATE_RATIO = 64
+#: the absolute budget below which a record is never refused for its ratio (a small record of
+#: zeros deflates far beyond the ratio and costs nothing)
+INFLATE_FLOOR = 16 << 20
+
+
+def check_inflation(record: ZipRecord, path: str = "") -> None:
+    """Refuse a deflated record that declares more than :data:`INFLATE_RATIO` times its
+    compressed bytes (and more than :data:`INFLATE_FLOOR`): every reader, writer and check that
+    inflates records passes here first, so a kilobyte-sized file cannot make any command
+    produce, hold or compare gigabytes (each inflation is also streamed in bounded chunks)."""
+    if record.method != DEFLATED or record.size <= max(INFLATE_FLOOR, INFLATE_RATIO * record.compressed_size):
+        return
+    where = f"{path}: record {record.name!r}" if path else f"record {record.name!r}"
+    raise BadInputError(
+        f"{where} is deflated from {record.compressed_size} bytes but declares {record.size} "
+        f"(more than {INFLATE_RATIO}x): a zip bomb, or not a checkpoint torch.save wrote; refusing"
+    )
+
+
 def read_record_bytes(f: BinaryIO, record: ZipRecord, limit: int, path: str = "") -> bytes:
     """Read a (small) record into memory, inflating it if needed, refusing more than ``limit``.
 
@@ -477,6 +502,7 @@ def read_record_bytes(f: BinaryIO, record: ZipRecord, limit: int, path: str = ""
     where = f"{path}: record {record.name!r}" if path else f"record {record.name!r}"
     if record.size > limit:
         raise BadInputError(f"{where} declares {record.size} bytes, over the {limit}-byte limit")
+    check_inflation(record, path)
     if record.method == STORED:
         f.seek(record.data_offset)
         raw = f.read(record.compressed_size)
