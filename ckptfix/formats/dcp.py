@@ -120,22 +120,24 @@ def _located(items: dict[object, object], where: str, problems: list[str] | None
     torch's dict keeps the last -- refused as ambiguous, never read as the first (with
     ``problems``, noted there and kept, so that a scan still visits both)."""
     located: Located = {}
-    keys: set[tuple[str, str, tuple[int, ...] | None]] = set()
+    keys: set[tuple[str, tuple[int, ...] | None]] = set()
     for key, info in items.items():
         index, stored = _fields(key, "MetadataIndex", where), _fields(info, "_StorageInfo", where)
         fqn, raw = index.get("fqn"), index.get("offset")
+        if not isinstance(fqn, str):  # torch looks items up by MetadataIndex(str fqn): 1 is not "1"
+            raise BadInputError(f"{where}: corrupt DCP metadata: an item named by a {type(fqn).__name__}, not a str")
         offset = None if raw is None else _size(raw, where)
-        identity = (type(fqn).__name__, str(fqn), offset)
+        identity = (fqn, offset)
         if identity in keys:
             problem = (
-                f"{where}: two storage_data entries for one item ({str(fqn)!r:.80}, offset {offset}): torch keeps "
+                f"{where}: two storage_data entries for one item ({fqn!r:.80}, offset {offset}): torch keeps "
                 "the last, another reader the first; refusing as ambiguous"
             )
             if problems is None:
                 raise BadInputError(problem)
             problems.append(problem)
         keys.add(identity)
-        located.setdefault(str(fqn), []).append((offset, stored))
+        located.setdefault(fqn, []).append((offset, stored))
     return located
 
 

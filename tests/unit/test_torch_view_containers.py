@@ -341,3 +341,31 @@ def test_a_folder_whose_files_are_all_its_checkpoint_stays_clean(tmp_path: Path)
     result = scan_path(folder)
     assert not result.error and not result.dangerous and not result.notes, result
     assert verify_path(folder).ok
+
+
+@pytest.mark.parametrize("key", [b"step", 7])
+def test_an_item_named_by_a_non_string_is_refused_as_torch_cannot_find_it(
+    dcp_base: Path, tmp_path: Path, key: object
+) -> None:
+    """torch looks an item up as MetadataIndex(fqn) with the state dict's str fqn: an entry keyed
+    by another type (``7`` for ``"7"``) never matches it, however it prints."""
+    import shutil
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    folder = tmp_path / "dcp"
+    shutil.copytree(dcp_base, folder)
+    with open(folder / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # made by torch in this test module
+    old = next(k for k in metadata.storage_data if k.fqn == "step")
+    name = str(key) if isinstance(key, int) else "step"
+    metadata.state_dict_metadata[name] = metadata.state_dict_metadata.pop("step")
+    if metadata.planner_data and "step" in metadata.planner_data:
+        metadata.planner_data[name] = (metadata.planner_data.pop("step"), (name,))[1]
+    metadata.storage_data[MetadataIndex(key)] = metadata.storage_data.pop(old)  # type: ignore[arg-type]
+    with open(folder / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+    view = torch_view(folder, dcp=True)
+    assert view.error, view
+    with pytest.raises(BadInputError, match="not a str"):
+        read_checkpoint(folder)
