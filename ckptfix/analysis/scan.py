@@ -298,7 +298,24 @@ def _one_pickle(data: mmap.mmap, pos: int, end: int, where: str, found: list[Fou
         value = vm.run()
     finally:
         found += [Found(canonical_name(name), *_verdict(name, at)) for name, at in recorded]
-    return value, vm.pos
+    return value, _after_frames(data, pos, vm.pos, end)
+
+
+def _after_frames(data: mmap.mmap, start: int, stop: int, end: int) -> int:
+    """Where torch's next raw read starts after a pickle that ran from ``start`` to ``stop``:
+    the tar members are read from an unbuffered file (no ``peek()``), from which CPython's C
+    unpickler reads each FRAME whole, so a STOP inside a frame leaves the file at the frame's
+    end, not after the STOP. Frames follow one another from the PROTO on."""
+    pos = start + 2 if data[start : start + 1] == b"\x80" else start
+    while pos + 9 <= end and data[pos] == _FRAME_OPCODE:
+        frame_end = pos + 9 + int.from_bytes(data[pos + 1 : pos + 9], "little")
+        if stop <= frame_end:
+            return max(stop, frame_end)
+        pos = frame_end
+    return stop
+
+
+_FRAME_OPCODE = 0x95
 
 
 def _storage_itemsize(args: Any) -> int:

@@ -61,11 +61,16 @@ TENSOR_ARGS = pkl(b"(X\x01\x00\x00\x001X\x01\x00\x00\x000ctorch\nFloatTensor\nt"
 def tar_era(marker: Path, where: str) -> dict[str, bytes]:
     """The three members torch's tar reader unpickles, with a payload in one place: the ``pickle``
     member, the storage views (after one storage's raw bytes, which look like a pickle and are
-    not one to torch), a tensor record (after another one's raw shape) or a storage count."""
+    not one to torch), a tensor record (after another one's raw shape) or a storage count;
+    ``framed``: the views after a storage record pickled in a FRAME longer than its pickle."""
     evil = system_call(marker)
     raw = b"cos\nsystem\n"  # 11 raw bytes torch never unpickles
-    storages = pickle.dumps(1, 2) + FLOAT_ARGS + struct.pack("<q", 3) + raw.ljust(12, b"\0")
-    storages += evil if where == "views" else pickle.dumps([], 2)
+    args = FLOAT_ARGS
+    if where == "framed":  # a FRAME that runs 8 bytes past the STOP: torch reads on after them
+        body = FLOAT_ARGS[2:] + struct.pack("<q", 0)  # a linear reader's "0 elements"
+        args = b"\x80\x04\x95" + struct.pack("<Q", len(body)) + body
+    storages = pickle.dumps(1, 2) + args + struct.pack("<q", 3) + raw.ljust(12, b"\0")
+    storages += evil if where in ("views", "framed") else pickle.dumps([], 2)
     tensor = TENSOR_ARGS + struct.pack("<ii", 2, 0) + struct.pack("<5q", 3, 1, 1, 1, 0)
     tensors = pickle.dumps(2, 2) + tensor + (evil if where == "tensor" else tensor)
     members = {
@@ -114,7 +119,7 @@ def _legacy_host() -> bytes:
 
 
 @pytest.mark.parametrize("host", sorted(HOSTS))
-@pytest.mark.parametrize("where", ["pickle", "views", "tensor", "count"])
+@pytest.mark.parametrize("where", ["pickle", "views", "tensor", "count", "framed"])
 def test_scan_reads_every_pickle_torchs_tar_reader_runs(tmp_path: Path, host: str, where: str) -> None:
     marker = tmp_path / "ran"
     path = tmp_path / "model.bin"
