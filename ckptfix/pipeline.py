@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -470,6 +471,8 @@ def convert(
     check_global_patterns(opts.allow_globals)  # the API gets the CLI's check too
     if not opts.dry_run and kind == "file":
         check_destination(in_path, out_path, overwrite=opts.force, in_place=opts.in_place)
+    if not opts.dry_run and not (opts.in_place and kind == "file"):
+        check_no_overlap(Path(in_path), Path(out_path), kind)
     started = time.perf_counter()
     # unknown classes are read as inert records and judged on what the output carries
     # (check_output); --unsafe-load keeps the old way: the file through torch if it holds any
@@ -524,6 +527,70 @@ def convert(
     _write(ckpt, root, Path(out_path), kind, file_format, max_bytes, opts, report, progress)
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _input_files(in_path: Path) -> list[Path]:
+    """The files reading IN may open: the file itself, or every file of the folder it names
+    (a shard folder, a DCP folder) or of its index's folder. Readers open them by path, lazily,
+    while the output is being written."""
+    folder = in_path if in_path.is_dir() else in_path.parent if in_path.name.endswith(".index.json") else None
+    if folder is None:
+        return [in_path]
+    try:
+        return [p for p in folder.iterdir() if p.is_file()]
+    except OSError:
+        return []
+
+
+#: the names a folder of shards is written under (formats/sharded.py's write_sharded)
+_SHARD_NAME = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
+
+
+def check_no_overlap(in_path: Path, out_path: Path, kind: str) -> None:
+    """Refuse an output that overlaps the input, before anything is read or written.
+
+    Inputs are read lazily by path while the output is written: an output file that is an input
+    file, or a folder of shards written into the input's own folder (``convert DIR DIR``, or
+    OUT naming that folder through a symlink or another spelling), would replace files that
+    are still to be read, and the result would silently hold wrong bytes. Files and folders
+    are compared by identity (device and inode: links, bind mounts, ``..``) and by real path;
+    a DCP output replaces its whole folder, so no input may lie anywhere inside it."""
+    inputs = _input_files(in_path)
+    if kind == "file":
+        out_id, out_real = _identity(out_path), os.path.realpath(out_path)
+        for file in inputs:
+            if (out_id is not None and _identity(file) == out_id) or os.path.realpath(file) == out_real:
+                raise UsageError(
+                    f"{out_path}: the output would overwrite {file}, which the input is read from",
+                    hint="write to a path outside the input checkpoint",
+                )
+        return
+    folder_id = _identity(out_path)
+    if folder_id is None:
+        return  # a folder that does not exist yet holds no input
+    one_file = inputs == [in_path]
+    for file in inputs:
+        real = Path(os.path.realpath(file))
+        if kind == "dcp":
+            holders = [real.parent, *real.parent.parents, file.parent, *file.parent.parents]
+        elif one_file and not (_SHARD_NAME.fullmatch(file.name) or _SHARD_NAME.fullmatch(real.name)):
+            continue  # a single file beside the shards, under a name no shard or index takes
+        else:
+            holders = [real.parent, file.parent]
+        if any(_identity(h) == folder_id for h in holders):
+            raise UsageError(
+                f"{out_path}: the output folder holds the input's file {file}: writing it would replace files "
+                "while they are being read",
+                hint="write to a new folder outside the input",
+            )
 
 
 def _same_format(ckpt: Checkpoint, kind: str, file_format: str) -> bool:

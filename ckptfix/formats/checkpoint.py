@@ -13,7 +13,7 @@ from ..errors import BadInputError, UnsafeInputError
 from ..model.needs import need_torch
 from ..model.refs import Tree
 from .dcp import is_dcp_folder, read_dcp, read_dcp_safely
-from .detect import check_input, open_input, sniff
+from .detect import check_input, open_input, sniff_file
 from .legacy import load_with_torch, save_with_torch
 from .legacy_pickle import read_legacy
 from .safetensors import read_safetensors
@@ -87,7 +87,7 @@ def read_checkpoint(
         return _read_sharded(Path(path), allow_globals)
     f, file_size = open_input(path)
     with f:
-        what = sniff(f.read(512), file_size)
+        what = sniff_file(f, file_size, path)
         if what.kind == "zip":
             globals_seen: set[str] = set()
             try:

@@ -93,7 +93,7 @@ def read_safetensors(path: str, f: BinaryIO, file_size: int) -> tuple[dict[str, 
     if len(raw) != header_len:
         raise BadInputError(f"{path}: the file ended inside the safetensors header (truncated?)")
     try:
-        header = strictjson.loads(raw)
+        header = strictjson.loads(raw, serde_numbers=True)
     except strictjson.JSONError as exc:
         raise BadInputError(f"{path}: corrupt safetensors header: {exc}") from exc
     if not isinstance(header, dict):
