@@ -35,6 +35,7 @@ from typing import Any
 from ..errors import BadInputError, CkptfixError
 from ..fileio.ziparchive import read_record_bytes
 from ..formats.dcp import METADATA_NAME, is_dcp_folder
+from ..formats.deepspeed import is_deepspeed_folder
 from ..formats.detect import open_input, sniff
 from ..formats.sharded import find_index, read_index
 from ..formats.torchzip import MAX_PICKLE_BYTES, read_checked_directory
@@ -148,6 +149,8 @@ def _parts(target: Path) -> tuple[str, list[Path], list[str]] | None:
     if target.is_dir() and is_dcp_folder(target):
         note = "DCP tensor data files (*.distcp) are not scanned: only .metadata holds a pickle ckptfix can find"
         return "dcp", [target / METADATA_NAME], [note]
+    if target.is_dir() and is_deepspeed_folder(target):
+        return "deepspeed", sorted(p for p in target.rglob("*.pt") if p.is_file()), []
     index = find_index(target) if target.is_dir() else target
     if index is None:
         raise BadInputError(f"{target}: a folder with no checkpoint index or model file in it")

@@ -80,6 +80,24 @@ class ComputedSource:
     produce: Callable[[OpenFiles], bytes]
 
 
+@dataclass(frozen=True, eq=False)
+class JoinedSource(ComputedSource):
+    """Bytes that are several file ranges end to end: a tensor split across files (a ZeRO
+    parameter whose fp32 master weights straddle two ranks' partitions). ``pieces`` tile the
+    bytes exactly once, in order (checked when it is made); writers copy them piece by piece
+    (:meth:`OutputStream.copy`, :func:`iter_chunks`), and ``produce`` joins them only for a
+    caller that needs the one tensor in memory (a cast, a gather)."""
+
+    pieces: tuple[FileRange, ...] = ()
+
+    @classmethod
+    def of(cls, pieces: tuple[FileRange, ...]) -> JoinedSource:
+        if not pieces or any(not is_plain_range(p) or p.size <= 0 or p.offset < 0 for p in pieces):
+            raise ValueError("a joined source needs non-empty, uncompressed pieces")
+        size = sum(p.size for p in pieces)
+        return cls(size, lambda files: b"".join(read_all(p, files) for p in pieces), pieces)
+
+
 class WindowedReader:
     """Small reads of one file, in mostly increasing order, served from one buffered window.
 
@@ -272,6 +290,10 @@ class OutputStream:
             if not want_crc:
                 return None
             return source.crc if source.crc is not None else zlib.crc32(data)
+        if isinstance(source, JoinedSource) and not want_crc:
+            for piece in source.pieces:
+                self.copy(piece, files)
+            return None
         if is_plain_range(source):
             crc = files.crc_in_background(source) if want_crc and source.crc is None else None
             pending = self._pending
@@ -323,6 +345,10 @@ def is_plain_range(source: object) -> TypeGuard[FileRange]:
 
 def iter_chunks(source: FileRange | ComputedSource, files: OpenFiles) -> Iterator[bytes]:
     """The bytes of ``source`` in bounded chunks, inflating compressed records."""
+    if isinstance(source, JoinedSource):
+        for piece in source.pieces:
+            yield from iter_chunks(piece, files)
+        return
     if isinstance(source, ComputedSource):
         data = source.produce(files)
         if len(data) != source.size:
