@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import BadInputError, UnsafeInputError
+from ..errors import BadInputError, UnsafeInputError, UsageError
 from ..model.needs import need_torch
 from ..model.refs import Tree
 from .dcp import is_dcp_folder, read_dcp, read_dcp_safely
@@ -91,9 +91,7 @@ def read_checkpoint(
     if stat.S_ISDIR(st.st_mode) and is_deepspeed_folder(Path(path)) and not is_dcp_folder(Path(path)):
         return _read_deepspeed(Path(path), allow_globals, tag, weights)
     if tag is not None or weights is not None:
-        raise BadInputError(
-            f"{path}: --tag and --weights choose what a DeepSpeed checkpoint folder gives; this is not one"
-        )
+        raise UsageError(f"{path}: --tag and --weights choose what a DeepSpeed checkpoint folder gives; not one")
     if stat.S_ISDIR(st.st_mode):
         return _read_folder(Path(path), unsafe_load, allow_globals, inert_unknown)
     if path.endswith(".index.json"):
@@ -164,7 +162,7 @@ def _read_folder(folder: Path, unsafe_load: bool, allow_globals: Sequence[str], 
 def _read_deepspeed(folder: Path, allow_globals: Sequence[str], tag: str | None, weights: str | None) -> Checkpoint:
     globals_seen: set[str] = set()
     root, info = read_deepspeed(folder, globals_seen, allow_globals, tag=tag, weights=weights)
-    size = sum(p.stat().st_size for p in folder.rglob("*.pt") if p.is_file())
+    size = info.input_bytes
     return Checkpoint(
         str(folder), FORMAT_DEEPSPEED, root, size, globals_seen, notes=[info.describe(), *info.notes], deepspeed=info
     )

@@ -73,6 +73,8 @@ class DeepSpeedInfo:
     weights: str
     ds_version: str | None = None
     notes: list[str] = field(default_factory=list)
+    #: bytes of the tag's files (what is read from)
+    input_bytes: int = 0
 
     def describe(self) -> str:
         other = [w for w in self.weights_available if w != self.weights]
@@ -389,6 +391,7 @@ def read_deepspeed(
         raise BadInputError(f"--weights {weights!r}: expected one of {', '.join(WEIGHTS)}")
     tag_dir, tag, tags = find_tag(folder, tag)
     files = _list_files(tag_dir)
+    input_bytes = sum(p.stat().st_size for p in (files.model, *files.zero3_models.values(), *files.optim.values()) if p)
     first = files.model if files.model is not None else files.zero3_models[0]
     states = _read(first, globals_seen, allow)
     where = str(first)
@@ -417,6 +420,7 @@ def read_deepspeed(
             ("module",),
             "module",
             ds_version,
+            input_bytes=input_bytes,
         )
         return module, zero0
     optims = [_read(files.optim[r], globals_seen, allow) for r in range(len(files.optim))]
@@ -462,7 +466,9 @@ def read_deepspeed(
 
     def info(notes: Sequence[str]) -> DeepSpeedInfo:
         count = _count_groups(groups, frozen_shapes)
-        return DeepSpeedInfo(tag, tags, stage, world, dtype, count, frozen_numel, WEIGHTS, chosen, ds_version, [*notes])
+        return DeepSpeedInfo(
+            tag, tags, stage, world, dtype, count, frozen_numel, WEIGHTS, chosen, ds_version, [*notes], input_bytes
+        )
 
     if chosen == "module" and stage < 3:
         return module, info(())

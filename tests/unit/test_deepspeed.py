@@ -18,7 +18,7 @@ import pytest
 import torch
 from conftest import FIXTURES
 
-from ckptfix.errors import BadInputError
+from ckptfix.errors import BadInputError, UsageError
 from ckptfix.fileio.ranges import FileRange, JoinedSource, OpenFiles, OutputStream, iter_chunks
 from ckptfix.formats.checkpoint import read_checkpoint
 from ckptfix.model.data import tensor_c_bytes
@@ -121,7 +121,7 @@ def test_a_tag_folder_and_tags(tmp_path: Path) -> None:
         read_checkpoint(run)
     with pytest.raises(BadInputError, match="not a folder"):
         read_checkpoint(run, tag="global_step9")
-    with pytest.raises(BadInputError, match="--tag and --weights choose"):
+    with pytest.raises(UsageError, match="--tag and --weights choose"):
         read_checkpoint(DS / "z2_bf16_w2.module.pth", tag="global_step2")
 
 
