@@ -533,7 +533,7 @@ def _count(module: dict[Any, Any], buffers: object) -> int:
     """Parameter elements in a module state dict (buffers and ties not counted)."""
     seen: set[int] = set()
     total = 0
-    skip = set(buffers) if isinstance(buffers, list) else set()
+    skip = {b for b in buffers if isinstance(b, str)} if isinstance(buffers, list) else set()
     for k, t in module.items():
         if isinstance(t, TensorRef) and id(t.storage) not in seen and k not in skip:
             seen.add(id(t.storage))
