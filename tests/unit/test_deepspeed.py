@@ -288,7 +288,7 @@ def test_tensor_parallel_is_refused(tmp_path: Path) -> None:
 
 #: values of the wrong kind for every field the reader uses (the fuzz over 1,400 such edits of
 #: every fixture file found only one crash, fixed; this keeps a sample of it)
-_WRONG = [None, -1, "x", [[]], {"a": 1}]
+_WRONG = [None, "x", [[]], {"a": 1}]
 _FIELDS = [
     ("z2_fp16_w3", "mp_rank_00_model_states.pt", key)
     for key in ("module", "param_shapes", "frozen_param_shapes", "frozen_param_fragments", "shared_params")
@@ -312,7 +312,7 @@ def test_fields_of_the_wrong_kind_are_bad_input(tmp_path: Path, case: str, name:
             return root
 
         _rewrite(target, put)
-        for weights in (None, "module"):
+        for weights in (None, "module") if "optim" not in name else (None,):
             # refused as bad input, or read (a field ZeRO-0 or this weight source does not use)
             with contextlib.suppress(BadInputError):
                 root = read_checkpoint(run, weights=weights).root
