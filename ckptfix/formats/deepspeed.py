@@ -462,10 +462,10 @@ def read_deepspeed(
         raise BadInputError(f"{where}: no buffer_names list")
     shared = _names_dict(states.get("shared_params"), where, "shared_params")
     result: dict[str, Any] = {}
-    frozen_numel = sum(map(_numel, frozen_shapes.values()))
+    frozen_numel = sum(map(_numel, frozen_shapes.values())) + _unrecorded(module, groups, frozen_shapes, stage, states)
 
     def info(notes: Sequence[str]) -> DeepSpeedInfo:
-        count = _count_groups(groups, frozen_shapes)
+        count = _count_groups(groups, frozen_shapes) - sum(map(_numel, frozen_shapes.values())) + frozen_numel
         return DeepSpeedInfo(
             tag, tags, stage, world, dtype, count, frozen_numel, WEIGHTS, chosen, ds_version, [*notes], input_bytes
         )
@@ -522,6 +522,26 @@ def read_deepspeed(
     ordered = {k: result[k] for k in module if k in result}
     ordered.update((k, v) for k, v in result.items() if k not in ordered)
     return ordered, info(notes)
+
+
+def _unrecorded(
+    module: dict[Any, Any],
+    groups: list[dict[str, tuple[int, ...]]],
+    frozen: dict[str, tuple[int, ...]],
+    stage: int,
+    states: dict[Any, Any],
+) -> int:
+    """Elements of the module's parameters the save records nowhere else (ZeRO-1's frozen
+    ones): not trained, not frozen-recorded, not buffers, not a tie of any of those."""
+    if stage >= 3:
+        return 0
+    buffers, shared = states.get("buffer_names"), states.get("shared_params")
+    known = {n for g in groups for n in g} | set(frozen)
+    known |= {b for b in buffers if isinstance(b, str)} if isinstance(buffers, list) else set()
+    known |= {k for k in shared if isinstance(k, str)} if isinstance(shared, dict) else set()
+    storages = {id(t.storage) for n, t in module.items() if n in known and isinstance(t, TensorRef)}
+    extra = [t for n, t in module.items() if isinstance(t, TensorRef) and n not in known]
+    return sum(t.numel for t in extra if id(t.storage) not in storages)
 
 
 def _trained_dtype(module: dict[Any, Any]) -> str:

@@ -105,6 +105,8 @@ def test_inspect_facts() -> None:
     assert (info.tag, info.tags) == ("global_step2", ("global_step2",))
     # emb 55 + frozen 35+7 + bn 7+7 + mid 35+5 + head bias 11 (the tied head.weight counted once)
     assert (info.parameters, info.frozen_parameters, info.weights_available) == (162, 42, ("fp32", "module"))
+    zero1 = read_checkpoint(DS / "z1_fp16_w2", weights="module").deepspeed  # frozen params it did not record
+    assert zero1 is not None and (zero1.parameters, zero1.frozen_parameters) == (162, 42)
     zero0 = read_checkpoint(DS / "z0_bf16_w3").deepspeed
     assert zero0 is not None and (zero0.stage, zero0.weights_available, zero0.parameters) == (0, ("module",), 162)
 
