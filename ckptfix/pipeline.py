@@ -110,6 +110,10 @@ class ConvertOptions:
     verify: bool = False
     #: strip-module/add-module: write only when a key was renamed
     require_change: bool = False
+    #: DeepSpeed folders: the tag to read (default: what ``latest`` names) and the weights
+    #: (``fp32`` master weights, the default for ZeRO >= 1, or ``module``)
+    tag: str | None = None
+    weights: str | None = None
 
 
 @dataclass(frozen=True)
@@ -477,7 +481,12 @@ def convert(
     # unknown classes are read as inert records and judged on what the output carries
     # (check_output); --unsafe-load keeps the old way: the file through torch if it holds any
     ckpt = read_checkpoint(
-        in_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals, inert_unknown=not opts.unsafe_load
+        in_path,
+        unsafe_load=opts.unsafe_load,
+        allow_globals=opts.allow_globals,
+        inert_unknown=not opts.unsafe_load,
+        tag=opts.tag,
+        weights=opts.weights,
     )
     report = Report(
         command=command,
@@ -801,12 +810,24 @@ def write_checkpoint(
 
 @collector_paused()
 def inspect_checkpoint(
-    path: str | os.PathLike[str], *, unsafe_load: bool = False, allow_globals: Sequence[str] = ()
+    path: str | os.PathLike[str],
+    *,
+    unsafe_load: bool = False,
+    allow_globals: Sequence[str] = (),
+    tag: str | None = None,
+    weights: str | None = None,
 ) -> dict[str, Any]:
     """The ``inspect`` report as plain data; reads structure only, never tensor data."""
     check_global_patterns(allow_globals)
     # unknown classes are shown as inert records (a warning names them): inspect writes nothing
-    ckpt = read_checkpoint(path, unsafe_load=unsafe_load, allow_globals=allow_globals, inert_unknown=not unsafe_load)
+    ckpt = read_checkpoint(
+        path,
+        unsafe_load=unsafe_load,
+        allow_globals=allow_globals,
+        inert_unknown=not unsafe_load,
+        tag=tag,
+        weights=weights,
+    )
     return summarize(ckpt)
 
 
@@ -828,7 +849,14 @@ def diff_checkpoints(
     check_global_patterns(opts.allow_globals)
     # diff writes nothing: unknown classes (configs) are read as inert records, compared by state
     inert = not opts.unsafe_load
-    a = read_checkpoint(a_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals, inert_unknown=inert)
+    a = read_checkpoint(
+        a_path,
+        unsafe_load=opts.unsafe_load,
+        allow_globals=opts.allow_globals,
+        inert_unknown=inert,
+        tag=opts.tag,
+        weights=opts.weights,
+    )
     b = read_checkpoint(b_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals, inert_unknown=inert)
     scratch = Report("diff", str(a_path), None, a.format, b.format, dry_run=True)
     root_a = apply_transforms(a, opts, scratch)
@@ -904,7 +932,14 @@ def fit_checkpoint(
         ref_shapes = shapes_of(max(found, key=lambda item: len(item[1]))[1])
     check_global_patterns(user.allow_globals)
     # unknown classes read as inert records: convert() below checks what OUT carries
-    ckpt = read_checkpoint(in_path, unsafe_load=user.unsafe_load, allow_globals=user.allow_globals, inert_unknown=True)
+    ckpt = read_checkpoint(
+        in_path,
+        unsafe_load=user.unsafe_load,
+        allow_globals=user.allow_globals,
+        inert_unknown=True,
+        tag=user.tag,
+        weights=user.weights,
+    )
     tree, base, _ = model_or_ema(ckpt.root, user.ema)  # the model's weights, not its EMA copy (or the reverse)
     chosen = select_path(tree, user.select) if user.select else None
     plan = best_fit(tree, ref_shapes, *chosen) if chosen else best_fit(tree, ref_shapes)
@@ -991,7 +1026,14 @@ def publish(
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise CannotWriteError(f"{out_dir}: not a folder")
-    ckpt = read_checkpoint(in_path, unsafe_load=user.unsafe_load, allow_globals=user.allow_globals, inert_unknown=True)
+    ckpt = read_checkpoint(
+        in_path,
+        unsafe_load=user.unsafe_load,
+        allow_globals=user.allow_globals,
+        inert_unknown=True,
+        tag=user.tag,
+        weights=user.weights,
+    )
     tree = select_path(ckpt.root, user.select)[1] if user.select else ckpt.root
     found = find_state_dicts(tree)
     if not found:

@@ -37,7 +37,8 @@ from ..errors import BadInputError, CkptfixError
 from ..fileio.ranges import FileSlice
 from ..fileio.ziparchive import read_directory, read_record_bytes
 from ..formats.dcp import METADATA_NAME, dcp_items, is_dcp_folder
-from ..formats.detect import open_input, sniff_file
+from ..formats.deepspeed import is_deepspeed_folder
+from ..formats.detect import checkpoint_like, open_input, sniff_file
 from ..formats.sharded import find_index, other_checkpoints, read_index
 from ..formats.tarera import TarMember, open_tar, tar_layout
 from ..formats.torchzip import MAX_PICKLE_BYTES, check_record_names
@@ -181,6 +182,9 @@ def _parts(target: Path) -> tuple[str, list[Path], list[str]] | None:
     """The files of a checkpoint made of several (kind, files, notes), or None for one file."""
     if target.is_dir() and is_dcp_folder(target):
         return "dcp", [target / METADATA_NAME], []
+    if target.is_dir() and is_deepspeed_folder(target):
+        # every file torch might load: the tags' partitions and anything else checkpoint-like
+        return "deepspeed", sorted(p for p in target.rglob("*") if p.is_file() and checkpoint_like(p)), []
     index = find_index(target) if target.is_dir() else target
     if index is None:
         raise BadInputError(f"{target}: a folder with no checkpoint index or model file in it")

@@ -9,10 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import BadInputError, UnsafeInputError
+from ..errors import BadInputError, UnsafeInputError, UsageError
 from ..model.needs import need_torch
 from ..model.refs import Tree
 from .dcp import is_dcp_folder, read_dcp, read_dcp_safely
+from .deepspeed import DeepSpeedInfo, is_deepspeed_folder, read_deepspeed
 from .detect import check_input, open_input, sniff_file
 from .legacy import load_with_torch, save_with_torch
 from .legacy_pickle import read_legacy
@@ -26,6 +27,7 @@ FORMAT_TORCH_TAR = "torch-tar"
 FORMAT_SAFETENSORS = "safetensors"
 FORMAT_SHARDED = "sharded"
 FORMAT_DCP = "dcp"
+FORMAT_DEEPSPEED = "deepspeed"
 
 
 @dataclass
@@ -48,6 +50,8 @@ class Checkpoint:
     metadata: dict[str, Any] = field(default_factory=dict)
     #: False when the tree holds real tensors (formats read through torch itself)
     lazy: bool = True
+    #: a DeepSpeed folder: its stage, world size, tags and the weights read
+    deepspeed: DeepSpeedInfo | None = None
 
     def write(self, root: Tree, out: BinaryIO, progress: Callable[[int], None] | None = None) -> None:
         """Write ``root`` (this checkpoint's tree, transformed) as a torch zip file."""
@@ -64,6 +68,8 @@ def read_checkpoint(
     unsafe_load: bool = False,
     allow_globals: Sequence[str] = (),
     inert_unknown: bool = False,
+    tag: str | None = None,
+    weights: str | None = None,
 ) -> Checkpoint:
     """Open ``path`` safely: diagnose the file, then read it without running any of its code.
 
@@ -77,10 +83,15 @@ def read_checkpoint(
     written back unchanged and never imported or called. ``inert_unknown=True`` reads every other
     global that is not dangerous as an inert record too, marked not allowed (no writer writes
     one): for callers that then write only part of the tree and check what they write
-    (:func:`~ckptfix.pickling.reader.foreign_globals`).
+    (:func:`~ckptfix.pickling.reader.foreign_globals`). ``tag`` and ``weights`` choose what a
+    DeepSpeed folder gives (:func:`~ckptfix.formats.deepspeed.read_deepspeed`); other inputs refuse them.
     """
     path = str(path)
     st = check_input(path)  # never opens: a FIFO, a device or a socket is refused from its mode
+    if stat.S_ISDIR(st.st_mode) and is_deepspeed_folder(Path(path)) and not is_dcp_folder(Path(path)):
+        return _read_deepspeed(Path(path), allow_globals, tag, weights)
+    if tag is not None or weights is not None:
+        raise UsageError(f"{path}: --tag and --weights choose what a DeepSpeed checkpoint folder gives; not one")
     if stat.S_ISDIR(st.st_mode):
         return _read_folder(Path(path), unsafe_load, allow_globals, inert_unknown)
     if path.endswith(".index.json"):
@@ -146,6 +157,15 @@ def _read_folder(folder: Path, unsafe_load: bool, allow_globals: Sequence[str], 
     if found.name.endswith(".index.json"):
         return _read_sharded(found, allow_globals)
     return read_checkpoint(found, unsafe_load=unsafe_load, allow_globals=allow_globals, inert_unknown=inert_unknown)
+
+
+def _read_deepspeed(folder: Path, allow_globals: Sequence[str], tag: str | None, weights: str | None) -> Checkpoint:
+    globals_seen: set[str] = set()
+    root, info = read_deepspeed(folder, globals_seen, allow_globals, tag=tag, weights=weights)
+    size = info.input_bytes
+    return Checkpoint(
+        str(folder), FORMAT_DEEPSPEED, root, size, globals_seen, notes=[info.describe(), *info.notes], deepspeed=info
+    )
 
 
 def _read_sharded(index_path: Path, allow_globals: Sequence[str] = ()) -> Checkpoint:

@@ -33,7 +33,7 @@ FILE_FORMATS = ("pth", "safetensors")
 OUTPUT_FORMATS = (*FILE_FORMATS, "dcp")
 #: what ``inspect`` (and every --json ``format`` field) calls the formats read: checkpoint.py's
 #: FORMAT_* values, here so the CLI can offer them without importing the readers
-FORMAT_NAMES = ("torch-zip", "torch-legacy", "torch-tar", "safetensors", "sharded", "dcp")
+FORMAT_NAMES = ("torch-zip", "torch-legacy", "torch-tar", "safetensors", "sharded", "dcp", "deepspeed")
 #: the ``--format`` names that differ from what they write
 FORMAT_NAME_ALIASES = {"pth": "torch-zip"}
 

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeAlias
 
 from ..errors import BadInputError, UsageError
 from ..fileio import strictjson
-from ..fileio.ranges import BLOCK, SMALL_COPY, FileRange, OpenFiles, OutputStream, is_plain_range
+from ..fileio.ranges import BLOCK, SMALL_COPY, FileRange, JoinedSource, OpenFiles, OutputStream, is_plain_range
 from ..model.data import is_c_contiguous, tensor_c_bytes
 from ..model.dtypes import DTYPE_ITEMSIZE, DTYPE_TO_SAFETENSORS, SAFETENSORS_DTYPES, SAFETENSORS_PACKED
 from ..model.needs import need_torch
@@ -223,6 +223,13 @@ def _plain_span(t: TensorRef) -> tuple[str, int] | None:
     if t.storage.byteorder == "big" or not is_plain_range(source) or not is_c_contiguous(t.shape, t.stride):
         return None
     return source.path, source.offset + t.storage_offset * DTYPE_ITEMSIZE[t.dtype]
+
+
+def _joined(t: TensorRef) -> JoinedSource | None:
+    """``t``'s bytes as file ranges end to end, when they are stored as safetensors stores them."""
+    source = t.storage.source
+    whole = t.storage_offset == 0 and t.storage.byteorder == "little" and is_c_contiguous(t.shape, t.stride)
+    return source if isinstance(source, JoinedSource) and whole and t.nbytes == source.size else None
 
 
 def _runs(tensors: Iterable[tuple[str, TensorRef]]) -> list[_Run | TensorRef]:
@@ -479,7 +486,10 @@ def write_safetensors(
             stream.write(plan.header)
             for _, t in plan.tensors:
                 span = _plain_span(t)
-                if span is None:
+                joined = _joined(t) if span is None else None
+                if joined is not None:  # ranges of several files (a ZeRO partition's slices): each by the kernel
+                    stream.copy(joined, files)
+                elif span is None:
                     stream.write(tensor_c_bytes(t, files))
                 else:  # file to file, in the kernel; the stream merges tensors that lie back to back
                     stream.copy(FileRange(span[0], span[1], t.nbytes), files)
