@@ -766,7 +766,10 @@ def diff_checkpoints(
     scratch = Report("diff", str(a_path), None, a.format, b.format, dry_run=True)
     root_a = apply_transforms(a, opts, scratch)
     root_b = select_path(b.root, select_b, flag="--select-b")[1] if select_b else b.root
-    return diff_trees(root_a, root_b, a_name=str(a_path), b_name=str(b_path), rtol=rtol, atol=atol)
+    budget = expand_budget(opts.max_expand, a.file_size + b.file_size)
+    return diff_trees(
+        root_a, root_b, a_name=str(a_path), b_name=str(b_path), rtol=rtol, atol=atol, expand_budget=budget
+    )
 
 
 @collector_paused()

@@ -220,6 +220,8 @@ def _plain_span(t: TensorRef) -> tuple[str, int] | None:
     """(file, offset) where ``t``'s bytes already are exactly as safetensors stores them
     (little-endian, C order, uncompressed), or None when they must be gathered."""
     source = t.storage.source
+    if t.numel == 0 and is_plain_range(source):
+        return source.path, source.offset  # no bytes: its offset may be anything (2**62), never read
     if storage_swap_unit(t.storage) or not is_plain_range(source) or not is_c_contiguous(t.shape, t.stride):
         return None
     return source.path, source.offset + t.storage_offset * DTYPE_ITEMSIZE[t.dtype]

@@ -127,25 +127,34 @@ def _read_span(reader: _Reader, start: int, size: int, unit: int) -> tuple[Any, 
     return _swapped(reader.read(lo, hi - lo), unit), start - lo
 
 
+def _element(itemsize: int) -> Any:
+    """A numpy dtype of ``itemsize`` opaque bytes: copies move whole elements, not bytes."""
+    import numpy as np
+
+    return np.dtype(f"u{itemsize}") if itemsize in (1, 2, 4, 8) else np.dtype(f"V{itemsize}")
+
+
 def _strided(flat: Any, at: int, shape: tuple[int, ...], byte_strides: tuple[int, ...], itemsize: int) -> Any:
     import numpy as np
 
-    return np.lib.stride_tricks.as_strided(
-        flat[at:], shape=(*shape, itemsize), strides=(*byte_strides, 1), writeable=False
-    )
+    return np.ndarray(shape, dtype=_element(itemsize), buffer=flat, offset=at, strides=byte_strides)
 
 
 def _chunks(view: Any, chunk: int) -> Iterator[bytes]:
-    """``view`` (``(*shape, itemsize)`` bytes) in C order, in pieces of at most ``chunk`` bytes:
+    """``view`` (an array of whole elements) in C order, in pieces of at most ``chunk`` bytes:
     runs of indices along the first dimension whose one index fits (leading dimensions before
     it taken one index at a time). The boundaries depend only on the shape and item size, so
-    two tensors of one shape are cut alike (diff compares them piece by piece)."""
+    two tensors of one shape are cut alike."""
     import itertools
 
     import numpy as np
 
     shape = view.shape
-    k, row = 0, view.size // shape[0] if shape[0] else 0
+    if not shape:
+        yield view.tobytes()
+        return
+    chunk = max(1, chunk // view.itemsize)  # in elements
+    k, row = 0, view.size // shape[0]
     while k < len(shape) - 1 and row > chunk:
         k += 1
         row //= shape[k]
@@ -159,7 +168,7 @@ def _chunks(view: Any, chunk: int) -> Iterator[bytes]:
 def _fill(
     out: Any, reader: _Reader, start: int, shape: tuple[int, ...], strides: tuple[int, ...], itemsize: int, unit: int
 ) -> None:
-    """Gather the view at byte ``start`` into ``out`` (C order, ``(*shape, itemsize)``), reading
+    """Gather the view at byte ``start`` into ``out`` (C order, whole elements), reading
     at most :data:`SPAN_LIMIT` bytes at a time: split along the widest stride until a piece fits."""
     pending = [(out, start, shape)]
     while pending:
@@ -206,9 +215,33 @@ def tensor_c_chunks(t: TensorRef | torch.Tensor, files: OpenFiles, chunk: int = 
         flat, at = _read_span(reader, start, span, unit)
         yield from _chunks(_strided(flat, at, t.shape, strides, itemsize), chunk)
         return
-    out = np.empty((*t.shape, itemsize), dtype=np.uint8)  # a big tensor stored permuted: its own size
+    out = np.empty(t.shape, dtype=_element(itemsize))  # a big tensor stored permuted: its own size
     _fill(out, reader, start, t.shape, strides, itemsize, unit)
     yield from _chunks(out, chunk)
+
+
+def storage_span_chunks(t: TensorRef, files: OpenFiles, chunk: int = GATHER_CHUNK) -> Iterator[bytes] | None:
+    """The storage bytes ``t`` spans, from its first element to one past its last, as torch sees
+    them (swapped), in pieces; None for an empty tensor. Two views of one shape, dtype and
+    stride whose spans are equal hold equal elements, however far they expand the storage."""
+    itemsize = DTYPE_ITEMSIZE[t.dtype]
+    if t.numel == 0:
+        return None
+    start = t.storage_offset * itemsize
+    size = _extent(t.shape, tuple(s * itemsize for s in t.stride), itemsize)
+    unit = storage_swap_unit(t.storage)
+    source = t.storage.source
+    if not unit and is_plain_range(source):
+        return iter_chunks(source.sub(start, size), files)
+    reader = _reader(t, files)
+
+    def pieces() -> Iterator[bytes]:
+        for at in range(start, start + size, chunk):
+            n = min(chunk, start + size - at)
+            flat, first = _read_span(reader, at, n, unit)
+            yield flat[first : first + n].tobytes()
+
+    return pieces()
 
 
 def _torch_bytes(t: Any) -> bytes:
