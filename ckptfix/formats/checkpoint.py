@@ -133,21 +133,22 @@ def read_checkpoint(
 
 def _refuse_hostile(path: str, refused: UnsafeInputError, read_inert: Callable[[], object]) -> None:
     """Refuse, before torch is called, a file ``--unsafe-load`` would hand to
-    ``torch.load(weights_only=False)`` when ckptfix's reader has seen a global that runs code.
+    ``torch.load(weights_only=False)`` when it is more than merely unusual.
 
-    The fallback is for files that are merely unusual (a config class outside the allow-list),
-    never for hostile ones: a file that calls ``os.system`` is an attack whoever trusts it. The
-    reader stops at the first name it refuses, so unless that one already runs code, the file is
-    read again with every harmless unknown global as an inert record (``read_inert``): that read
-    goes through every pickle torch would run and stops only at a dangerous global.
+    The fallback is for files that hold a class outside the allow-list (a config), never for
+    hostile ones: a file that calls ``os.system`` is an attack whoever trusts it. The reader
+    stops at the first name it refuses, so unless that one already runs code, the file is read
+    again with every harmless unknown global as an inert record (``read_inert``): that read goes
+    through every pickle torch would run, stops at a dangerous global, and checks every storage
+    and extent against the file -- a file whose storage claims a terabyte the file does not hold
+    would have torch allocate it before reading a byte (``UntypedStorage(2**40)``), so it is
+    refused here as it is without ``--unsafe-load``.
     """
     if not refused.hostile:
         try:
             read_inert()
         except UnsafeInputError as again:
             refused = again
-        except BadInputError:
-            pass  # unusual beyond what the reader reads, but nothing hostile seen: torch's turn
     if refused.hostile:
         raise refused.at(path) from None
 
