@@ -301,10 +301,12 @@ def verify_output(temp: Path, planned: Any, file_format: str, report: Report) ->
         )
 
 
-def _sharing(root: Any) -> set[frozenset[str]]:
-    groups: dict[int, set[str]] = {}
+def _sharing(root: Any) -> set[frozenset[tuple[Any, ...]]]:
+    """Groups of tensor paths that share a storage. Paths stay tuples of keys (formatting a
+    million paths of one memoized tensor cost more than the rest of --verify)."""
+    groups: dict[int, set[tuple[Any, ...]]] = {}
     for path, tensor in iter_tensors(root):
-        groups.setdefault(id(tensor.storage), set()).add(format_path(path))
+        groups.setdefault(id(tensor.storage), set()).add(path)
     return {frozenset(g) for g in groups.values() if len(g) > 1}
 
 

@@ -155,6 +155,9 @@ def diff_trees(
     or whose storages differ between elements); None: unbounded."""
     report = DiffReport(a_name, b_name)
     budget = _Budget(expand_budget)
+    #: outcomes of tensor pairs already compared, by the two objects: a pickle that holds one
+    #: tensor under a million paths (memoized) costs one comparison, not a million
+    seen: dict[tuple[int, int], dict[str, Any] | None] = {}
     a, b = flatten(a_root), flatten(b_root)
     report.only_in_a = [k for k in a if k not in b]
     report.only_in_b = [k for k in b if k not in a]
@@ -166,7 +169,7 @@ def diff_trees(
             left_tensor = isinstance(left, TensorRef) or is_torch_tensor(left)
             right_tensor = isinstance(right, TensorRef) or is_torch_tensor(right)
             if left_tensor and right_tensor:
-                _compare_tensor(report, path, left, right, files, rtol, atol, budget)
+                _compare_tensor(report, path, left, right, files, rtol, atol, budget, seen)
             elif type(left) is StorageRef and type(right) is StorageRef:
                 _compare_storage(report, path, left, right, files)
             elif left_tensor or right_tensor:
@@ -290,9 +293,41 @@ def _compare_tensor(
     rtol: float,
     atol: float,
     budget: _Budget,
+    seen: dict[tuple[int, int], dict[str, Any] | None],
 ) -> None:
-    """Compare two tensors a piece at a time (memory: a few chunks whatever their size)."""
+    """Compare two tensors a piece at a time (memory: a few chunks whatever their size); a pair
+    compared before (``seen``) is counted with its earlier outcome."""
     report.tensors_compared += 1
+    pair = (id(left), id(right))
+    if pair in seen:
+        outcome = seen[pair]
+        if outcome is None:
+            report.tensors_equal += 1
+        elif "differing_elements" in outcome:
+            report.different.append({**outcome, "path": path})
+        else:
+            report.mismatched.append({**outcome, "path": path})
+        return
+    before = (len(report.different), len(report.mismatched))
+    _compare_new_pair(report, path, left, right, files, rtol, atol, budget)
+    if len(report.different) > before[0]:
+        seen[pair] = report.different[-1]
+    elif len(report.mismatched) > before[1]:
+        seen[pair] = report.mismatched[-1]
+    else:
+        seen[pair] = None
+
+
+def _compare_new_pair(
+    report: DiffReport,
+    path: str,
+    left: Any,
+    right: Any,
+    files: OpenFiles,
+    rtol: float,
+    atol: float,
+    budget: _Budget,
+) -> None:
     dtype_a, dtype_b = _dtype_of(left), _dtype_of(right)
     shape_a, shape_b = _shape_of(left), _shape_of(right)
     if dtype_a != dtype_b or shape_a != shape_b:

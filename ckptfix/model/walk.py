@@ -212,8 +212,9 @@ def check_extents(root: Tree, where: str = "") -> None:
                 _check_storage(value, prefix)
                 checked.add(id(value))
             continue
-        if not isinstance(value, TensorRef):
-            continue
+        if type(value) is not TensorRef or id(value) in checked:
+            continue  # one tensor object reached by many paths (memoized) is checked once
+        checked.add(id(value))
         storage = value.storage
         if id(storage) not in checked:
             _check_storage(storage, prefix)
