@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 #: the most bytes one gathered chunk holds (what a writer or diff has in memory per step)
 GATHER_CHUNK = 1 << 24
 #: the most bytes of a storage read in one piece for a gather
-SPAN_LIMIT = 1 << 26
+SPAN_LIMIT = 1 << 25
 
 
 def is_c_contiguous(shape: tuple[int, ...], stride: tuple[int, ...]) -> bool:
@@ -112,16 +112,16 @@ def _swapped(raw: bytes, unit: int) -> Any:
     """``raw`` (a whole number of units) with each unit's bytes reversed, as a uint8 array."""
     import numpy as np
 
-    return np.frombuffer(raw, dtype=np.uint8).reshape(-1, unit)[:, ::-1].reshape(-1).copy()
+    return np.ascontiguousarray(np.frombuffer(raw, dtype=np.uint8).reshape(-1, unit)[:, ::-1]).reshape(-1)
 
 
 def _read_span(reader: _Reader, start: int, size: int, unit: int) -> tuple[Any, int]:
-    """``size`` bytes of the storage from ``start`` as a writable uint8 array, swapped when
+    """``size`` bytes of the storage from ``start`` as a uint8 array, swapped when
     ``unit`` says so, and the index of ``start`` in it (a swap reads whole units)."""
     import numpy as np
 
     if not unit:
-        return np.frombuffer(bytearray(reader.read(start, size)), dtype=np.uint8), 0
+        return np.frombuffer(reader.read(start, size), dtype=np.uint8), 0  # read-only: only read from
     lo = start - start % unit
     hi = start + size + (-(start + size) % unit)
     return _swapped(reader.read(lo, hi - lo), unit), start - lo
@@ -215,8 +215,19 @@ def tensor_c_chunks(t: TensorRef | torch.Tensor, files: OpenFiles, chunk: int = 
         flat, at = _read_span(reader, start, span, unit)
         yield from _chunks(_strided(flat, at, t.shape, strides, itemsize), chunk)
         return
-    out = np.empty(t.shape, dtype=_element(itemsize))  # a big tensor stored permuted: its own size
-    _fill(out, reader, start, t.shape, strides, itemsize, unit)
+    shape = t.shape
+    inner = _extent(shape[1:], strides[1:], itemsize)  # one index along the first dimension
+    if strides[0] == max(strides) and inner <= SPAN_LIMIT:
+        # rows in storage order (a big contiguous tensor to swap, a slice of a wide matrix):
+        # runs of rows read one span at a time, so memory stays at a span and a chunk
+        rows = max(1, (SPAN_LIMIT - inner) // max(strides[0], 1) + 1)
+        for first in range(0, shape[0], rows):
+            n = min(rows, shape[0] - first)
+            flat, at = _read_span(reader, start + first * strides[0], (n - 1) * strides[0] + inner, unit)
+            yield from _chunks(_strided(flat, at, (n, *shape[1:]), strides, itemsize), chunk)
+        return
+    out = np.empty(shape, dtype=_element(itemsize))  # a big tensor stored permuted: its own size
+    _fill(out, reader, start, shape, strides, itemsize, unit)
     yield from _chunks(out, chunk)
 
 

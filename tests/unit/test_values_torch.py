@@ -225,8 +225,9 @@ def test_compaction_keeps_the_wider_element_a_view_uses(case: str, tmp_path: Pat
 
 @pytest.mark.parametrize("order", ["little", "big"])
 def test_wide_views_are_gathered_in_pieces_as_torch_reads_them(order: str, tmp_path: Path, monkeypatch: Any) -> None:
-    """A view wider than SPAN_LIMIT is read in pieces along its widest stride (a permuted 3-d
-    tensor, a column, a stride-0 expansion), with a limit of a few elements here."""
+    """A view wider than SPAN_LIMIT is read in pieces: runs of rows when the first dimension has
+    the widest stride (a big-endian matrix to swap, a slice of columns), else along its widest
+    stride (a permuted 3-d tensor, a column, a stride-0 expansion); a limit of 10 floats here."""
     import ckptfix.model.data as data
 
     monkeypatch.setattr(data, "SPAN_LIMIT", 40)
@@ -236,6 +237,9 @@ def test_wide_views_are_gathered_in_pieces_as_torch_reads_them(order: str, tmp_p
         "permuted": tensor(pid("0", 60), size=(3, 4, 5), stride=(1, 15, 3)),
         "column": tensor(pid("0", 60), offset=2, size=(12,), stride=(5,)),
         "expanded": tensor(pid("0", 60), offset=7, size=(3, 9, 2), stride=(0, 6, 0)),
+        "rows": tensor(pid("0", 60), size=(6, 10), stride=(10, 1)),
+        "columns_slice": tensor(pid("0", 60), offset=2, size=(6, 3), stride=(10, 1)),
+        "rows_of_two": tensor(pid("0", 60), offset=1, size=(30, 1), stride=(2, 1)),
     }
     path = zip_checkpoint(tmp_path / "wide.pth", PROTO + items(*views.items()) + b".", {"0": raw}, order.encode())
     expected = {k: v.contiguous() for k, v in torch_view(path).tree.items()}
