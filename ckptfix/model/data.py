@@ -13,9 +13,12 @@ How a strided view is gathered, and why with ``pread`` and not over a memory map
   up to that size, however permuted, and every stride-0 expansion of a small storage) is read
   in one ``pread`` and handed out in C-order chunks of at most :data:`GATHER_CHUNK` bytes, so
   expanding 4 bytes to a terabyte costs a chunk of memory at a time (callers bound the total
-  with ``--max-expand``). A wider span (a big tensor stored permuted) is gathered into its own
-  output array, reading the storage in pieces of at most :data:`SPAN_LIMIT` along its widest
-  stride: one tensor's worth of memory, which writers hold for such a tensor anyway.
+  with ``--max-expand``). A wider span whose first dimension has the widest stride (a big
+  big-endian tensor to swap, a slice of a wide matrix) is read a run of rows at a time. Any
+  other wider span (a big tensor stored permuted) is gathered into its own output array,
+  reading the storage in pieces of at most :data:`SPAN_LIMIT` along its widest stride: one
+  tensor's worth of memory (a C-order chunk of it touches the whole storage, so reading it
+  chunk by chunk would read the storage once per chunk).
 * No numpy array over a caller's buffer outlives the gather: nothing exported stays alive in a
   traceback to stop a file or buffer from closing (``BufferError: cannot close exported
   pointers exist`` replaced the real error).
