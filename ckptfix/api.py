@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import UnsafeInputError, UsageError
+from .errors import BadInputError, UnsafeInputError, UsageError
 from .formats.checkpoint import Checkpoint, read_checkpoint
 from .model.needs import need_torch
 from .model.paths import format_path, get_at
@@ -35,6 +35,23 @@ if TYPE_CHECKING:
     from torch.serialization import MAP_LOCATION
 
 
+def _torch_load(path: str | Path, shown: str, **kwargs: Any) -> Any:
+    """``torch.load`` of a file ckptfix has read and checked, its failures as one
+    :class:`~ckptfix.BadInputError` naming ``shown`` (the user's file): an API that vets files
+    does not let torch's ``UnpicklingError``/``RuntimeError`` through as if it had not."""
+    need_torch()
+    import torch
+
+    try:
+        return torch.load(path, **kwargs)
+    except Exception as exc:  # UnpicklingError, RuntimeError, ValueError, EOFError ... whatever torch raises
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise BadInputError(
+            f"{shown}: torch refused what ckptfix read from it: {first[:200]}",
+            hint="ckptfix reads this file (convert it, or inspect it); torch.load does not",
+        ) from exc
+
+
 def _materialize(ckpt: Checkpoint, root: Tree, map_location: MAP_LOCATION, mmap: bool) -> Any:
     need_torch()
     import torch
@@ -43,14 +60,14 @@ def _materialize(ckpt: Checkpoint, root: Tree, map_location: MAP_LOCATION, mmap:
         with tempfile.TemporaryDirectory(prefix="ckptfix-load-") as tmp:
             path = Path(tmp) / "tree.pth"
             torch.save(root, path)
-            return torch.load(path, map_location=map_location, weights_only=False)
+            return _torch_load(path, ckpt.path, map_location=map_location, weights_only=False)
     if root is ckpt.root and ckpt.archive is not None and ckpt.archive.path == ckpt.path:
-        return torch.load(ckpt.path, map_location=map_location, weights_only=True, mmap=mmap)
+        return _torch_load(ckpt.path, ckpt.path, map_location=map_location, weights_only=True, mmap=mmap)
     with tempfile.TemporaryDirectory(prefix="ckptfix-load-") as tmp:
         path = Path(tmp) / "tree.pth"
         with open(path, "wb") as out:
             ckpt.write(root, out)
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        return _torch_load(path, ckpt.path, map_location=map_location, weights_only=True, mmap=mmap)
 
 
 def _read(

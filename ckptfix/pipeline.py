@@ -47,7 +47,7 @@ from .formats.safetensors import (
 from .formats.sharded import write_sharded
 from .model.paths import format_path
 from .model.paths import select as select_path
-from .model.refs import is_tensor_like
+from .model.refs import StorageRef, TensorRef, is_tensor_like
 from .model.statedicts import EMA_ENTRIES, ema_prefix, find_state_dicts, looks_like_state_dict, split_ema
 from .model.walk import iter_tensors, substitute, walk
 from .pickling.names import check_global_patterns
@@ -283,7 +283,6 @@ def verify_output(temp: Path, planned: Any, file_format: str, report: Report) ->
     shapes and every tensor's bytes (and, for .pth, device tags and which tensors share storage)."""
     from .analysis.diff import diff_trees
     from .analysis.diff import render as render_diff
-    from .model.walk import iter_storages
 
     started = time.perf_counter()
     written = read_checkpoint(temp)
@@ -292,11 +291,11 @@ def verify_output(temp: Path, planned: Any, file_format: str, report: Report) ->
     if not result.equal:
         problems.append(render_diff(result).splitlines()[0])
     if file_format == "pth":
-        planned_tags = sorted(s.location for s in iter_storages(planned))
-        written_tags = sorted(s.location for s in iter_storages(written.root))
+        planned_tags, planned_sharing = _storage_layout(planned)
+        written_tags, written_sharing = _storage_layout(written.root)
         if planned_tags != written_tags:
             problems.append(f"device tags {sorted(set(written_tags))} instead of {sorted(set(planned_tags))}")
-        if _sharing(planned) != _sharing(written.root):
+        if planned_sharing != written_sharing:
             problems.append("tensors that should share a storage do not (or the reverse)")
     report.verify_seconds = round(time.perf_counter() - started, 4)
     if problems:
@@ -306,11 +305,20 @@ def verify_output(temp: Path, planned: Any, file_format: str, report: Report) ->
         )
 
 
-def _sharing(root: Any) -> set[frozenset[str]]:
-    groups: dict[int, set[str]] = {}
-    for path, tensor in iter_tensors(root):
-        groups.setdefault(id(tensor.storage), set()).add(format_path(path))
-    return {frozenset(g) for g in groups.values() if len(g) > 1}
+def _storage_layout(root: Any) -> tuple[list[str], set[frozenset[tuple[Any, ...]]]]:
+    """In one walk: the device tags of the distinct storages the tree uses (through tensors or
+    directly), and the groups of tensor paths that share a storage. Paths stay tuples of keys
+    (formatting a million paths of one memoized tensor cost more than the rest of --verify)."""
+    storages: dict[int, StorageRef] = {}
+    groups: dict[int, set[tuple[Any, ...]]] = {}
+    for path, value in walk(root):
+        if isinstance(value, TensorRef):
+            storages[id(value.storage)] = value.storage
+            groups.setdefault(id(value.storage), set()).add(path)
+        elif isinstance(value, StorageRef):
+            storages[id(value)] = value
+    tags = sorted(s.location for s in storages.values())
+    return tags, {frozenset(g) for g in groups.values() if len(g) > 1}
 
 
 def model_or_ema(root: Any, ema: bool) -> tuple[Any, tuple[Any, ...], list[str]]:
@@ -861,7 +869,10 @@ def diff_checkpoints(
     scratch = Report("diff", str(a_path), None, a.format, b.format, dry_run=True)
     root_a = apply_transforms(a, opts, scratch)
     root_b = select_path(b.root, select_b, flag="--select-b")[1] if select_b else b.root
-    return diff_trees(root_a, root_b, a_name=str(a_path), b_name=str(b_path), rtol=rtol, atol=atol)
+    budget = expand_budget(opts.max_expand, a.file_size + b.file_size)
+    return diff_trees(
+        root_a, root_b, a_name=str(a_path), b_name=str(b_path), rtol=rtol, atol=atol, expand_budget=budget
+    )
 
 
 @collector_paused()

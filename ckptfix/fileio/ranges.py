@@ -17,7 +17,6 @@ therefore place big ranges at an output offset congruent to their source offset 
 from __future__ import annotations
 
 import io
-import mmap
 import os
 import zlib
 from collections.abc import Callable, Iterator
@@ -122,6 +121,8 @@ class WindowedReader:
         return os.pread(self._fd, size, self._base + offset)
 
     def read(self, offset: int, size: int) -> bytes:
+        if size <= 0:
+            return b""
         at = offset - self._start
         if at >= 0 and at + size <= len(self._buffer):
             return self._buffer[at : at + size]
@@ -186,7 +187,6 @@ class OpenFiles:
 
     def __init__(self) -> None:
         self._files: dict[str, BinaryIO] = {}
-        self._maps: dict[str, mmap.mmap] = {}
         self._windows: dict[str, WindowedReader] = {}
         self._stack = ExitStack()
         self._worker: ThreadPoolExecutor | None = None
@@ -196,13 +196,6 @@ class OpenFiles:
         if f is None:
             f = self._files[path] = self._stack.enter_context(open(path, "rb"))  # noqa: SIM115
         return f
-
-    def map(self, path: str) -> mmap.mmap:
-        m = self._maps.get(path)
-        if m is None:
-            m = self._maps[path] = mmap.mmap(self.file(path).fileno(), 0, access=mmap.ACCESS_READ)
-            self._stack.callback(m.close)
-        return m
 
     def small_read(self, path: str, offset: int, size: int) -> bytes:
         """A few bytes of ``path`` (a small tensor record), through a read window per file
@@ -280,6 +273,8 @@ class OutputStream:
         streamed in chunks. Returns the CRC32 when ``want_crc``: the one the source recorded
         where there is one (the bytes are unchanged), else computed on a worker thread while
         the kernel copies, so a CRC costs no more wall time than the copy it rides along."""
+        if source.size == 0:  # nothing to read, wherever it claims to be
+            return 0 if want_crc else None
         if is_plain_range(source):
             return self._copy_plain(source, files, want_crc)
         if isinstance(source, JoinedSource) and not want_crc:

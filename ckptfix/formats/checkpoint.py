@@ -105,9 +105,12 @@ def read_checkpoint(
                 root, archive = read_torch_zip(
                     path, f, file_size, globals_seen, allow_globals, inert_unknown=inert_unknown
                 )
-            except UnsafeInputError:
+            except UnsafeInputError as exc:
                 if not unsafe_load:
                     raise
+                _refuse_hostile(
+                    path, exc, lambda: read_torch_zip(path, f, file_size, set(), allow_globals, inert_unknown=True)
+                )
                 return _read_with_torch(path, FORMAT_TORCH_ZIP, file_size, unsafe=True)
             return Checkpoint(path, FORMAT_TORCH_ZIP, root, file_size, globals_seen, archive, archive.notes())
         if what.kind == "safetensors":
@@ -117,9 +120,12 @@ def read_checkpoint(
             globals_seen = set()
             try:
                 root = read_legacy(path, f, file_size, globals_seen, allow_globals, inert_unknown=inert_unknown)
-            except UnsafeInputError:
+            except UnsafeInputError as exc:
                 if not unsafe_load:
                     raise
+                _refuse_hostile(
+                    path, exc, lambda: read_legacy(path, f, file_size, set(), allow_globals, inert_unknown=True)
+                )
                 return _read_with_torch(path, FORMAT_TORCH_LEGACY, file_size, unsafe=True)
             return Checkpoint(path, FORMAT_TORCH_LEGACY, root, file_size, globals_seen)
     if what.kind == "tar":
@@ -136,15 +142,38 @@ def read_checkpoint(
     raise BadInputError(f"{path}: {what.description}")
 
 
+def _refuse_hostile(path: str, refused: UnsafeInputError, read_inert: Callable[[], object]) -> None:
+    """Refuse, before torch is called, a file ``--unsafe-load`` would hand to
+    ``torch.load(weights_only=False)`` when it is more than merely unusual.
+
+    The fallback is for files that hold a class outside the allow-list (a config), never for
+    hostile ones: a file that calls ``os.system`` is an attack whoever trusts it. The reader
+    stops at the first name it refuses, so unless that one already runs code, the file is read
+    again with every harmless unknown global as an inert record (``read_inert``): that read goes
+    through every pickle torch would run, stops at a dangerous global, and checks every storage
+    and extent against the file -- a file whose storage claims a terabyte the file does not hold
+    would have torch allocate it before reading a byte (``UntypedStorage(2**40)``), so it is
+    refused here as it is without ``--unsafe-load``.
+    """
+    if not refused.hostile:
+        try:
+            read_inert()
+        except UnsafeInputError as again:
+            refused = again
+    if refused.hostile:
+        raise refused.at(path) from None
+
+
 def _read_folder(folder: Path, unsafe_load: bool, allow_globals: Sequence[str], inert_unknown: bool) -> Checkpoint:
     if is_dcp_folder(folder):
         size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
         globals_seen: set[str] = set()
         try:
             root = read_dcp_safely(folder, globals_seen, allow_globals, inert_unknown=inert_unknown)
-        except UnsafeInputError:
+        except UnsafeInputError as exc:
             if not unsafe_load:
                 raise
+            _refuse_hostile(str(folder), exc, lambda: read_dcp_safely(folder, set(), allow_globals, inert_unknown=True))
             note = "DCP folder read through torch.distributed.checkpoint (--unsafe-load); tensors are in memory"
             return Checkpoint(str(folder), FORMAT_DCP, read_dcp(folder), size, notes=[note], lazy=False)
         return Checkpoint(str(folder), FORMAT_DCP, root, size, globals_seen)

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeAlias
 from ..errors import BadInputError, UsageError
 from ..fileio import strictjson
 from ..fileio.ranges import BLOCK, SMALL_COPY, FileRange, JoinedSource, OpenFiles, OutputStream, is_plain_range
-from ..model.data import is_c_contiguous, tensor_c_bytes
+from ..model.data import is_c_contiguous, storage_swap_unit, tensor_c_chunks
 from ..model.dtypes import DTYPE_ITEMSIZE, DTYPE_TO_SAFETENSORS, SAFETENSORS_DTYPES, SAFETENSORS_PACKED
 from ..model.needs import need_torch
 from ..model.refs import Reduce, TensorRef, is_torch_tensor, tensor_from_range
@@ -220,7 +220,9 @@ def _plain_span(t: TensorRef) -> tuple[str, int] | None:
     """(file, offset) where ``t``'s bytes already are exactly as safetensors stores them
     (little-endian, C order, uncompressed), or None when they must be gathered."""
     source = t.storage.source
-    if t.storage.byteorder == "big" or not is_plain_range(source) or not is_c_contiguous(t.shape, t.stride):
+    if t.numel == 0 and is_plain_range(source):
+        return source.path, source.offset  # no bytes: its offset may be anything (2**62), never read
+    if storage_swap_unit(t.storage) or not is_plain_range(source) or not is_c_contiguous(t.shape, t.stride):
         return None
     return source.path, source.offset + t.storage_offset * DTYPE_ITEMSIZE[t.dtype]
 
@@ -490,7 +492,8 @@ def write_safetensors(
                 if joined is not None:  # ranges of several files (a ZeRO partition's slices): each by the kernel
                     stream.copy(joined, files)
                 elif span is None:
-                    stream.write(tensor_c_bytes(t, files))
+                    for piece in tensor_c_chunks(t, files):
+                        stream.write(piece)
                 else:  # file to file, in the kernel; the stream merges tensors that lie back to back
                     stream.copy(FileRange(span[0], span[1], t.nbytes), files)
                 if progress:
