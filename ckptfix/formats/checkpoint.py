@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 from collections.abc import Callable, Mapping, Sequence
@@ -12,6 +13,8 @@ from typing import Any, BinaryIO
 from ..errors import BadInputError, UnsafeInputError, UsageError
 from ..model.needs import need_torch
 from ..model.refs import Tree
+from ..pickling.globals import danger
+from ..pickling.reader import display_name
 from .dcp import is_dcp_folder, read_dcp, read_dcp_safely
 from .deepspeed import DeepSpeedInfo, is_deepspeed_folder, read_deepspeed
 from .detect import check_input, open_input, sniff_file
@@ -19,6 +22,7 @@ from .legacy import load_with_torch, save_with_torch
 from .legacy_pickle import read_legacy
 from .safetensors import read_safetensors
 from .sharded import find_index, merge_shards, read_index
+from .tarera import record_tar
 from .torchzip import TorchZipArchive, read_torch_zip, write_torch_zip
 
 FORMAT_TORCH_ZIP = "torch-zip"
@@ -138,8 +142,31 @@ def read_checkpoint(
                 "with weights_only=False (running code from the file); ckptfix has no safe reader for it",
                 hint="only if you trust this file: --unsafe-load (unsafe_load=True), then save it in today's format",
             )
+        _refuse_hostile_tar(path)
         return _read_with_torch(path, FORMAT_TORCH_TAR, file_size, unsafe=True)
     raise BadInputError(f"{path}: {what.description}")
+
+
+def _refuse_hostile_tar(path: str) -> None:
+    """:func:`_refuse_hostile` for the tar format, which has no safe reader: every pickle torch's
+    tar reader would run is followed by the recording VM first (as ``scan`` does), and a file
+    naming a code-running global -- or one whose reads cannot be followed without running it --
+    is refused before torch is called."""
+    f, size = open_input(path)
+    with f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        found, error = record_tar(f, data, size)
+    reasons = {}
+    for name, _ in found:
+        reason = "it changes or calls something the reader built" if name.startswith("<") else danger(name)
+        if reason is not None:
+            reasons[name] = reason
+    if reasons:
+        shown = [display_name(*name.rsplit(".", 1)) if "." in name else name for name in reasons]
+        raise UnsafeInputError(list(reasons), path, shown=shown, hostile=list(reasons), reasons=reasons)
+    if "treat it as unsafe" in error:
+        raise BadInputError(
+            f"{path}: {error}", hint="--unsafe-load hands torch only files whose pickles ckptfix can follow"
+        )
 
 
 def _refuse_hostile(path: str, refused: UnsafeInputError, read_inert: Callable[[], object]) -> None:

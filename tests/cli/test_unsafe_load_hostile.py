@@ -21,6 +21,8 @@ from hostile import (
     make_legacy_header,
     pid,
     system_call,
+    tar_era,
+    tar_of,
     tensor,
     with_data_pkl,
 )
@@ -52,12 +54,24 @@ def legacy_with_hostile_keys(tmp_path: Path, marker: Path) -> Path:
     return path
 
 
+def tar_era_with(where: str) -> object:
+    """A tar-era file (torch < 0.4) with ``os.system`` in one of the pickles torch's tar reader runs."""
+
+    def make(tmp: Path, marker: Path) -> Path:
+        path = tmp / "old.tar"
+        path.write_bytes(tar_of(tar_era(marker, where)))
+        return path
+
+    return make
+
+
 CASES = {
     "system_first": lambda tmp, marker: zip_with(tmp, PROTO + items(("x", call(marker)), ("w", tensor())) + b"."),
     "system_after_a_namespace": lambda tmp, marker: zip_with(
         tmp, PROTO + items(("w", tensor()), ("ns", NAMESPACE), ("x", call(marker))) + b"."
     ),
     "legacy_keys_pickle": legacy_with_hostile_keys,
+    **{f"tar_era_{where}": tar_era_with(where) for where in ("pickle", "views", "tensor", "count")},
 }
 
 
