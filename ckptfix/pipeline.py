@@ -47,13 +47,21 @@ from .formats.sharded import write_sharded
 from .model.paths import format_path
 from .model.paths import select as select_path
 from .model.refs import is_tensor_like
-from .model.statedicts import EMA_ENTRIES, ema_prefix, find_state_dicts, looks_like_state_dict, split_ema
+from .model.statedicts import (
+    EMA_ENTRIES,
+    PURE_WRAPPER_PREFIXES,
+    ema_prefix,
+    find_state_dicts,
+    looks_like_state_dict,
+    split_ema,
+    wrapper_chain,
+)
 from .model.walk import iter_tensors, substitute, walk
 from .pickling.names import check_global_patterns
 from .pickling.vm import collector_paused
 from .transforms.devices import parse_map_location, remap_devices
 from .transforms.foreign import check_output, has_foreign
-from .transforms.prefix import add_prefix, normalize_prefix, parse_rule, rename_keys, strip_prefix
+from .transforms.prefix import AUTO, add_prefix, normalize_prefix, parse_rule, rename_keys, strip_prefix, wrapper_fix
 from .transforms.select import filter_tree, prune_patterns
 
 if TYPE_CHECKING:
@@ -336,6 +344,18 @@ def model_or_ema(root: Any, ema: bool) -> tuple[Any, tuple[Any, ...], list[str]]
     return (substitute(root, replacements) if replacements else root), (), notes
 
 
+def _strip_words(prefix: str) -> tuple[str, str, str]:
+    """How a strip step is reported: its label, the verb of a change, why it changed nothing."""
+    if prefix == AUTO:
+        wrappers = ", ".join(PURE_WRAPPER_PREFIXES)
+        return (
+            "strip wrapper prefixes",
+            "stripped wrapper prefixes on",
+            f"no wrapper prefix ({wrappers}) is on every key",
+        )
+    return f"strip {prefix!r}", f"stripped {prefix!r} on", f"no key starts with {prefix!r}"
+
+
 def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out_format: str | None = None) -> Any:
     """Run the transform steps of the pipeline on ``ckpt``'s tree; record them in ``report``.
     ``out_format``: what will be written, where it changes what a step can do."""
@@ -368,9 +388,7 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out
         steps.append(Step("prune" if opts.prune else "--drop/--keep", done, why))
     prefix_steps: list[tuple[str, str, str, Callable[[Any], Any]]] = [
         (
-            f"strip {normalize_prefix(p)!r}",
-            f"stripped {normalize_prefix(p)!r} on",
-            f"no key starts with {normalize_prefix(p)!r}",
+            *_strip_words(normalize_prefix(p)),
             partial(strip_prefix, prefix=p, keys=opts.keys),
         )
         for p in opts.strip_prefixes
@@ -504,6 +522,13 @@ def convert(
         report.notes += found.notes()
     if opts.require_change and not report.changed:
         why = _nothing_to_do(ckpt, report)
+        fix = wrapper_fix(root, opts.keys) if opts.strip_prefixes and not opts.add_prefix else None
+        if fix is not None:  # e.g. torch.compile's _orig_mod. where module. was asked for
+            target = "--in-place" if opts.in_place else out_path
+            report.notes.append(
+                f"{in_path}: the keys carry {fix.wrappers}; strip with: "
+                f"ckptfix {command} {in_path} {target} {fix.options}"
+            )
         report.unchanged = True
         if opts.strict:
             raise CheckFailedError(f"{why}; nothing written")
@@ -908,8 +933,6 @@ def publish(
     ``out_format`` ... ``ema`` are the same fields, kept for existing callers.
     """
     import hashlib
-
-    from .transforms.fit import wrapper_chain
 
     legacy = ConvertOptions(
         out_format=out_format, unsafe_load=unsafe_load, allow_globals=allow_globals, max_expand=max_expand, ema=ema

@@ -145,13 +145,17 @@ WRITE_COMMANDS = (
 
     Fixes "Missing key(s) ... Unexpected key(s) ... module.xxx" when a checkpoint saved from
     nn.DataParallel / DistributedDataParallel is loaded into the bare model. Repeated
-    prefixes are stripped too (module.module.x -> x). Optimizer state is never renamed.
-    Tensor bytes are copied, not loaded; torch is not imported for zip checkpoints.
-    Same as `convert --strip-prefix module.`, but writes nothing when no key has the prefix.
+    prefixes are stripped too (module.module.x -> x). --prefix auto strips every wrapper
+    prefix all keys share (module., torch.compile's _orig_mod., Fabric's _forward_module.),
+    nested in any order. Optimizer state is never renamed. Tensor bytes are copied, not
+    loaded; torch is not imported for zip checkpoints. Same as `convert --strip-prefix
+    module.`, except when no key has the prefix: then OUT is the input unchanged (exit 0;
+    exit 1 with --strict) and a wrapper prefix the keys do carry is named, with the command.
 
     \b
     Examples:
       ckptfix strip-module ddp.pth bare.pth
+      ckptfix strip-module compiled.pth bare.pth --prefix auto
       ckptfix strip-module compiled.pth bare.pth --prefix _orig_mod.
       ckptfix strip-module train.ckpt fixed.ckpt --key state_dict --dry-run
       ckptfix strip-module ddp.pth bare.safetensors --map-location cpu

@@ -221,7 +221,8 @@ PREFIX = apply(
             "--prefix",
             default="module.",
             show_default=True,
-            help="The key prefix (a module name; a trailing dot is added if missing).",
+            help="The key prefix (a module name; a trailing dot is added if missing). strip-module: 'auto' "
+            "strips every wrapper prefix all keys share (module., _orig_mod., _forward_module.).",
         ),
         click.option("--strict", is_flag=True, help="Exit 1 when there is nothing to change."),
     ]

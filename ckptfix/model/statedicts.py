@@ -3,7 +3,7 @@ wrapper prefixes (``module.``, ``_orig_mod.``, ``model.``) people meet on their 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard
 
 from .paths import Path
@@ -58,6 +58,29 @@ def find_state_dicts(root: Tree) -> list[tuple[Path, Mapping[str, Any]]]:
 
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.", "_forward_module.")
+#: the wrappers that add a prefix and nothing else (DataParallel/DDP, torch.compile, Lightning
+#: Fabric): ``--prefix auto`` strips these; ``model.`` is a real attribute of a LightningModule
+PURE_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.")
+#: who adds each wrapper prefix, for hints
+WRAPPER_ORIGINS = {
+    "module.": "nn.DataParallel / DistributedDataParallel",
+    "_orig_mod.": "torch.compile",
+    "_forward_module.": "Lightning Fabric",
+    "model.": "a LightningModule's model attribute",
+}
+
+
+def wrapper_chain(keys: Sequence[str], wrappers: Sequence[str] = WRAPPER_PREFIXES) -> list[str]:
+    """The wrapper prefixes every key starts with, outermost first (``_orig_mod.module.``)."""
+    chain: list[str] = []
+    rest = list(keys)
+    while rest:
+        wrapper = next((w for w in wrappers if all(k.startswith(w) for k in rest)), None)
+        if wrapper is None:
+            break
+        chain.append(wrapper)
+        rest = [k[len(wrapper) :] for k in rest]
+    return chain
 
 
 #: where training code keeps an EMA copy of the weights beside the model, in timm's order of

@@ -26,7 +26,7 @@ from ..errors import UsageError
 from ..model.needs import need_torch
 from ..model.paths import Path, format_path
 from ..model.refs import TensorRef, Tree, is_torch_tensor
-from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts
+from ..model.statedicts import find_state_dicts, wrapper_chain
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -129,19 +129,6 @@ def _import_path(folders: Sequence[str]) -> Iterator[None]:
         yield
     finally:
         sys.path[:] = saved
-
-
-def wrapper_chain(keys: Sequence[str]) -> list[str]:
-    """The wrapper prefixes every key starts with, outermost first (``_orig_mod.module.``)."""
-    chain: list[str] = []
-    rest = list(keys)
-    while rest:
-        wrapper = next((w for w in WRAPPER_PREFIXES if all(k.startswith(w) for k in rest)), None)
-        if wrapper is None:
-            break
-        chain.append(wrapper)
-        rest = [k[len(wrapper) :] for k in rest]
-    return chain
 
 
 def _common_segments(keys: Sequence[str], depth: int) -> str | None:
