@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import BadInputError, CannotWriteError, CkptfixError, ExitCode, UsageError, one_line
+from .errors import BadInputError, CannotWriteError, CkptfixError, ExitCode, UsageError, naming_file, one_line
 from .formats.detect import CHECKPOINT_SUFFIXES, FILE_FORMATS
 from .formats.sharded import INDEX_NAMES, find_index
 
@@ -184,6 +184,7 @@ def process_one(
         if backup_path is not None and not report.written:
             backup_path.unlink(missing_ok=True)
     except CkptfixError as exc:
+        exc = naming_file(exc, in_path)  # every error line names its file
         result.message, result.exit_code = str(exc), exc.exit_code
         result.error = {"type": type(exc).__name__, "message": one_line(exc.message), "hint": exc.hint}
     except OSError as exc:

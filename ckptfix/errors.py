@@ -6,8 +6,11 @@ a documented code instead of a traceback. Library users catch :class:`CkptfixErr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from enum import IntEnum
+from functools import wraps
+from typing import Any, TypeVar
 
 
 class ExitCode(IntEnum):
@@ -213,6 +216,12 @@ class UnsafeInputError(BadInputError):
         )
 
 
+class InputMismatchError(BadInputError):
+    """What the command asks for does not fit this input: ``--select`` names no entry of it, it
+    holds nothing safetensors can store, no state dict... (exit 3: a problem with one input, which
+    a batch reports for that file, not a usage error of the whole command line)."""
+
+
 class CheckFailedError(CkptfixError):
     """A requested check did not hold, e.g. --strict and nothing to change (exit 1)."""
 
@@ -223,3 +232,43 @@ class CannotWriteError(CkptfixError):
     """The output cannot be written: exists, same as input, no space, no permission (exit 4)."""
 
     exit_code = ExitCode.CANNOT_WRITE
+
+
+def naming_file(exc: CkptfixError, path: str | None) -> CkptfixError:
+    """``exc`` with its message naming the input ``path`` (unless it names it already), so every
+    error line says which file it is about. A usage error (the command line itself), an output
+    that cannot be written (it names the output) and a missing torch are left as they are."""
+    if path is None or type(exc) is UsageError or isinstance(exc, (NeedsTorchError, CannotWriteError)):
+        return exc
+    if isinstance(exc, UnsafeInputError):
+        return exc if exc.path else exc.at(path)
+    if path not in exc.message:
+        exc.message = f"{path}: {exc.message}"
+        exc.args = (exc.message,)
+    return exc
+
+
+@contextmanager
+def about_input(path: str | None) -> Iterator[None]:
+    """Errors raised inside name the input ``path`` (see :func:`naming_file`)."""
+    try:
+        yield
+    except CkptfixError as exc:
+        named = naming_file(exc, path)
+        if named is exc:
+            raise
+        raise named from None
+
+
+_Call = TypeVar("_Call", bound=Callable[..., Any])
+
+
+def names_input(func: _Call) -> _Call:
+    """A library entry point whose first argument is the input path: its errors name that file."""
+
+    @wraps(func)
+    def run(path: Any, *args: Any, **kwargs: Any) -> Any:
+        with about_input(str(path)):
+            return func(path, *args, **kwargs)
+
+    return run  # type: ignore[return-value]

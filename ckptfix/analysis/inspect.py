@@ -11,7 +11,7 @@ from ..fileio.extents import shared_bytes_of
 from ..fileio.sizes import format_size
 from ..formats.checkpoint import Checkpoint
 from ..model.paths import Path, format_path
-from ..model.refs import Global, Reduce, TensorRef, is_tensor_like, is_torch_tensor
+from ..model.refs import Global, OpaqueObject, Reduce, TensorRef, is_tensor_like, is_torch_tensor
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts, is_optimizer_state, looks_like_state_dict
 from ..model.walk import iter_tensors, walk
 from ..transforms.foreign import unallowed_globals
@@ -59,6 +59,44 @@ def _tensor_line(value: Any) -> str:
     if isinstance(value, Reduce):
         return f"{value.func.name.lstrip('_')} (kept as is)"
     return "tensor"
+
+
+#: what an object of these globals is, in words (the last part of its class name otherwise)
+_OBJECT_WORDS = {
+    "numpy.core.multiarray._reconstruct": "a numpy array",
+    "numpy._core.multiarray._reconstruct": "a numpy array",
+    "numpy.core.multiarray.scalar": "a numpy scalar",
+    "numpy._core.multiarray.scalar": "a numpy scalar",
+    "argparse.Namespace": "an argparse.Namespace (command-line arguments)",
+}
+
+
+def holding(value: Any) -> str:
+    """What ``value`` is, in the words ``inspect`` uses: "a tensor float32 [3, 4] on cpu",
+    "a numpy array", "an argparse.Namespace ...", "a dict of 2 entries", "an int (3)"."""
+    if is_tensor_like(value):
+        return f"a {_tensor_line(value)}"
+    if isinstance(value, (OpaqueObject, Reduce)):
+        name = value.name if isinstance(value, OpaqueObject) else value.func.full
+        return _OBJECT_WORDS.get(name, f"a {name} object")
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} of {len(value)} entries"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    kind = type(value).__name__
+    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind} ({_scalar_text(value)})"
+
+
+def not_a_mapping_fix(value: Any) -> str:
+    """What to do when a checkpoint is one value, not names to tensors, and safetensors is asked for."""
+    if is_tensor_like(value):
+        return "store it under a name with --tensor-name KEY (e.g. --tensor-name weight), or write a .pth file"
+    if isinstance(value, (OpaqueObject, Reduce)) and "array" in holding(value):
+        return (
+            "turn it into a tensor and name it: --sanitize --tensor-name KEY (e.g. --tensor-name weight), "
+            "or write a .pth file"
+        )
+    return "write a .pth file (--sanitize makes it plain data that loads with weights_only=True)"
 
 
 def _scalar_text(value: Any) -> str:

@@ -175,6 +175,12 @@ PIPELINE_OPTIONS: list[Decorator] = [
         is_flag=True,
         help="safetensors: keep small plain values (epoch, config) as __metadata__ strings.",
     ),
+    click.option(
+        "--tensor-name",
+        metavar="KEY",
+        help="The checkpoint is one tensor (a numpy array, with --sanitize): store it under the name KEY, "
+        "as safetensors needs.",
+    ),
     click.option("--dry-run", is_flag=True, help="Say what would change; write nothing."),
     click.option("--force", is_flag=True, help="Overwrite OUT if it exists."),
     click.option("--in-place", is_flag=True, help="Replace IN atomically (no OUT); implies --verify."),

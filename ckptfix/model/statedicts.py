@@ -16,22 +16,47 @@ def is_optimizer_state(value: Any) -> bool:
     return isinstance(value, Mapping) and "state" in value and "param_groups" in value
 
 
-def looks_like_state_dict(value: Any) -> TypeGuard[Mapping[str, Any]]:
-    """A ``Module.state_dict()``-shaped mapping: string keys, every value a tensor.
+#: a state dict may carry this many entries that are not tensors (a module's extra state, a
+#: probabilistic library's ``..._param_store`` dict), as long as its tensors are keyed by dotted
+#: module paths: it is still what ``load_state_dict`` is given
+MAX_NON_TENSOR_ENTRIES = 4
 
-    Values under keys ending in ``_extra_state`` may be anything (``get_extra_state``).
+
+def looks_like_state_dict(value: Any) -> TypeGuard[Mapping[str, Any]]:
+    """A ``Module.state_dict()``-shaped mapping: string keys, the values tensors.
+
+    Values under keys ending in ``_extra_state`` may be anything (``get_extra_state``); beside
+    tensors keyed by dotted names (``fc.weight``) up to :data:`MAX_NON_TENSOR_ENTRIES` other
+    values may be too (fewer than the tensors). Optimizer states' inner dicts (``exp_avg``...)
+    have undotted keys: they are state-dict-like only when every value is a tensor.
     """
     if not isinstance(value, Mapping) or not value:
         return False
-    has_tensor = False
+    tensors = dotted = others = 0
     for key, item in value.items():
         if not isinstance(key, str):
             return False
         if is_tensor_like(item):
-            has_tensor = True
+            tensors += 1
+            dotted += "." in key
         elif not key.endswith("_extra_state"):
-            return False
-    return has_tensor
+            others += 1
+            if others > MAX_NON_TENSOR_ENTRIES:
+                return False
+    if not tensors:
+        return False
+    return not others or (dotted == tensors and others < tensors)
+
+
+def holds_tensors_by_name(value: Any) -> TypeGuard[Mapping[str, Any]]:
+    """A string-keyed mapping holding at least one tensor: what a state dict is taken to be
+    where the user names it (``--select PATH``, ``--key PATH``), whatever else it holds."""
+    return (
+        isinstance(value, Mapping)
+        and bool(value)
+        and all(isinstance(k, str) for k in value)
+        and any(is_tensor_like(v) for v in value.values())
+    )
 
 
 def find_state_dicts(root: Tree) -> list[tuple[Path, Mapping[str, Any]]]:

@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import InputMismatchError, UsageError
 from ..model.needs import need_torch
 from ..model.paths import Path, format_path
 from ..model.refs import TensorRef, Tree, is_torch_tensor
@@ -215,12 +215,12 @@ def best_fit(root: Tree, reference: Shapes, select: Path | None = None, select_v
     """Choose the state dict in ``root`` (or the selected one) that fits ``reference`` best."""
     candidates = [(select, select_value)] if select is not None else find_state_dicts(root)
     if not candidates:
-        raise UsageError("found no state dict in the checkpoint; name one with --select")
+        raise InputMismatchError("found no state dict in the checkpoint; name one with --select")
     plans = [
         plan_fit(path, shapes_of(sd), reference, getattr(sd, "_metadata", None))
         for path, sd in candidates
         if isinstance(sd, Mapping)
     ]
     if not plans:
-        raise UsageError("the selected entry is not a mapping of names to tensors")
+        raise InputMismatchError("the selected entry is not a mapping of names to tensors")
     return max(plans, key=lambda p: (p.matched, -len(p.unexpected)))

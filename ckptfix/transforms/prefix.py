@@ -15,10 +15,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from ..errors import CheckFailedError, UsageError
+from ..errors import CheckFailedError, InputMismatchError, UsageError
 from ..model.paths import Path, format_path, select
-from ..model.refs import Tree, is_tensor_like
-from ..model.statedicts import PURE_WRAPPER_PREFIXES, WRAPPER_ORIGINS, find_state_dicts, wrapper_chain
+from ..model.refs import Tree
+from ..model.statedicts import (
+    PURE_WRAPPER_PREFIXES,
+    WRAPPER_ORIGINS,
+    find_state_dicts,
+    holds_tensors_by_name,
+    wrapper_chain,
+)
 from ..model.walk import copy_mapping, substitute
 
 #: a state dict as the transforms see it: string keys (what ``find_state_dicts`` finds), any values
@@ -76,18 +82,9 @@ def select_state_dicts(root: Tree, keys: Sequence[str] = ()) -> list[tuple[Path,
     selected: list[tuple[Path, StateDict]] = []
     for dotted in keys:
         path, target = select(root, dotted, flag="--key")
-        found: list[tuple[Path, StateDict]]
-        if (
-            isinstance(target, Mapping)
-            and target
-            and all(isinstance(k, str) for k in target)
-            and any(is_tensor_like(v) for v in target.values())
-        ):
-            found = [((), target)]
-        else:
-            found = find_state_dicts(target)
+        found = [((), target)] if holds_tensors_by_name(target) else find_state_dicts(target)
         if not found:
-            raise UsageError(f"--key {dotted}: there is no state dict there")
+            raise InputMismatchError(f"--key {dotted}: there is no state dict there")
         selected.extend((path + sub, sd) for sub, sd in found)
     return selected
 
@@ -216,7 +213,9 @@ def _rename_one(state_dict: StateDict, rules: Sequence[tuple[re.Pattern[str], st
             try:
                 key = pattern.sub(replacement, key)
             except (re.error, IndexError) as exc:
-                raise UsageError(f"rename rule {pattern.pattern!r}=>{replacement!r} fails on {key!r}: {exc}") from exc
+                raise InputMismatchError(
+                    f"rename rule {pattern.pattern!r}=>{replacement!r} fails on {key!r}: {exc}"
+                ) from exc
         return key
 
     originals = list(state_dict.keys())

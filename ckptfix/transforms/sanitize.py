@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..errors import BadInputError, UsageError
+from ..errors import BadInputError, InputMismatchError
 from ..fileio.ranges import ComputedSource, OpenFiles
 from ..model.paths import Path, format_path
 from ..model.refs import ABSENT, Global, OpaqueObject, TensorRef, Tree, tensor_from_range
@@ -83,7 +83,7 @@ def _numpy_dtype(obj: Any) -> np.dtype[Any]:
     code = obj.args[0]
     match = _TYPE_CODE.match(code) if isinstance(code, str) else None
     if not match or f"{match.group(1)}{match.group(2)}" not in _TORCH_DTYPE:
-        raise UsageError(f"cannot sanitize a numpy value of dtype {code!r:.40}: only numeric dtypes convert")
+        raise InputMismatchError(f"cannot sanitize a numpy value of dtype {code!r:.40}: only numeric dtypes convert")
     state = obj.state
     order: Literal["<", ">", "="] = "="  # "|" (no byte order) and a missing state: native
     if isinstance(state, tuple) and len(state) > 1 and state[1] in ("<", ">"):

@@ -39,3 +39,93 @@ def test_strip_module_help_says_what_it_does_when_nothing_matches() -> None:
     text = invoke_cli("strip-module", "--help").stdout
     assert "writes nothing when no key has the prefix" not in text
     assert "--prefix auto" in text
+
+
+# ----------------------------------------------------------------------------- state-dict detection
+
+
+def _param_store_checkpoint(tmp_path: Path) -> Path:
+    """A released package's shape: a model state dict with one nested non-tensor entry."""
+    path = tmp_path / "pyro.pth"
+    model = {"a.weight": torch.ones(2, 2), "a.bias": torch.zeros(2), "guide._param_store": {"params": {}, "c": {}}}
+    torch.save({"model": model, "epoch": 3}, path)
+    return path
+
+
+def test_state_dict_with_a_nested_non_tensor_entry_is_found(tmp_path: Path) -> None:
+    src = _param_store_checkpoint(tmp_path)
+    added = invoke_cli("add-module", src, tmp_path / "added.pth")
+    assert added.returncode == 0, added.stderr
+    assert list(torch.load(tmp_path / "added.pth", weights_only=True)["model"])[:2] == [
+        "module.a.weight",
+        "module.a.bias",
+    ]
+    # safetensors: the refusal names the entry and the --drop that works; publish finds the weights
+    out = tmp_path / "w.safetensors"
+    refused = invoke_cli("convert", src, out, "--select", "model")
+    assert refused.returncode == 3 and not out.exists()
+    assert str(src) in refused.stderr and "guide._param_store (a dict of 2 entries)" in refused.stderr
+    assert "--drop guide._param_store" in refused.stderr
+    published = invoke_cli("publish", src, tmp_path / "rel", "--drop", "guide._param_store", "--json")
+    assert published.returncode == 0, published.stderr
+    from safetensors.torch import load_file
+
+    assert set(load_file(json.loads(published.stdout)["output"])) == {"a.weight", "a.bias"}
+
+
+def test_explicit_select_is_honoured_whatever_else_the_mapping_holds(tmp_path: Path) -> None:
+    many = {"a.weight": torch.ones(2), **{f"note{i}": i for i in range(8)}}
+    torch.save({"model": many}, tmp_path / "many.pth")
+    result = invoke_cli("add-module", tmp_path / "many.pth", tmp_path / "out.pth", "--select", "model")
+    assert result.returncode == 0, result.stderr
+    assert "module.a.weight" in torch.load(tmp_path / "out.pth", weights_only=True)
+
+
+# ----------------------------------------------------------------------------- one value, not a mapping
+
+
+def test_a_bare_tensor_numpy_array_or_namespace_to_safetensors_is_explained(tmp_path: Path) -> None:
+    import argparse
+
+    import numpy as np
+
+    torch.save(torch.arange(6.0).reshape(2, 3), tmp_path / "t.pth")
+    torch.save(np.arange(4, dtype=np.float32), tmp_path / "a.pth")
+    torch.save(argparse.Namespace(lr=0.1), tmp_path / "ns.pth")
+    expected = {
+        "t.pth": ("a tensor float32 [2, 3] on cpu", "--tensor-name KEY"),
+        "a.pth": ("a numpy array", "--sanitize --tensor-name KEY"),
+        "ns.pth": ("an argparse.Namespace", "write a .pth file"),
+    }
+    for name, (holds, fix) in expected.items():
+        result = invoke_cli("convert", tmp_path / name, tmp_path / "out.safetensors")
+        assert result.returncode == 3, result.stderr
+        assert f"{tmp_path / name}: safetensors holds named tensors, but this holds {holds}" in result.stderr
+        assert fix in result.stderr and "TensorRef" not in result.stderr and "OpaqueObject" not in result.stderr
+    from safetensors.torch import load_file
+
+    for name, extra in (("t.pth", []), ("a.pth", ["--sanitize"])):
+        out = tmp_path / f"{name}.safetensors"
+        result = invoke_cli("convert", tmp_path / name, out, "--tensor-name", "weight", *extra)
+        assert result.returncode == 0, result.stderr
+        assert list(load_file(out)) == ["weight"]
+
+
+# ----------------------------------------------------------------------------- errors and reports
+
+
+def test_errors_name_the_file_and_input_problems_are_exit_3(tmp_path: Path) -> None:
+    result = invoke_cli("convert", BARE, tmp_path / "o.safetensors", "--select", "state_dict")
+    assert result.returncode == 3 and f"error: {BARE}: --select state_dict: no such entry" in result.stderr
+    out = tmp_path / "exists.pth"
+    out.write_bytes(b"x")
+    missing = invoke_cli("strip-module", tmp_path / "missing.pth", out)
+    assert missing.returncode == 3 and "missing.pth: no such file" in missing.stderr, missing.stderr
+
+
+def test_a_format_conversion_counts_as_written(tmp_path: Path) -> None:
+    result = invoke_cli("strip-module", BARE, tmp_path / "bare.safetensors", "--json")
+    report = json.loads(result.stdout)
+    assert result.returncode == 0 and report["written"] and not report["unchanged"]
+    same = json.loads(invoke_cli("strip-module", BARE, tmp_path / "bare.pth", "--json").stdout)
+    assert same["written"] and same["unchanged"]
