@@ -257,6 +257,15 @@ def run_batch(
         # (the usual IN OUT command, where start-up is most of the time on a CoW file system) never needs
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
+        reported = 0  # results go to on_result in input order: a file's line never jumps ahead
+
+        def report_in_order() -> None:
+            nonlocal reported
+            while reported in results:
+                if on_result:
+                    on_result(results[reported])
+                reported += 1
+
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             pending: dict[Future[FileResult], int] = {}
             queue = list(enumerate(jobs_list))
@@ -269,10 +278,13 @@ def run_batch(
                 for future in done:
                     index = pending.pop(future)
                     results[index] = future.result()
-                    if on_result:
-                        on_result(results[index])
                     if results[index].status == "failed" and not continue_on_error:
                         stop = True
+                report_in_order()
+            # stopped early: the files that finished after a gap are reported too, still in order
+            for index in sorted(results):
+                if index >= reported and on_result:
+                    on_result(results[index])
             report.stopped_early = stop and len(results) < len(jobs_list)
     report.files = [results[i] for i in sorted(results)]
     report.seconds = time.perf_counter() - started

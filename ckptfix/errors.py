@@ -6,6 +6,8 @@ a documented code instead of a traceback. Library users catch :class:`CkptfixErr
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from enum import IntEnum
@@ -57,14 +59,32 @@ class UsageError(CkptfixError):
     exit_code = ExitCode.USAGE
 
 
+#: the CPU build of torch: a few hundred MB, where the default Linux wheel pulls GBs of CUDA libraries
+TORCH_CPU_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
+
+def torch_install_hint(platform: str = sys.platform, nvidia_driver: bool | None = None) -> str:
+    """The command that installs the torch this machine needs: on Linux or Windows without an
+    NVIDIA driver, the CPU build (``pip install 'ckptfix[torch]'`` would pull the CUDA one);
+    elsewhere (a GPU, macOS, whose wheels hold no CUDA) the ``[torch]`` extra."""
+    if nvidia_driver is None:
+        nvidia_driver = os.path.exists("/proc/driver/nvidia") or os.path.exists(
+            os.path.join(os.environ.get("SYSTEMROOT", "C:\\Windows"), "System32", "nvidia-smi.exe")
+        )
+    if platform.startswith(("linux", "win")) and not nvidia_driver:
+        return f"{TORCH_CPU_INSTALL} (the CPU build; or pip install 'ckptfix[torch]' for the CUDA one)"
+    return "pip install 'ckptfix[torch]'"
+
+
 #: what every feature that runs through torch says when torch is not installed
-NEEDS_TORCH = "needs torch: pip install 'ckptfix[torch]'"
+NEEDS_TORCH = f"needs torch: {torch_install_hint()}"
 
 
 class NeedsTorchError(UsageError):
     """Something that runs through torch was asked for (``--unsafe-load``, a tar-era file, DCP,
     ``fit --model``, ``load``/``load_into``) and torch is not installed (exit 2). The core install
-    (``pip install ckptfix``) has no torch; ``pip install 'ckptfix[torch]'`` adds it."""
+    (``pip install ckptfix``) has no torch; the message says how to add the one this machine
+    needs (:func:`torch_install_hint`)."""
 
     def __init__(self) -> None:
         super().__init__(NEEDS_TORCH)

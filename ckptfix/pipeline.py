@@ -44,7 +44,7 @@ from .formats.checkpoint import (
     Checkpoint,
     read_checkpoint,
 )
-from .formats.detect import FILE_FORMATS, OUTPUT_FORMATS, PTH_SUFFIXES, check_input
+from .formats.detect import CHECKPOINT_SUFFIXES, FILE_FORMATS, OUTPUT_FORMATS, PTH_SUFFIXES, check_input
 from .formats.safetensors import (
     check_torch_expand_budget,
     default_expand_budget,
@@ -948,6 +948,24 @@ def _merged(legacy: ConvertOptions, options: ConvertOptions | None) -> ConvertOp
     return replace(options, **changes)
 
 
+#: what publish cuts off a file name: checkpoint extensions only, so the dots of a version
+#: (``net_0.3.0_e29.pth.tar``) stay in the name; longest first
+_CHECKPOINT_EXTENSIONS = tuple(
+    sorted(
+        {".pth.tar", ".pt.tar", ".ckpt.tar", *(f"{s}.index.json" for s in CHECKPOINT_SUFFIXES), *CHECKPOINT_SUFFIXES},
+        key=len,
+        reverse=True,
+    )
+)
+
+
+def checkpoint_stem(name: str) -> str:
+    """``name`` without its checkpoint extension(s): ``net_0.3.0_e29.pth.tar`` -> ``net_0.3.0_e29``,
+    ``model.safetensors.index.json`` -> ``model``; other dots are part of the name."""
+    ext = next((e for e in _CHECKPOINT_EXTENSIONS if name.lower().endswith(e) and len(name) > len(e)), "")
+    return name[: len(name) - len(ext)]
+
+
 @dataclass
 class PublishResult:
     path: str
@@ -1008,7 +1026,7 @@ def publish(
         path, state_dict = (entry,), tree[entry]
     part, _ = split_ema(state_dict, user.ema)
     chain = wrapper_chain([k for k in part if isinstance(k, str)])
-    stem = name or Path(str(in_path).rstrip("/")).name.split(".")[0]
+    stem = name or checkpoint_stem(Path(str(in_path).rstrip("/")).name)
     ext = ".safetensors" if fmt == "safetensors" else ".pth"
     try:
         if not user.dry_run:

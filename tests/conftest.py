@@ -129,6 +129,9 @@ class CliResult:
     #: run_cli_batch only: the command's own wall time, the process's peak RSS after it, and
     #: whether ``torch`` was in ``sys.modules`` after it
     seconds: float = 0.0
+    #: run_cli_batch only: the CPU time the command used (user + system, this process): what a
+    #: test may bound, where wall time depends on how busy the machine is
+    cpu_seconds: float = 0.0
     maxrss_mib: int | None = None
     torch_imported: bool | None = None
 
@@ -285,7 +288,7 @@ timeout, isolate_torch = float(sys.argv[3]), sys.argv[4] == "1"
 with open(sys.argv[2], "a") as results:
     for args in jobs:
         out, err = io.StringIO(), io.StringIO()
-        code, started = None, time.perf_counter()
+        code, started, cpu_started = None, time.perf_counter(), time.process_time()
         signal.setitimer(signal.ITIMER_REAL, timeout)
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -306,6 +309,7 @@ with open(sys.argv[2], "a") as results:
             "stdout": out.getvalue(),
             "stderr": err.getvalue(),
             "seconds": time.perf_counter() - started,
+            "cpu_seconds": time.process_time() - cpu_started,
             "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
             "torch_imported": "torch" in sys.modules,
         }

@@ -291,6 +291,8 @@ def run_write(spec: WriteCommand, paths: tuple[str, ...], as_json: bool, kw: dic
 
     def on_result(result: Any) -> None:
         if result.status == "failed":
+            if bar is not None or progress is not None:
+                render.clear_progress_line()
             say(f"ckptfix: error: {result.message}", err=True)
         elif not single and bar is None and not (as_json or quiet):
             say(render.batch_line(result), err=True)

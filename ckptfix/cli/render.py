@@ -70,6 +70,14 @@ def say(line: str, err: bool = False) -> None:
     click.echo(one_line(line), err=err)
 
 
+def clear_progress_line() -> None:
+    """Erase the progress bar's line on a terminal, so the next line printed (an error) starts
+    at column 0 instead of sharing the bar's line."""
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\x1b[2K")
+        sys.stderr.flush()
+
+
 def no_close(ok: bool) -> None:
     """The closer of no progress bar."""
 

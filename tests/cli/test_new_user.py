@@ -129,3 +129,11 @@ def test_a_format_conversion_counts_as_written(tmp_path: Path) -> None:
     assert result.returncode == 0 and report["written"] and not report["unchanged"]
     same = json.loads(invoke_cli("strip-module", BARE, tmp_path / "bare.pth", "--json").stdout)
     assert same["written"] and same["unchanged"]
+
+
+def test_publish_cuts_only_checkpoint_extensions(tmp_path: Path) -> None:
+    src = tmp_path / "net_0.3.0_e29.pth.tar"
+    src.write_bytes(BARE.read_bytes())
+    result = invoke_cli("publish", src, tmp_path / "rel", "--json")
+    assert result.returncode == 0, result.stderr
+    assert Path(json.loads(result.stdout)["output"]).name.startswith("net_0.3.0_e29-")
