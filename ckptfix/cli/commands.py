@@ -24,7 +24,7 @@ from ..errors import ExitCode, UsageError
 from ..formats.detect import FORMAT_NAME_ALIASES, FORMAT_NAMES
 from ..model.dtypes import CAST_ALIASES, CASTABLE
 from . import render
-from .options import BATCH_OPTIONS, IN_OUT, INPUTS, PIPELINE, PREFIX, Decorator, allow_global, apply
+from .options import BATCH_OPTIONS, IN_OUT, INPUTS, PIPELINE, PREFIX, Decorator, allow_global, apply, pipeline_for
 from .render import emit_json, printable, say
 
 if TYPE_CHECKING:  # the pipeline (and all it reads with) is imported when a command runs, not for --help
@@ -381,7 +381,7 @@ WRITING_COMMANDS = (*(spec.name for spec in WRITE_COMMANDS), "fit", "publish")
     is_flag=True,
     help="Write even when keys stay missing/unexpected (those and wrong-shaped keys are left out).",
 )
-@PIPELINE
+@pipeline_for("fit")
 def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
     """Make a checkpoint's state dict match a model's keys, and write just that state dict.
 
@@ -553,7 +553,7 @@ def verify(
 @click.argument("in_path", metavar="IN", type=click.Path())
 @click.argument("out_dir", metavar="OUTDIR", type=click.Path(file_okay=False))
 @click.option("--name", help="File name stem (default: IN's name without extensions).")
-@PIPELINE
+@pipeline_for("publish")
 def publish_command(in_path: str, out_dir: str, as_json: bool, **kw: Any) -> int:
     """Release preset: weights only, wrapper prefixes stripped, on cpu, named by content hash.
 

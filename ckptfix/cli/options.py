@@ -221,6 +221,20 @@ def option_names(options: Decorator) -> list[str]:
     return [param.name for param in getattr(options(probe), "__click_params__", []) if param.name]
 
 
+#: the pipeline options a command that writes one new file (fit, publish) cannot honour: its help
+#: does not offer them, so every option a help lists is one the command takes
+REFUSED_BY = {
+    "fit": ("max_shard_size",),
+    "publish": ("max_shard_size", "in_place"),
+}
+
+
+def pipeline_for(command: str) -> Decorator:
+    """PIPELINE without the options ``command`` refuses (:data:`REFUSED_BY`)."""
+    refused = REFUSED_BY.get(command, ())
+    return apply([o for o in PIPELINE_OPTIONS if not set(option_names(o)) & set(refused)])
+
+
 PREFIX = apply(
     [
         click.option(
