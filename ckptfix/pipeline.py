@@ -55,7 +55,7 @@ from .formats.safetensors import (
 from .formats.sharded import write_sharded
 from .model.paths import format_path
 from .model.paths import select as select_path
-from .model.refs import is_tensor_like
+from .model.refs import is_meta_tensor, is_tensor_like
 from .model.statedicts import (
     EMA_ENTRIES,
     PURE_WRAPPER_PREFIXES,
@@ -285,7 +285,7 @@ def flat_state_dict(root: Any, original: Any, keep_metadata: bool) -> tuple[dict
     if candidates and not tensors:
         layout = "; ".join(
             f"{e['path']}: {e['kind']}" + (f" ({e['tensors']} tensors)" if "tensors" in e else "")
-            for e in describe_tree(root)[:10]
+            for e in describe_tree(root, 10)
         )
         raise InputMismatchError(
             f"safetensors holds one flat mapping of names to tensors, but this holds: {layout}",
@@ -465,6 +465,12 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out
     elif opts.map_location:
         if not ckpt.lazy:
             raise InputMismatchError(f"--map-location cannot be applied to a {ckpt.format} file read through torch")
+        meta = sum(1 for _, value in walk(root, leaves=True) if is_meta_tensor(value))
+        if meta:
+            raise InputMismatchError(
+                f"--map-location {opts.map_location}: {meta} tensors are on the meta device, with no data to move",
+                hint="a meta tensor has only a shape: save the model again after its weights are materialised",
+            )
         root, report.device_moves = remap_devices(root, opts.map_location)
         done = tuple(f"moved {n} storages {move}" for move, n in report.device_moves.items())
         why = f"no device tag changes under --map-location {opts.map_location}"
@@ -635,7 +641,7 @@ def _nothing_to_do(ckpt: Checkpoint, report: Report) -> str:
     """Why there is nothing to change: every requested step's reason (each changed nothing)."""
     renames = [s for s in report.steps if s.requested.startswith(("strip ", "add ", "rename "))]
     if renames and not report.state_dicts:
-        layout = ", ".join(e["path"] for e in describe_tree(ckpt.root)[:8])
+        layout = ", ".join(e["path"] for e in describe_tree(ckpt.root, 8))
         return f"{report.input}: found no state dict to change (layout: {layout})"
     why = "; ".join(s.unchanged for s in report.steps) or "no change was asked for"
     return f"{report.input}: {why}"

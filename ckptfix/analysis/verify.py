@@ -27,12 +27,13 @@ from ..formats.checkpoint import (
 from ..formats.detect import FORMAT_NAME_ALIASES, FORMAT_NAMES
 from ..model.dtypes import CAST_ALIASES, CASTABLE
 from ..model.paths import format_path
-from ..model.refs import TensorRef
+from ..model.refs import TensorRef, is_meta_tensor
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts
-from ..model.walk import iter_storages, iter_tensors
+from ..model.walk import iter_storages, iter_tensors, walk
 from ..transforms.devices import normalize_device
 from ..transforms.foreign import unallowed_globals
 from ..transforms.prefix import normalize_prefix
+from .inspect import meta_problem
 
 
 @dataclass
@@ -146,6 +147,9 @@ def verify_path(
                         pass
                 except (CkptfixError, OSError) as exc:
                     result.problems.append(f"storage {storage.key}: {exc}")
+    meta = sum(1 for _, value in walk(ckpt.root, leaves=True) if is_meta_tensor(value))
+    if meta:
+        result.problems.append(meta_problem(meta))
     _check_expectations(ckpt, result, expect)
     result.ok = not result.problems
     return result
@@ -174,8 +178,13 @@ def _check_expectations(ckpt: Checkpoint, result: VerifyResult, expect: Expectat
                 )
     if expect.device is not None:
         device = normalize_device(expect.device)
-        others = sorted({s.location for s in iter_storages(root)} - {device})
-        if others:
+        locations = {s.location for s in iter_storages(root)}
+        if any(is_meta_tensor(value) for _, value in walk(root, leaves=True)):
+            locations.add("meta")  # data-less tensors have no storage, but a device all the same
+        others = sorted(locations - {device})
+        if "meta" in others:  # no data to move: no remap makes them real (the problem above says so)
+            problems.append(f"tensors on meta (no data), expected all on {device}")
+        elif others:
             problems.append(
                 f"storages on {', '.join(others)}, expected all on {device}; "
                 f"fix: ckptfix remap IN OUT --map-location {device}"

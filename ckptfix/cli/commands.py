@@ -623,8 +623,9 @@ def scan(paths: tuple[str, ...], recursive: bool, as_json: bool, strict: bool) -
 @click.option(
     "--unsafe-load", is_flag=True, help="For TRUSTED files only: fall back to torch.load(weights_only=False)."
 )
+@click.option("--full", is_flag=True, help="Show every layout entry (the text report shows the first 60).")
 @allow_global("Read objects of this global (dotted name, * ? [...] globs) as opaque records, never imported or run.")
-def inspect_command(path: str, as_json: bool, unsafe_load: bool, allow_globals: tuple[str, ...]) -> int:
+def inspect_command(path: str, as_json: bool, unsafe_load: bool, full: bool, allow_globals: tuple[str, ...]) -> int:
     """Describe a checkpoint without reading its tensor data.
 
     Shows the format, where the state dicts are and which prefixes their keys share,
@@ -643,5 +644,5 @@ def inspect_command(path: str, as_json: bool, unsafe_load: bool, allow_globals: 
     if as_json:
         emit_json("inspect", ExitCode.OK, summary)
     else:
-        click.echo(render(printable(summary)))
+        click.echo(render(printable(summary), full=full))
     return ExitCode.OK

@@ -137,3 +137,31 @@ def test_publish_cuts_only_checkpoint_extensions(tmp_path: Path) -> None:
     result = invoke_cli("publish", src, tmp_path / "rel", "--json")
     assert result.returncode == 0, result.stderr
     assert Path(json.loads(result.stdout)["output"]).name.startswith("net_0.3.0_e29-")
+
+
+# ----------------------------------------------------------------------------- inspect and meta tensors
+
+
+def test_inspect_says_what_it_leaves_out_and_json_is_complete(tmp_path: Path) -> None:
+    torch.save({"a": {f"k{i}": i for i in range(70)}, "epoch": 7}, tmp_path / "many.pth")
+    text = invoke_cli("inspect", tmp_path / "many.pth")
+    assert text.returncode == 0 and "… 11 more entries (--full shows every one" in text.stdout
+    assert "epoch" not in text.stdout
+    full = invoke_cli("inspect", tmp_path / "many.pth", "--full")
+    assert "  epoch: int: 7" in full.stdout and "more entries" not in full.stdout
+    tree = json.loads(invoke_cli("inspect", tmp_path / "many.pth", "--json").stdout)["tree"]
+    assert len(tree) == 71 and tree[-1] == {"path": "epoch", "kind": "int", "value": "7"}
+
+
+def test_meta_tensors_are_shown_failed_by_verify_and_not_remapped(tmp_path: Path) -> None:
+    torch.save(torch.nn.Linear(3, 3, device="meta").state_dict(), tmp_path / "meta.pth")
+    shown = invoke_cli("inspect", tmp_path / "meta.pth")
+    assert "tensors: 2 in 0 storages, 0 B of tensor data; 2 on meta, with no data" in shown.stdout
+    assert "devices: meta x2" in shown.stdout and "state dict: 2 tensors on meta" in shown.stdout
+    verified = invoke_cli("verify", tmp_path / "meta.pth")
+    assert verified.returncode == 1 and "on the meta device and hold no data" in verified.stderr
+    expected = invoke_cli("verify", tmp_path / "meta.pth", "--expect-device", "cpu", "--json")
+    problems = json.loads(expected.stdout)["files"][0]["problems"]
+    assert "tensors on meta (no data), expected all on cpu" in problems
+    remapped = invoke_cli("remap", tmp_path / "meta.pth", tmp_path / "out.pth", "--map-location", "cpu")
+    assert remapped.returncode == 3 and "no data to move" in remapped.stderr and not (tmp_path / "out.pth").exists()
