@@ -150,6 +150,8 @@ class UnsafeInputError(BadInputError):
         writing: bool = False,
         kept_along: Sequence[str] = (),
         api: bool = False,
+        drop: Sequence[str] = (),
+        drop_with_sanitize: bool = False,
     ) -> None:
         self.global_names = [names] if isinstance(names, str) else list(names)
         self.shown = list(shown) if shown is not None else list(self.global_names)
@@ -164,6 +166,8 @@ class UnsafeInputError(BadInputError):
         self.allow_options = list(allow_options)
         self.kept_along = list(kept_along)
         self.api = api
+        self.drop = list(drop)
+        self.drop_with_sanitize = drop_with_sanitize
         spell = _API_SPELLING if api else _CLI_SPELLING
         where = f"{path}: " if path else ""
         ways = []
@@ -182,6 +186,13 @@ class UnsafeInputError(BadInputError):
             ways.append(f"to keep {whom}, without running anything: {keep}")
         if sanitizable and not self.hostile:
             ways.append(f"to turn them into plain data: {spell['sanitize']}")
+        if self.drop and not self.hostile and not api:
+            import shlex
+
+            drops = " ".join(f"--drop {shlex.quote(p)}" for p in self.drop)
+            ways.append(
+                f"to leave out what no rule turns into plain data: {'--sanitize ' if drop_with_sanitize else ''}{drops}"
+            )
         if select and not self.hostile:
             ways.append(f"to {spell['weights']} only: {spell['select'].format(select)}")
         if not self.hostile:
@@ -233,6 +244,8 @@ class UnsafeInputError(BadInputError):
             writing=self.writing,
             kept_along=self.kept_along,
             api=api,
+            drop=self.drop,
+            drop_with_sanitize=self.drop_with_sanitize,
         )
 
 

@@ -103,10 +103,10 @@ def holding(value: Any) -> str:
 def not_a_mapping_fix(value: Any) -> str:
     """What to do when a checkpoint is one value, not names to tensors, and safetensors is asked for."""
     if is_tensor_like(value):
-        return "store it under a name with --tensor-name KEY (e.g. --tensor-name weight), or write a .pth file"
+        return "store it under a name with --tensor-name KEY (KEY: the name, such as weight), or write a .pth file"
     if isinstance(value, (OpaqueObject, Reduce)) and "array" in holding(value):
         return (
-            "turn it into a tensor and name it: --sanitize --tensor-name KEY (e.g. --tensor-name weight), "
+            "turn it into a tensor and name it: --sanitize --tensor-name KEY (KEY: the name, such as weight), "
             "or write a .pth file"
         )
     return "write a .pth file (--sanitize makes it plain data that loads with weights_only=True)"

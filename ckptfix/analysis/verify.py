@@ -13,6 +13,7 @@ as expected.
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -30,8 +31,9 @@ from ..model.paths import format_path
 from ..model.refs import TensorRef, is_meta_tensor
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts
 from ..model.walk import iter_storages, iter_tensors, walk
+from ..pickling.reader import foreign_globals
 from ..transforms.devices import normalize_device
-from ..transforms.foreign import unallowed_globals
+from ..transforms.foreign import unallowed_globals, ways_out
 from ..transforms.prefix import normalize_prefix
 from .inspect import meta_problem
 
@@ -86,14 +88,21 @@ class Expectations:
 
 
 def _unallowed_classes(ckpt: Checkpoint) -> list[str]:
+    """The classes torch.load(weights_only=True) refuses, with fixes that work (tried here)."""
     names = list(unallowed_globals(ckpt))
     if not names:
         return []
-    state_dicts = [format_path(p) for p, _ in find_state_dicts(ckpt.root) if p]
-    weights = f"; --select {state_dicts[0]} (the weights only)" if state_dicts else ""
+    state_dicts = [p for p, sd in find_state_dicts(ckpt.root) if p and not foreign_globals(sd).unallowed]
+    weights = f"; --select {shlex.quote(format_path(state_dicts[0]))} (the weights only)" if state_dicts else ""
+    ways = ways_out(ckpt.root)
+    if ways.sanitizable:
+        fix = "--sanitize (plain data)"
+    else:
+        drops = " ".join(f"--drop {shlex.quote(p)}" for p in ways.drop)
+        fix = f"{'--sanitize ' if ways.converts_some else ''}{drops} (what no rule turns into plain data left out)"
     return [
         f"holds classes outside the allow-list, which torch.load(weights_only=True) refuses: "
-        f"{group_by_module(names)}; fix: ckptfix convert IN OUT --sanitize (plain data){weights}"
+        f"{group_by_module(names)}; fix: ckptfix convert IN OUT {fix}{weights}"
     ]
 
 
