@@ -165,3 +165,18 @@ def test_meta_tensors_are_shown_failed_by_verify_and_not_remapped(tmp_path: Path
     assert "tensors on meta (no data), expected all on cpu" in problems
     remapped = invoke_cli("remap", tmp_path / "meta.pth", tmp_path / "out.pth", "--map-location", "cpu")
     assert remapped.returncode == 3 and "no data to move" in remapped.stderr and not (tmp_path / "out.pth").exists()
+
+
+def test_diff_compares_values_across_dtypes_and_tolerances_decide(tmp_path: Path) -> None:
+    full = {"w": torch.linspace(-2, 2, 50), "b": torch.arange(4.0), "n": torch.arange(3)}
+    torch.save(full, tmp_path / "f32.pth")
+    torch.save({k: v.half() if v.is_floating_point() else v for k, v in full.items()}, tmp_path / "f16.pth")
+    exact = invoke_cli("diff", tmp_path / "f32.pth", tmp_path / "f16.pth", "--json")
+    report = json.loads(exact.stdout)
+    assert exact.returncode == 1 and report["mismatched"] == []
+    assert {c["path"]: c["b"] for c in report["dtype_changed"]} == {"w": "float16", "b": "float16"}
+    assert [d["path"] for d in report["different"]] == ["w"]  # 0..3 are exact in float16
+    assert 0 < report["different"][0]["max_abs_diff"] < 1e-3
+    close = invoke_cli("diff", tmp_path / "f32.pth", tmp_path / "f16.pth", "--rtol", "1e-3")
+    assert close.returncode == 0, close.stdout
+    assert "dtypes differ (values compared across them): 2 float32 -> float16" in close.stdout
