@@ -644,5 +644,6 @@ def inspect_command(path: str, as_json: bool, unsafe_load: bool, full: bool, all
     if as_json:
         emit_json("inspect", ExitCode.OK, summary)
     else:
-        click.echo(render(printable(summary), full=full))
+        for line in render(printable(summary), full=full).splitlines():
+            say(line)  # its warning lines in colour on a terminal
     return ExitCode.OK

@@ -65,9 +65,44 @@ def printable(data: Any) -> Any:
     return data
 
 
+#: False while a --json run prints: its human lines (stderr) stay plain too
+_colour_allowed = True
+#: what each status word is shown in on a terminal
+_COLOURS = {
+    "FAIL": "red",
+    "DANGEROUS": "red",
+    "ERROR": "red",
+    "error:": "red",
+    "UNKNOWN": "yellow",
+    "warning:": "yellow",
+    "ok": "green",
+}
+
+
+def allow_colour(allowed: bool) -> None:
+    """``--json`` runs turn colour off for the whole run (main() decides, before the command)."""
+    global _colour_allowed
+    _colour_allowed = allowed
+
+
+def use_colour(stream: Any) -> bool:
+    """Colour only where it helps: a terminal, ``NO_COLOR`` unset or empty (no-color.org), and
+    not a --json run; never in pipes, files or CI logs."""
+    isatty = getattr(stream, "isatty", None)
+    return _colour_allowed and not os.environ.get("NO_COLOR") and bool(isatty and isatty())
+
+
 def say(line: str, err: bool = False) -> None:
-    """Print one line of human output, with anything non-printable in it escaped."""
-    click.echo(one_line(line), err=err)
+    """Print one line of human output, with anything non-printable in it escaped; its leading
+    status word (FAIL, DANGEROUS, warning: ...) in colour on a terminal."""
+    text = one_line(line)
+    word, space, rest = text.partition(" ")
+    if word == "ckptfix:" and rest.startswith("error:"):  # "ckptfix: error: ..."
+        word, space, rest = f"{word} error:", " ", rest[len("error:") :].lstrip(" ")
+    colour = _COLOURS.get(word.removeprefix("ckptfix: "))
+    if colour and space and use_colour(sys.stderr if err else sys.stdout):
+        text = click.style(word, fg=colour, bold=True) + space + rest
+    click.echo(text, err=err)
 
 
 def clear_progress_line() -> None:

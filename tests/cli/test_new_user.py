@@ -3,9 +3,11 @@ errors that name the file and the fix (each test failed before its fix)."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import FIXTURES, invoke_cli
 
@@ -180,3 +182,37 @@ def test_diff_compares_values_across_dtypes_and_tolerances_decide(tmp_path: Path
     close = invoke_cli("diff", tmp_path / "f32.pth", tmp_path / "f16.pth", "--rtol", "1e-3")
     assert close.returncode == 0, close.stdout
     assert "dtypes differ (values compared across them): 2 float32 -> float16" in close.stdout
+
+
+# ----------------------------------------------------------------------------- colour
+
+
+class _Terminal:
+    def isatty(self) -> bool:
+        return True
+
+
+def test_colour_on_terminals_only(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from ckptfix.cli import render
+
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    assert render.use_colour(_Terminal()) and not render.use_colour(io.StringIO())
+    monkeypatch.setenv("NO_COLOR", "1")
+    assert not render.use_colour(_Terminal())
+    monkeypatch.delenv("NO_COLOR")
+    render.allow_colour(False)  # a --json run
+    try:
+        assert not render.use_colour(_Terminal())
+    finally:
+        render.allow_colour(True)
+    monkeypatch.setattr(render.sys, "stdout", _TerminalText())
+    render.say("FAIL x.pth: broken")
+    assert render.sys.stdout.getvalue() == "\x1b[31m\x1b[1mFAIL\x1b[0m x.pth: broken\n"
+    # in a pipe (what invoke_cli gives) no escape sequence is ever printed
+    piped = invoke_cli("verify", FIXTURES / "torchscript_tinynet.pt", BARE)
+    assert piped.returncode == 1 and "FAIL" in piped.stderr and "\x1b[" not in piped.stderr + piped.stdout
+
+
+class _TerminalText(io.StringIO):
+    def isatty(self) -> bool:
+        return True
