@@ -134,6 +134,8 @@ class CliResult:
     cpu_seconds: float = 0.0
     maxrss_mib: int | None = None
     torch_imported: bool | None = None
+    #: invoke_cli only: stdout as bytes (a checkpoint written to OUT -)
+    stdout_bytes: bytes = b""
 
 
 class DeadlineExceeded(BaseException):
@@ -176,6 +178,7 @@ def invoke_cli(
     cwd: str | Path = ROOT,
     umask: int | None = None,
     sys_path_0: str | Path | None = None,
+    stdin: bytes | None = None,
 ) -> CliResult:
     """``ckptfix ARGS`` in-process: the console script's own ``ckptfix.cli.main`` (which maps every
     exception to one stderr line and an exit code, then calls ``sys.exit``) under click's
@@ -188,6 +191,7 @@ def invoke_cli(
     environment are restored and modules imported from outside Python and ckptfix (``fit --model``)
     are forgotten. ``sys_path_0``: what ``sys.path[0]`` is during the run (``python -m`` puts the
     current folder there). ``timeout``: seconds before the run is interrupted as a hang.
+    ``stdin``: what the command reads from standard input.
     """
     _require_tier(
         "invoke_cli (the CLI in-process)",
@@ -211,7 +215,7 @@ def invoke_cli(
         # stdout is not a terminal: click wraps help at COLUMNS, else shutil's fallback of 80 columns
         # (CliRunner would force 80, where a process piped to another wraps at 78)
         columns = {} if os.environ.get("COLUMNS") else {"COLUMNS": "80"}
-        with runner.isolation(env={**columns, **(env or {})}) as streams, warnings.catch_warnings():
+        with runner.isolation(input=stdin, env={**columns, **(env or {})}) as streams, warnings.catch_warnings():
             out, err = streams[0], streams[1]  # click >= 8.2: (stdout, stderr, mixed); 8.1: (stdout, stderr)
             click.formatting.FORCED_WIDTH = None  # restored by the isolation
             warnings.showwarning = warnings._showwarning_orig  # type: ignore[attr-defined]
@@ -229,7 +233,8 @@ def invoke_cli(
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
-            stdout, stderr = out.getvalue().decode("utf-8", "replace"), err.getvalue().decode("utf-8", "replace")
+            raw_stdout = out.getvalue()
+            stdout, stderr = raw_stdout.decode("utf-8", "replace"), err.getvalue().decode("utf-8", "replace")
     finally:
         os.chdir(saved_cwd)
         sys.path[:] = saved_path
@@ -245,7 +250,7 @@ def invoke_cli(
     if not isinstance(code, int):  # what the interpreter does with sys.exit("text")
         stderr += f"{code}\n"
         code = 1
-    return CliResult(argv, code, stdout, stderr)
+    return CliResult(argv, code, stdout, stderr, stdout_bytes=raw_stdout)
 
 
 def run_cli(

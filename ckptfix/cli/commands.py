@@ -10,6 +10,7 @@ and are written out below. No command holds logic: it parses, calls the library,
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
@@ -26,6 +27,7 @@ from ..model.dtypes import CAST_ALIASES, CASTABLE
 from . import render
 from .options import BATCH_OPTIONS, IN_OUT, INPUTS, PIPELINE, PREFIX, Decorator, allow_global, apply, pipeline_for
 from .render import emit_json, printable, say
+from .stdio import STREAM, stdio_paths
 
 if TYPE_CHECKING:  # the pipeline (and all it reads with) is imported when a command runs, not for --help
     from ..pipeline import ConvertOptions
@@ -122,6 +124,7 @@ WRITE_COMMANDS = (
     The output format follows OUT: .safetensors; .pth/.pt/.bin/.ckpt/.tar are torch's zip
     format; a folder (ending in /) or --max-shard-size writes shards plus an *.index.json.
     IN may be a .pth (any torch zip), legacy torch file, .safetensors, shard index or folder.
+    IN - reads standard input; OUT - writes standard output (with --format).
     Tensor bytes stream from file to file; tied weights are stored once in safetensors and
     restored when converting back.
 
@@ -236,6 +239,16 @@ def _write_command(spec: WriteCommand) -> click.Command:
     """Build the click command for one row: INPUTS, the row's own options, then PIPELINE."""
 
     def run(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
+        if len(paths) == 2 and STREAM in paths and not kw.get("output_dir") and not kw.get("in_place"):
+            if paths[1] == STREAM and as_json:
+                raise UsageError("--json prints on standard output, which OUT - fills with the checkpoint")
+            with stdio_paths(paths[0], paths[1], kw.get("out_format")) as (real_in, real_out):
+                # the report goes to stderr when stdout carries the checkpoint
+                with contextlib.redirect_stdout(sys.stderr) if paths[1] == STREAM else contextlib.nullcontext():
+                    code = run_write(spec, (str(real_in), str(real_out)), as_json, kw)
+                if code != ExitCode.OK and real_out is not None:
+                    Path(real_out).unlink(missing_ok=True)  # nothing goes down the pipe
+                return code
         return run_write(spec, paths, as_json, kw)
 
     run.__doc__ = spec.help
@@ -630,17 +643,21 @@ def inspect_command(path: str, as_json: bool, unsafe_load: bool, full: bool, all
 
     Shows the format, where the state dicts are and which prefixes their keys share,
     other values (epoch, optimizer state), tensor count and bytes, dtypes, device tags,
-    tensors sharing storage, and every global the pickle references.
+    tensors sharing storage, and every global the pickle references. PATH - reads
+    standard input.
 
     \b
     Examples:
       ckptfix inspect model.pth
+      curl -sL https://example.com/model.pth | ckptfix inspect -
       ckptfix inspect model.pth --json | jq .devices
     """
     from ..analysis.inspect import render
     from ..pipeline import inspect_checkpoint
 
-    summary = inspect_checkpoint(path, unsafe_load=unsafe_load, allow_globals=allow_globals)
+    with stdio_paths(path, None, None) as (real, _):  # "-": standard input
+        summary = inspect_checkpoint(str(real), unsafe_load=unsafe_load, allow_globals=allow_globals)
+    summary["input"] = "<stdin>" if path == STREAM else summary["input"]
     if as_json:
         emit_json("inspect", ExitCode.OK, summary)
     else:

@@ -36,7 +36,7 @@ def emit_json(command: str | None, exit_code: int, data: dict[str, Any]) -> None
         "exit_code": int(exit_code),
     }
     document.update((k, v) for k, v in data.items() if k not in document)
-    click.echo(json.dumps(document, indent=2, default=str))
+    click.echo(_named(json.dumps(document, indent=2, default=str)))
 
 
 def json_error(command: str | None, exit_code: int, message: str, kind: str = "Error", hint: str | None = None) -> None:
@@ -63,6 +63,16 @@ def printable(data: Any) -> Any:
     if isinstance(data, (list, tuple)):
         return type(data)(printable(v) for v in data)
     return data
+
+
+#: temporary files standing for a stream, and what output calls them (``<stdin>``, ``<stdout>``)
+STREAM_NAMES: dict[str, str] = {}
+
+
+def _named(text: str) -> str:
+    for real, shown in STREAM_NAMES.items():
+        text = text.replace(real, shown)
+    return text
 
 
 #: False while a --json run prints: its human lines (stderr) stay plain too
@@ -95,7 +105,7 @@ def use_colour(stream: Any) -> bool:
 def say(line: str, err: bool = False) -> None:
     """Print one line of human output, with anything non-printable in it escaped; its leading
     status word (FAIL, DANGEROUS, warning: ...) in colour on a terminal."""
-    text = one_line(line)
+    text = _named(one_line(line))
     word, space, rest = text.partition(" ")
     if word == "ckptfix:" and rest.startswith("error:"):  # "ckptfix: error: ..."
         word, space, rest = f"{word} error:", " ", rest[len("error:") :].lstrip(" ")

@@ -216,3 +216,18 @@ def test_colour_on_terminals_only(monkeypatch: pytest.MonkeyPatch, capsys: pytes
 class _TerminalText(io.StringIO):
     def isatty(self) -> bool:
         return True
+
+
+def test_dash_reads_stdin_and_writes_stdout(tmp_path: Path) -> None:
+    from safetensors.torch import load
+
+    data = (FIXTURES / "dataparallel_tinynet.pth").read_bytes()
+    shown = invoke_cli("inspect", "-", stdin=data)
+    assert shown.returncode == 0 and shown.stdout.startswith("<stdin>: a torch checkpoint in the zip format")
+    piped = invoke_cli("strip-module", "-", "-", "--format", "safetensors", stdin=data)
+    assert piped.returncode == 0 and "wrote <stdout>" in piped.stderr
+    assert set(load(piped.stdout_bytes)) == set(torch.load(BARE, weights_only=True))
+    empty = invoke_cli("convert", "-", tmp_path / "out.pth", stdin=b"")
+    assert empty.returncode == 3 and "<stdin>: an empty file" in empty.stderr and not (tmp_path / "out.pth").exists()
+    no_format = invoke_cli("convert", BARE, "-")
+    assert no_format.returncode == 2 and "--format" in no_format.stderr and no_format.stdout_bytes == b""
