@@ -76,7 +76,7 @@ class Expectations:
 
     def __post_init__(self) -> None:  # a bad expectation is a usage error before any file is read
         if self.device is not None:
-            normalize_device(self.device)
+            normalize_device(self.device, flag="--expect-device")
         if self.dtype is not None and CAST_ALIASES.get(self.dtype, self.dtype) not in CASTABLE:
             raise UsageError(f"--expect-dtype {self.dtype}: choose one of {', '.join([*CASTABLE, *CAST_ALIASES])}")
         if self.format is not None and FORMAT_NAME_ALIASES.get(self.format, self.format) not in FORMAT_NAMES:

@@ -123,6 +123,8 @@ def test_errors_name_the_file_and_input_problems_are_exit_3(tmp_path: Path) -> N
     out.write_bytes(b"x")
     missing = invoke_cli("strip-module", tmp_path / "missing.pth", out)
     assert missing.returncode == 3 and "missing.pth: no such file" in missing.stderr, missing.stderr
+    device = invoke_cli("verify", BARE, "--expect-device", "gpu")  # named after the option given
+    assert device.returncode == 2 and "invalid device 'gpu' in --expect-device" in device.stderr
 
 
 def test_a_format_conversion_counts_as_written(tmp_path: Path) -> None:
