@@ -225,6 +225,31 @@ def _size(path: Path) -> int:
     return path.stat().st_size if path.exists() else 0
 
 
+class InOrder:
+    """Hands results to ``on_result`` in input order, whatever order they finish in: a file's
+    line (or its error) never comes before those of the files listed before it."""
+
+    def __init__(self, on_result: Callable[[FileResult], None] | None) -> None:
+        self.on_result = on_result
+        self.waiting: dict[int, FileResult] = {}
+        self.next = 0
+
+    def add(self, index: int, result: FileResult) -> None:
+        self.waiting[index] = result
+        while self.next in self.waiting:
+            self._emit(self.waiting.pop(self.next))
+            self.next += 1
+
+    def flush(self) -> None:
+        """The rest, in order, gaps skipped (the files that never ran)."""
+        for index in sorted(self.waiting):
+            self._emit(self.waiting.pop(index))
+
+    def _emit(self, result: FileResult) -> None:
+        if self.on_result is not None:
+            self.on_result(result)
+
+
 def run_batch(
     command: str,
     jobs_list: Sequence[tuple[str, str]],
@@ -257,15 +282,7 @@ def run_batch(
         # (the usual IN OUT command, where start-up is most of the time on a CoW file system) never needs
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-        reported = 0  # results go to on_result in input order: a file's line never jumps ahead
-
-        def report_in_order() -> None:
-            nonlocal reported
-            while reported in results:
-                if on_result:
-                    on_result(results[reported])
-                reported += 1
-
+        in_order = InOrder(on_result)
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             pending: dict[Future[FileResult], int] = {}
             queue = list(enumerate(jobs_list))
@@ -278,13 +295,10 @@ def run_batch(
                 for future in done:
                     index = pending.pop(future)
                     results[index] = future.result()
+                    in_order.add(index, results[index])
                     if results[index].status == "failed" and not continue_on_error:
                         stop = True
-                report_in_order()
-            # stopped early: the files that finished after a gap are reported too, still in order
-            for index in sorted(results):
-                if index >= reported and on_result:
-                    on_result(results[index])
+            in_order.flush()  # stopped early: what finished after a gap, still in input order
             report.stopped_early = stop and len(results) < len(jobs_list)
     report.files = [results[i] for i in sorted(results)]
     report.seconds = time.perf_counter() - started

@@ -590,6 +590,7 @@ def convert(
         if report.output_format != report.input_format:  # a conversion is written, not "unchanged"
             report.unchanged = False
             report.message = f"{why}; wrote {out_path} as {report.output_format} (a format conversion)"
+            report.notes.append(f"{why}: {out_path} holds the input's content as {report.output_format}")
         else:
             report.message = f"{why}; wrote {out_path} unchanged"
             report.notes.append(f"{why}: {out_path} is the input unchanged")

@@ -233,3 +233,14 @@ def test_dash_reads_stdin_and_writes_stdout(tmp_path: Path) -> None:
     assert empty.returncode == 3 and "<stdin>: an empty file" in empty.stderr and not (tmp_path / "out.pth").exists()
     no_format = invoke_cli("convert", BARE, "-")
     assert no_format.returncode == 2 and "--format" in no_format.stderr and no_format.stdout_bytes == b""
+
+
+def test_the_progress_line_is_cleared_on_a_terminal_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptfix.cli import render
+
+    terminal, pipe = _TerminalText(), io.StringIO()
+    monkeypatch.setattr(render.sys, "stderr", terminal)
+    render.clear_progress_line()  # before an error line: the bar's line is erased, not shared
+    monkeypatch.setattr(render.sys, "stderr", pipe)
+    render.clear_progress_line()
+    assert terminal.getvalue() == "\r\x1b[2K" and pipe.getvalue() == ""

@@ -110,3 +110,15 @@ def test_load_into_shape_mismatch_is_a_ckptfix_error_carrying_the_report(tmp_pat
     assert [m["key"] for m in caught.value.report.shape_mismatches] == ["fc.weight"]
     wrapped = ckptfix.load_into(torch.nn.DataParallel(TinyNet()), FIXTURES / "bare_tinynet.pth")
     assert wrapped.added == ["module."] and wrapped.stripped == []
+
+
+def test_batch_results_are_reported_in_input_order() -> None:
+    from ckptfix.batch import FileResult, InOrder
+
+    seen: list[str] = []
+    in_order = InOrder(lambda r: seen.append(r.input))
+    for index in (2, 0, 3, 1, 5):  # finishing order of a parallel run; 4 never ran (stopped)
+        in_order.add(index, FileResult(f"f{index}", None, "written"))
+    assert seen == ["f0", "f1", "f2", "f3"]
+    in_order.flush()
+    assert seen == ["f0", "f1", "f2", "f3", "f5"]
