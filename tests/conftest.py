@@ -142,21 +142,35 @@ class DeadlineExceeded(BaseException):
     """Raised in a command that runs too long (a BaseException: ckptfix's error handling cannot swallow it)."""
 
 
+#: a blocked call uses no CPU: it is caught by wall time, this many times the CPU budget (at
+#: least a minute), so a busy machine (other jobs on the cores) never fails a test
+WALL_FACTOR = 20
+
+
 @contextlib.contextmanager
 def deadline(seconds: float, what: str = "the command") -> Iterator[None]:
-    """Interrupt in-process work that takes longer than ``seconds``: a hang fails, it does not block.
-    SIGALRM interrupts blocking system calls (opening a FIFO) and Python loops alike."""
+    """Interrupt in-process work that uses more than ``seconds`` of CPU time (work, not the wall
+    clock: a loaded machine stretches wall time, not work), or that blocks for
+    max(60, ``WALL_FACTOR`` x ``seconds``) seconds of wall time (opening a FIFO uses no CPU).
+    SIGPROF and SIGALRM interrupt Python loops and blocking system calls alike."""
 
-    def expire(signum: int, frame: Any) -> None:
-        raise DeadlineExceeded(f"{what} still running after {seconds} s")
+    def spent(signum: int, frame: Any) -> None:
+        raise DeadlineExceeded(f"{what} still running after {seconds} s of CPU time")
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    def blocked(signum: int, frame: Any) -> None:
+        raise DeadlineExceeded(f"{what} still running (blocked) after {wall} s")
+
+    wall = max(60.0, WALL_FACTOR * seconds)
+    previous = signal.signal(signal.SIGPROF, spent), signal.signal(signal.SIGALRM, blocked)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    signal.setitimer(signal.ITIMER_REAL, wall)
     try:
         yield
     finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.signal(signal.SIGPROF, previous[0])
+        signal.signal(signal.SIGALRM, previous[1])
 
 
 def _outside_the_environment(module: Any) -> bool:
@@ -190,7 +204,8 @@ def invoke_cli(
     under Python's default filters; afterwards the cwd, umask, ``sys.path``, signal handlers and
     environment are restored and modules imported from outside Python and ckptfix (``fit --model``)
     are forgotten. ``sys_path_0``: what ``sys.path[0]`` is during the run (``python -m`` puts the
-    current folder there). ``timeout``: seconds before the run is interrupted as a hang.
+    current folder there). ``timeout``: seconds of CPU time before the run is interrupted as a
+    hang (a blocked run: see :func:`deadline`).
     ``stdin``: what the command reads from standard input.
     """
     _require_tier(
