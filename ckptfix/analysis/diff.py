@@ -41,6 +41,9 @@ class DiffReport:
     mismatched: list[dict[str, Any]] = field(default_factory=list)
     different: list[dict[str, Any]] = field(default_factory=list)
     values_differ: list[dict[str, Any]] = field(default_factory=list)
+    #: tensors of the same shape stored in another dtype ({"path", "a", "b"}): their values are
+    #: compared (in float64) and count as equal within --rtol/--atol; the change itself is no failure
+    dtype_changed: list[dict[str, Any]] = field(default_factory=list)
     hint: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -110,7 +113,15 @@ def _measure(a: bytes, b: bytes, dtype: str, shape: list[int], rtol: float, atol
             "max_rel_diff": None,
             "within_tolerance": count == 0,
         }
-    is_complex = fa.dtype.kind == "c"
+    return {**_compare_values(fa, fb, rtol, atol), "bit_differing_elements": int(bit_different.sum())}
+
+
+def _compare_values(fa: Any, fb: Any, rtol: float, atol: float) -> dict[str, Any]:
+    """How far apart two decoded tensors (float64 or complex128 arrays of one length) are."""
+    import numpy as np
+
+    numel = int(fa.size)
+    is_complex = fa.dtype.kind == "c" or fb.dtype.kind == "c"
     # parts: (n, 2) real/imaginary for complex, (n, 1) otherwise
     pa = np.stack([fa.real, fa.imag], axis=1) if is_complex else fa.reshape(-1, 1)
     pb = np.stack([fb.real, fb.imag], axis=1) if is_complex else fb.reshape(-1, 1)
@@ -131,7 +142,6 @@ def _measure(a: bytes, b: bytes, dtype: str, shape: list[int], rtol: float, atol
             close = same
     return {
         "differing_elements": int((~close).sum()),
-        "bit_differing_elements": int(bit_different.sum()),
         "numel": numel,
         "max_abs_diff": max_abs if finite.all() else float("inf"),
         "max_rel_diff": max_rel if finite.all() else float("inf"),
@@ -330,6 +340,9 @@ def _compare_new_pair(
 ) -> None:
     dtype_a, dtype_b = _dtype_of(left), _dtype_of(right)
     shape_a, shape_b = _shape_of(left), _shape_of(right)
+    if shape_a == shape_b and dtype_a != dtype_b:
+        _compare_across_dtypes(report, path, left, right, files, rtol, atol)
+        return
     if dtype_a != dtype_b or shape_a != shape_b:
         report.mismatched.append({"path": path, "a": f"{dtype_a} {shape_a}", "b": f"{dtype_b} {shape_b}"})
         return
@@ -369,6 +382,71 @@ def _merge(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
     return merged
 
 
+def _compare_across_dtypes(
+    report: DiffReport, path: str, left: Any, right: Any, files: OpenFiles, rtol: float, atol: float
+) -> None:
+    """Same shape, another dtype (a float32 checkpoint and its float16 export): the values are
+    compared in float64 (exact for every dtype that has arithmetic), the dtype change is
+    reported, and ``rtol``/``atol`` decide whether the values count as equal."""
+    from ..model.numeric import decode_wide
+
+    dtype_a, dtype_b = _dtype_of(left), _dtype_of(right)
+    probe_a, probe_b = decode_wide(b"", dtype_a), decode_wide(b"", dtype_b)
+    if probe_a is None or probe_b is None or (probe_a.dtype.kind == "c") != (probe_b.dtype.kind == "c"):
+        report.mismatched.append(  # bits, packed or complex against real: no values to compare
+            {"path": path, "a": f"{dtype_a} {_shape_of(left)}", "b": f"{dtype_b} {_shape_of(right)}"}
+        )
+        return
+    report.dtype_changed.append({"path": path, "a": dtype_a, "b": dtype_b})
+    measured: dict[str, Any] | None = None
+    for raw_a, raw_b in _element_aligned(left, right, files, DTYPE_ITEMSIZE[dtype_a], DTYPE_ITEMSIZE[dtype_b]):
+        more = _compare_values(decode_wide(raw_a, dtype_a), decode_wide(raw_b, dtype_b), rtol, atol)
+        measured = more if measured is None else _merge_values(measured, more)
+    if measured is None:  # no elements
+        measured = _compare_values(probe_a, probe_b, rtol, atol)
+    if measured["within_tolerance"]:
+        report.tensors_equal += 1
+        return
+    entry = {"path": path, "dtype": f"{dtype_a} vs {dtype_b}", "shape": _shape_of(left), **measured}
+    report.different.append({**entry, "bit_differing_elements": None})  # no common bit layout
+
+
+def _element_aligned(
+    left: Any, right: Any, files: OpenFiles, size_a: int, size_b: int
+) -> Iterator[tuple[bytes, bytes]]:
+    """Two tensors' C-order bytes as pairs of pieces holding the same elements: memory stays at a
+    few gather chunks however large the tensors (their dtypes, so their byte sizes, differ)."""
+    pieces_a, pieces_b = tensor_c_chunks(left, files), tensor_c_chunks(right, files)
+    held_a, held_b = bytearray(), bytearray()
+    while True:
+        count = min(len(held_a) // size_a, len(held_b) // size_b)
+        if count:
+            yield bytes(held_a[: count * size_a]), bytes(held_b[: count * size_b])
+            del held_a[: count * size_a], held_b[: count * size_b]
+            continue
+        if len(held_a) // size_a <= len(held_b) // size_b:
+            piece = next(pieces_a, None)
+            if piece is None:
+                return
+            held_a += piece
+        else:
+            piece = next(pieces_b, None)
+            if piece is None:
+                return
+            held_b += piece
+
+
+def _merge_values(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """Two pieces' :func:`_compare_values` as one tensor's."""
+    return {
+        "differing_elements": total["differing_elements"] + more["differing_elements"],
+        "numel": total["numel"] + more["numel"],
+        "max_abs_diff": max(total["max_abs_diff"], more["max_abs_diff"]),
+        "max_rel_diff": max(total["max_rel_diff"], more["max_rel_diff"]),
+        "within_tolerance": total["within_tolerance"] and more["within_tolerance"],
+    }
+
+
 def _compare_storage(report: DiffReport, path: str, left: StorageRef, right: StorageRef, files: OpenFiles) -> None:
     """A storage a tensor kind is rebuilt from (a quantized tensor's): dtype, size and bytes."""
     if (left.dtype, left.numel) != (right.dtype, right.numel):
@@ -382,6 +460,12 @@ def _compare_storage(report: DiffReport, path: str, left: StorageRef, right: Sto
 def render(report: DiffReport) -> str:
     """Human-readable diff."""
     lines = []
+    if report.dtype_changed:
+        changes: dict[tuple[str, str], int] = {}
+        for change in report.dtype_changed:
+            changes[(change["a"], change["b"])] = changes.get((change["a"], change["b"]), 0) + 1
+        listed = ", ".join(f"{n} {a} -> {b}" for (a, b), n in changes.items())
+        lines.append(f"dtypes differ (values compared across them): {listed}")
     if report.equal:
         lines.append(f"equal: {report.tensors_compared} tensors and every other value match")
         return "\n".join(lines)

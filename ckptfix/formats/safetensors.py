@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeAlias
 
-from ..errors import BadInputError, UsageError
+from ..errors import BadInputError, InputMismatchError
 from ..fileio import strictjson
 from ..fileio.ranges import BLOCK, SMALL_COPY, FileRange, JoinedSource, OpenFiles, OutputStream, is_plain_range
 from ..model.data import is_c_contiguous, storage_swap_unit, tensor_c_chunks
@@ -393,7 +393,7 @@ def plan_safetensors(
     groups: dict[_ViewKey, list[str]] = {}
     for name, value in state_dict.items():
         if not isinstance(name, str):
-            raise UsageError(f"safetensors needs string keys; found key {name!r}")
+            raise InputMismatchError(f"safetensors needs string keys; found key {name!r}")
         if isinstance(value, Reduce):
             kind = _TENSOR_KINDS.get(value.func.full, f"{value.func.full} tensor")
             raise BadInputError(
@@ -401,7 +401,9 @@ def plan_safetensors(
                 hint="drop it (--drop), or write a .pth file, which carries it as it is",
             )
         if not isinstance(value, TensorRef):
-            raise UsageError(f"{name!r} is a {type(value).__name__}, not a tensor; safetensors holds only tensors")
+            raise InputMismatchError(
+                f"{name!r} is a {type(value).__name__}, not a tensor; safetensors holds only tensors"
+            )
         if value.dtype not in DTYPE_TO_SAFETENSORS:
             raise BadInputError(
                 f"tensor {name!r} has dtype {value.dtype}"
@@ -520,7 +522,7 @@ def _unchanged_file(plan: SafetensorsPlan, files: OpenFiles) -> FileRange | None
 def _torch_kept(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """Real tensors to write, each view once: (name -> tensor, alias -> kept name)."""
     if not all(is_torch_tensor(v) for v in state_dict.values()):
-        raise UsageError("safetensors holds only tensors; select a state dict with --select")
+        raise InputMismatchError("safetensors holds only tensors; select a state dict with --select")
     seen: dict[tuple[Any, ...], str] = {}
     kept: dict[str, Any] = {}
     aliases: dict[str, str] = {}
