@@ -121,8 +121,9 @@ def test_the_lines_not_run_are_still_in_the_readme() -> None:
 
 
 def _workspace(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The files the examples name: a DataParallel checkpoint (ddp.pth) and a Lightning-style
-    train.ckpt whose hyper_parameters hold an omegaconf config and a class from `mypkg`."""
+    """The files the examples name: a DataParallel checkpoint (ddp.pth), a Lightning-style
+    train.ckpt whose hyper_parameters hold an omegaconf config and a class from `mypkg`, and a
+    DeepSpeed run folder (ds_run/)."""
     from config_types import lightning_style
     from omegaconf import OmegaConf
 
@@ -139,6 +140,9 @@ def _workspace(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     Optim.__module__, Optim.__qualname__ = "mypkg", "Optim"
     mypkg.Optim = Optim  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "mypkg", mypkg)
+    # a real DeepSpeed ZeRO-2 run folder (docs/deepspeed.md), with a second step for --tag
+    shutil.copytree(FIXTURES / "deepspeed" / "z2_bf16_w2", folder / "ds_run")
+    shutil.copytree(folder / "ds_run" / "global_step2", folder / "ds_run" / "global_step1000")
     hparams = {"cfg": OmegaConf.create({"lr": 0.1, "warmup": "${lr}"}), "optim": Optim()}
     torch.save(lightning_style(hparams), folder / "train.ckpt")
     monkeypatch.delitem(sys.modules, "mypkg")
