@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -492,6 +492,19 @@ def diff_command(
     return code
 
 
+@contextlib.contextmanager
+def _one_or_stdin(paths: tuple[str, ...], recursive: bool) -> Iterator[list[str]]:
+    """The files a checking command reads: PATH... expanded, or standard input for a lone ``-``
+    (copied to a private temporary file first: checkpoints are read by offset)."""
+    from ..batch import expand_inputs
+
+    if paths == (STREAM,):
+        with stdio_paths(STREAM, None, None) as (real, _):
+            yield [str(real)]
+        return
+    yield [str(p) for p, _ in expand_inputs(paths, recursive)]
+
+
 @cli.command("verify", context_settings=CONTEXT)
 @click.argument("paths", nargs=-1, required=True, metavar="PATH...", type=click.Path())
 @click.option(
@@ -547,11 +560,11 @@ def verify(
     \b
     Examples:
       ckptfix verify checkpoints/ --recursive
+      curl -sL https://example.com/model.pth | ckptfix verify -
       ckptfix verify release/*.safetensors --expect-no-prefix --expect-device cpu --json
       ckptfix verify model.safetensors --expect-format safetensors --expect-dtype bfloat16 --expect-metadata format=pt
     """
     from ..analysis.verify import Expectations, verify_path
-    from ..batch import expand_inputs
 
     if expect_no_prefix and expect_prefix not in (None, "none"):
         raise UsageError("give --expect-no-prefix or --expect-prefix PREFIX, not both")
@@ -563,7 +576,10 @@ def verify(
         keys=expect_keys,
         metadata=expect_metadata,
     )
-    results = [verify_path(p, expect) for p, _ in expand_inputs(paths, recursive)]
+    with _one_or_stdin(paths, recursive) as inputs:
+        results = [verify_path(p, expect) for p in inputs]
+    if paths == (STREAM,):
+        results[0].input = "<stdin>"
     failed = [r for r in results if not r.ok]
     code = ExitCode.CHECK_FAILED if failed else ExitCode.OK
     if as_json:
@@ -624,13 +640,16 @@ def scan(paths: tuple[str, ...], recursive: bool, as_json: bool, strict: bool) -
     \b
     Examples:
       ckptfix scan downloaded.pth
+      curl -sL https://example.com/model.pth | ckptfix scan -
       ckptfix scan models/ --recursive --json
       ckptfix scan release/ --recursive --strict
     """
     from ..analysis.scan import scan_path
-    from ..batch import expand_inputs
 
-    results = [scan_path(p) for p, _ in expand_inputs(paths, recursive)]
+    with _one_or_stdin(paths, recursive) as inputs:
+        results = [scan_path(p) for p in inputs]
+    if paths == (STREAM,):
+        results[0].path = "<stdin>"
     if any(r.dangerous or (strict and r.unknown) for r in results):
         code = ExitCode.CHECK_FAILED
     else:

@@ -235,6 +235,21 @@ def test_dash_reads_stdin_and_writes_stdout(tmp_path: Path) -> None:
     assert no_format.returncode == 2 and "--format" in no_format.stderr and no_format.stdout_bytes == b""
 
 
+def test_dash_gates_stdin_in_scan_and_verify(tmp_path: Path) -> None:
+    """The CI gates read a piped file too (``curl ... | ckptfix scan -``), naming it <stdin>."""
+    from hostile import make_base_zip, system_call, with_data_pkl
+
+    clean = (FIXTURES / "dataparallel_tinynet.pth").read_bytes()
+    hostile = with_data_pkl(make_base_zip(tmp_path), system_call(tmp_path / "ran"), tmp_path / "evil.pth")
+    scanned = invoke_cli("scan", "-", "--json", stdin=clean)
+    assert scanned.returncode == 0 and json.loads(scanned.stdout)["files"][0]["input"] == "<stdin>"
+    caught = invoke_cli("scan", "-", stdin=hostile.read_bytes())
+    assert caught.returncode == 1 and "<stdin>" in caught.stdout and "os.system" in caught.stdout
+    verified = invoke_cli("verify", "-", "--expect-no-prefix", stdin=clean)
+    assert verified.returncode == 1 and "<stdin>" in verified.stdout + verified.stderr
+    assert invoke_cli("verify", "-", stdin=clean).returncode == 0
+
+
 def test_the_progress_line_is_cleared_on_a_terminal_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from ckptfix.cli import render
 
