@@ -99,9 +99,26 @@ _popen_init = subprocess.Popen.__init__
 ORACLE_SPAWN = False
 
 
+def _spawned_by_test_machinery() -> bool:
+    """Outside any test, pytest-xdist starts its workers (execnet) and a worker asks
+    ``platform.processor()`` (``uname -p``): those spawns are the runner's, not a test's."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        name = frame.f_globals.get("__name__", "")
+        if name.startswith("execnet.") or name == "platform":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _counted_popen_init(self: subprocess.Popen, *args: Any, **kwargs: Any) -> None:
     if ORACLE_SPAWN:
         SPAWNS["oracle"] += 1
+        _popen_init(self, *args, **kwargs)
+        return
+    if _current_test is None and _spawned_by_test_machinery():  # pytest -n N's workers, their setup
         _popen_init(self, *args, **kwargs)
         return
     _require_tier(
