@@ -37,7 +37,9 @@ _EXPORTS = {
     "UnsafeInputError": "errors",
     "UsageError": "errors",
     "ExitCode": "errors",
+    "AverageReport": "pipeline",
     "ConvertOptions": "pipeline",
+    "average_checkpoints": "pipeline",
     "Report": "pipeline",
     "convert": "pipeline",
     "fix_prefix": "pipeline",
@@ -69,7 +71,16 @@ if TYPE_CHECKING:
     from .formats.checkpoint import Checkpoint, read_checkpoint
     from .model.refs import StorageRef, TensorRef
     from .model.statedicts import find_state_dicts
-    from .pipeline import ConvertOptions, Report, convert, fix_prefix, inspect_checkpoint, write_checkpoint
+    from .pipeline import (
+        AverageReport,
+        ConvertOptions,
+        Report,
+        average_checkpoints,
+        convert,
+        fix_prefix,
+        inspect_checkpoint,
+        write_checkpoint,
+    )
     from .transforms.prefix import TransformResult, add_prefix, strip_prefix
 
 
@@ -85,6 +96,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "AverageReport",
     "BadInputError",
     "CannotWriteError",
     "CheckFailedError",
@@ -102,6 +114,7 @@ __all__ = [
     "UsageError",
     "__version__",
     "add_prefix",
+    "average_checkpoints",
     "convert",
     "find_state_dicts",
     "fix_prefix",
