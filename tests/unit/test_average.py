@@ -115,7 +115,7 @@ def test_bitwise_equal_to_timms_loop_on_timm_style_checkpoints(tmp_path: Path, l
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_half_and_double_models_stay_in_their_dtype(tmp_path: Path, dtype: torch.dtype) -> None:
-    sds = [trained(s, dtype).state_dict() for s in (4, 5, 6, 7)]
+    sds = [trained(s, dtype).state_dict() for s in (4, 5, 6)]  # 3: x / 3 is not x * (1 / 3)
     paths = []
     for i, sd in enumerate(sds):
         paths.append(tmp_path / f"c{i}.safetensors")
