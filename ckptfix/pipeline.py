@@ -1223,10 +1223,9 @@ def average_checkpoints(
         notes=notes,
     )
     result = Checkpoint(out, "average", averaged, total_bytes)
-    scratch = Report("average", paths[-1], out, result.format, report.output_format, opts.dry_run)
+    scratch = Report("average", paths[-1], out, result.format, report.output_format, opts.dry_run, report.shard_format)
     _write(result, averaged, Path(out), kind, file_format, max_bytes, opts, scratch, progress)
-    report.shard_format = scratch.shard_format if kind == "sharded" else None
-    report.output_format = scratch.output_format
+    report.output_format, report.shard_format = scratch.output_format, scratch.shard_format  # one shard: a file
     report.written, report.outputs, report.output_bytes = scratch.written, scratch.outputs, scratch.output_bytes
     report.reads, report.tensor_bytes = stats.reads, stats.tensor_bytes
     mean = "weighted mean" if len(set(stats.coefficients)) > 1 else "mean"

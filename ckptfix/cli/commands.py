@@ -656,8 +656,8 @@ def inspect_command(
 @click.option(
     "--coefficients",
     metavar="C1,C2,...",
-    help="Weigh the inputs: one number >= 0 per input, in order (default: all 1, a plain mean). "
-    "Not --weights: on every reading command that picks a DeepSpeed folder's weights (fp32 or module).",
+    help="Weigh the inputs: one number >= 0 per input, in order (default: all 1, a plain mean). Not named "
+    "--weights: that option picks a DeepSpeed folder's weights (fp32 or module), here as on every reading command.",
 )
 @AVERAGE
 def average_command(paths: tuple[str, ...], coefficients: str | None, as_json: bool, **kw: Any) -> int:
