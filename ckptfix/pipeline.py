@@ -38,6 +38,7 @@ from .formats.checkpoint import (
 )
 from .formats.detect import FILE_FORMATS, OUTPUT_FORMATS, PTH_SUFFIXES
 from .formats.safetensors import (
+    check_expand_budget,
     check_torch_expand_budget,
     default_expand_budget,
     plan_safetensors,
@@ -1209,6 +1210,16 @@ def average_checkpoints(
         state_dicts.append(state_dict)
         total_bytes += ckpt.file_size
     averaged, stats = plan_average(state_dicts, paths, coefficients)
+    # every output tensor is computed whole (float64) in memory: views an input expands beyond
+    # its storage (stride 0) are bounded like any write of views in full, before anything is read
+    try:
+        check_expand_budget(
+            {id(t): (k, t) for k, t in averaged.items()}.values(), expand_budget(opts.max_expand, total_bytes)
+        )
+    except BadInputError as exc:
+        raise BadInputError(
+            exc.message, hint="average computes every tensor in full; if this is intended, raise --max-expand SIZE"
+        ) from None
     report = AverageReport(
         inputs=inputs,
         output=out,

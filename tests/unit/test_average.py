@@ -272,3 +272,26 @@ def test_average_of_zip_files_does_not_import_torch(tmp_path: Path) -> None:
     finally:
         sys.modules.update(saved)
     assert report.written and report.averaged == 8
+
+
+def test_views_expanded_beyond_their_storage_are_bounded(tmp_path: Path) -> None:
+    """A 4-byte storage seen as 2 GiB (stride 0) would be computed in full: refused before
+    anything is read, by the --max-expand budget every write of views in full has."""
+    for name in ("x1.pth", "x2.pth"):
+        torch.save({"w": torch.zeros(1).expand(1 << 29), "b": torch.ones(3)}, tmp_path / name)
+    paths = [tmp_path / "x1.pth", tmp_path / "x2.pth"]
+    tracemalloc.start()
+    try:
+        with pytest.raises(BadInputError, match=r"tensor 'w' .* more than the --max-expand budget"):
+            average_checkpoints(paths, tmp_path / "avg.pth")
+        assert tracemalloc.get_traced_memory()[1] < 16 << 20
+    finally:
+        tracemalloc.stop()
+    assert not (tmp_path / "avg.pth").exists()
+    for i, name in enumerate(("y1.pth", "y2.pth")):  # 4 MiB in full: within the default budget
+        torch.save({"w": torch.full((1,), float(i)).expand(1 << 20)}, tmp_path / name)
+    small = [tmp_path / "y1.pth", tmp_path / "y2.pth"]
+    with pytest.raises(BadInputError, match="--max-expand"):
+        average_checkpoints(small, tmp_path / "avg.pth", options=ConvertOptions(max_expand="1MB"))
+    average_checkpoints(small, tmp_path / "avg.pth")
+    assert torch.equal(torch.load(tmp_path / "avg.pth", weights_only=True)["w"], torch.full((1 << 20,), 0.5))
