@@ -1192,7 +1192,10 @@ def average_checkpoints(
     if not opts.dry_run:
         for path in paths:
             if kind == "file":
-                check_destination(path, out, overwrite=opts.force, in_place=False)
+                try:
+                    check_destination(path, out, overwrite=opts.force, in_place=False)
+                except UsageError as exc:  # its hint (--in-place) is for one input
+                    raise UsageError(exc.message, hint="choose an output path that is not one of the inputs") from None
             check_no_overlap(Path(path), Path(out), kind)
     started = time.perf_counter()
     inputs: list[dict[str, Any]] = []

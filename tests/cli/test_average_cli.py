@@ -55,6 +55,7 @@ def test_refusals_are_one_line_with_their_exit_code(three: list[Path], tmp_path:
     cases = [
         ([three[0], other, out], 3, f"{other}: 'fc.weight' is float32[4, 2] where {three[0]} has float32[4, 3]"),
         ([three[0], out], 2, "give at least two inputs, then OUT"),
+        ([*three, three[0]], 2, "the output is the input file (choose an output path that is not one of the inputs)"),
         ([*three, out, "--coefficients", "1,2"], 2, "--coefficients has 2 numbers for 3 inputs"),
         ([*three, out, "--weights", "1,1,1"], 2, "'1,1,1' is not one of 'fp32', 'module'"),
         ([*three, out, "--select", "nothing"], 2, "nothing"),
