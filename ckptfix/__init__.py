@@ -38,7 +38,9 @@ _EXPORTS = {
     "UnsafeInputError": "errors",
     "UsageError": "errors",
     "ExitCode": "errors",
+    "AverageReport": "pipeline",
     "ConvertOptions": "pipeline",
+    "average_checkpoints": "pipeline",
     "Report": "pipeline",
     "convert": "pipeline",
     "fix_prefix": "pipeline",
@@ -70,7 +72,16 @@ if TYPE_CHECKING:
     from .formats.checkpoint import Checkpoint, read_checkpoint
     from .model.refs import StorageRef, TensorRef
     from .model.statedicts import find_state_dicts
-    from .pipeline import ConvertOptions, Report, convert, fix_prefix, inspect_checkpoint, write_checkpoint
+    from .pipeline import (
+        AverageReport,
+        ConvertOptions,
+        Report,
+        average_checkpoints,
+        convert,
+        fix_prefix,
+        inspect_checkpoint,
+        write_checkpoint,
+    )
     from .transforms.prefix import TransformResult, add_prefix, strip_prefix
 
 
@@ -86,6 +97,7 @@ def __getattr__(name: str) -> object:
 
 
 __all__ = [
+    "AverageReport",
     "BadInputError",
     "CannotWriteError",
     "CheckFailedError",
@@ -104,6 +116,7 @@ __all__ = [
     "UsageError",
     "__version__",
     "add_prefix",
+    "average_checkpoints",
     "convert",
     "find_state_dicts",
     "fix_prefix",

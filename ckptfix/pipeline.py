@@ -47,6 +47,7 @@ from .formats.checkpoint import (
 )
 from .formats.detect import CHECKPOINT_SUFFIXES, FILE_FORMATS, OUTPUT_FORMATS, PTH_SUFFIXES, check_input
 from .formats.safetensors import (
+    check_expand_budget,
     check_torch_expand_budget,
     default_expand_budget,
     plan_safetensors,
@@ -1191,3 +1192,168 @@ def publish(
     report.outputs = [str(final)]
     report.message = f"published {final} (sha256 {digest.hexdigest()})"
     return PublishResult(str(final), digest.hexdigest(), report)
+
+
+#: the ConvertOptions fields ``average`` uses (any other one set is a usage error: it would be ignored)
+AVERAGE_OPTIONS = frozenset(
+    {"select", "ema", "out_format", "max_shard_size", "max_expand", "dry_run", "force", "verify", "tag", "weights"}
+)
+
+
+@dataclass
+class AverageReport:
+    """What ``average`` did; ``to_dict()`` is the ``--json`` document."""
+
+    #: one entry per input: ``input``, ``input_format``, ``input_bytes`` and ``state_dict``
+    #: (the dotted path of the state dict averaged; ``""`` for the whole checkpoint)
+    inputs: list[dict[str, Any]]
+    output: str
+    #: torch-zip, safetensors, sharded or dcp (the words ``inspect`` prints)
+    output_format: str
+    shard_format: str | None
+    dry_run: bool
+    #: one per input (1.0 each for a plain mean)
+    coefficients: list[float]
+    #: output tensors (tied keys counted once per key)
+    tensors: int = 0
+    #: floating-point tensors averaged
+    averaged: int = 0
+    #: integer/bool tensors taken from the last input
+    from_last: list[str] = field(default_factory=list)
+    #: keys naming the same tensor as an earlier key (ties kept)
+    tied: list[str] = field(default_factory=list)
+    #: input tensors read while writing (tensors x inputs for floats, once for the rest)
+    reads: int = 0
+    #: tensor bytes produced
+    tensor_bytes: int = 0
+    written: bool = False
+    outputs: list[str] = field(default_factory=list)
+    output_bytes: int | None = None
+    seconds: float = 0.0
+    message: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _averaged_state_dict(ckpt: Checkpoint, opts: ConvertOptions) -> tuple[Mapping[str, Any], str, list[str]]:
+    """The state dict of one input that ``average`` takes: after --select and --ema, the tree
+    itself when it is one, else its largest state dict; its dotted path and notes."""
+    base, tree = select_path(ckpt.root, opts.select) if opts.select else ((), ckpt.root)
+    tree, entry, notes = model_or_ema(tree, opts.ema)
+    if looks_like_state_dict(tree):
+        return tree, format_path(base + entry), notes
+    found = find_state_dicts(tree)
+    if not found:
+        layout = ", ".join(e["path"] for e in describe_tree(tree)[:8])
+        raise BadInputError(
+            f"{ckpt.path}: no state dict to average (layout: {layout})", hint="choose one with --select"
+        )
+    path, state_dict = max(found, key=lambda item: len(item[1]))
+    return state_dict, format_path(base + entry + path), notes
+
+
+@collector_paused()
+def average_checkpoints(
+    in_paths: Sequence[str | os.PathLike[str]],
+    out_path: str | os.PathLike[str],
+    coefficients: str | Sequence[float] | None = None,
+    options: ConvertOptions | None = None,
+    *,
+    progress: Callable[[int], None] | None = None,
+) -> AverageReport:
+    """The mean of several checkpoints of one model (any formats), written to ``out_path``.
+
+    Each input's state dict is chosen as ``options.select``/``options.ema`` say (default: the
+    checkpoint itself when it is a state dict, else its largest one); keys, shapes and dtypes
+    must agree. ``coefficients`` (one per input, ``"1,2"`` or numbers) weigh them; the mean is
+    ``sum(c_i * x_i) / sum(c_i)`` in float64, cast back per tensor; integer and bool tensors are
+    the last input's (see :mod:`ckptfix.transforms.average`). Tensors are read and written one
+    at a time. Options other than :data:`AVERAGE_OPTIONS` are refused rather than ignored.
+
+    Example::
+
+        ckptfix.average_checkpoints(["ep8.pth", "ep9.pth", "ep10.pth"], "avg.safetensors")
+    """
+    from .transforms.average import plan_average
+
+    opts = options or ConvertOptions()
+    defaults = ConvertOptions()
+    unused = [
+        f.name
+        for f in fields(ConvertOptions)
+        if f.name not in AVERAGE_OPTIONS and getattr(opts, f.name) != getattr(defaults, f.name)
+    ]
+    if unused:
+        raise UsageError(
+            f"average does not take {', '.join(unused)}: average first, then fix the result with ckptfix convert"
+        )
+    paths = [str(p) for p in in_paths]
+    out = str(out_path)
+    if len(paths) < 2:
+        raise UsageError("average needs at least two inputs (then OUT)")
+    max_bytes = _size_option(opts.max_shard_size)
+    kind, file_format = output_target(out, opts.out_format, max_bytes)
+    _size_option(opts.max_expand)
+    if not opts.dry_run:
+        for path in paths:
+            if kind == "file":
+                try:
+                    check_destination(path, out, overwrite=opts.force, in_place=False)
+                except UsageError as exc:  # its hint (--in-place) is for one input
+                    raise UsageError(exc.message, hint="choose an output path that is not one of the inputs") from None
+            check_no_overlap(Path(path), Path(out), kind)
+    started = time.perf_counter()
+    inputs: list[dict[str, Any]] = []
+    state_dicts: list[Mapping[str, Any]] = []
+    notes: list[str] = []
+    total_bytes = 0
+    for path in paths:
+        # unknown classes are read as inert records: only the state dicts' tensors are written
+        ckpt = read_checkpoint(path, inert_unknown=True, tag=opts.tag, weights=opts.weights)
+        if not ckpt.lazy:
+            raise UsageError(f"{path}: a {ckpt.format} file is read through torch; convert it to .pth first")
+        state_dict, where, picked = _averaged_state_dict(ckpt, opts)
+        notes += [f"{path}: {note}" for note in picked]
+        inputs.append({"input": path, "input_format": ckpt.format, "input_bytes": ckpt.file_size, "state_dict": where})
+        state_dicts.append(state_dict)
+        total_bytes += ckpt.file_size
+    averaged, stats = plan_average(state_dicts, paths, coefficients)
+    # every output tensor is computed whole (float64) in memory: views an input expands beyond
+    # its storage (stride 0) are bounded like any write of views in full, before anything is read
+    try:
+        check_expand_budget(
+            {id(t): (k, t) for k, t in averaged.items()}.values(), expand_budget(opts.max_expand, total_bytes)
+        )
+    except BadInputError as exc:
+        raise BadInputError(
+            exc.message, hint="average computes every tensor in full; if this is intended, raise --max-expand SIZE"
+        ) from None
+    report = AverageReport(
+        inputs=inputs,
+        output=out,
+        output_format=_FORMAT_WORDS[kind if kind != "file" else file_format],
+        shard_format=_FORMAT_WORDS[file_format] if kind == "sharded" else None,
+        dry_run=opts.dry_run,
+        coefficients=stats.coefficients,
+        tensors=len(averaged),
+        averaged=stats.averaged,
+        from_last=stats.from_last,
+        tied=stats.tied,
+        notes=notes,
+    )
+    result = Checkpoint(out, "average", averaged, total_bytes)
+    scratch = Report("average", paths[-1], out, result.format, report.output_format, opts.dry_run, report.shard_format)
+    _write(result, averaged, Path(out), kind, file_format, max_bytes, opts, scratch, progress)
+    report.output_format, report.shard_format = scratch.output_format, scratch.shard_format  # one shard: a file
+    report.written, report.outputs, report.output_bytes = scratch.written, scratch.outputs, scratch.output_bytes
+    report.reads, report.tensor_bytes = stats.reads, stats.tensor_bytes
+    mean = "weighted mean" if len(set(stats.coefficients)) > 1 else "mean"
+    what = f"the {mean} of {len(paths)} checkpoints ({stats.averaged} tensors averaged"
+    what += f", {len(stats.from_last)} integer/bool taken from the last input)"
+    report.message = f"{'would write' if opts.dry_run else 'wrote'} {out}: {what}" + (
+        "; nothing written (dry run)" if opts.dry_run else ""
+    )
+    report.seconds = time.perf_counter() - started
+    return report

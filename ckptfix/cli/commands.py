@@ -26,6 +26,7 @@ from ..formats.detect import FORMAT_NAME_ALIASES, FORMAT_NAMES
 from ..model.dtypes import CAST_ALIASES, CASTABLE
 from . import render
 from .options import (
+    AVERAGE,
     BATCH_OPTIONS,
     DEEPSPEED,
     IN_OUT,
@@ -706,4 +707,46 @@ def inspect_command(
     else:
         for line in render(printable(summary), full=full).splitlines():
             say(line)  # its warning lines in colour on a terminal
+    return ExitCode.OK
+
+
+@cli.command("average", context_settings=CONTEXT)
+@click.argument("paths", nargs=-1, required=True, metavar="IN... OUT", type=click.Path())
+@click.option(
+    "--coefficients",
+    metavar="C1,C2,...",
+    help="Weigh the inputs: one number >= 0 per input, in order (default: all 1, a plain mean). Not named "
+    "--weights: that option picks a DeepSpeed folder's weights (fp32 or module), here as on every reading command.",
+)
+@AVERAGE
+def average_command(paths: tuple[str, ...], coefficients: str | None, as_json: bool, **kw: Any) -> int:
+    """Average several checkpoints of one model (any formats) into one: mean or weighted mean.
+
+    Each floating-point tensor is summed over the inputs in float64 (times its coefficient),
+    divided by the coefficients' sum and cast back to its own dtype -- timm's avg_checkpoints.py
+    arithmetic, bit for bit, without its float32-only output. Integer and bool tensors
+    (num_batches_tracked) are the last input's. Keys, shapes and dtypes must agree (exit 3
+    names the ones that do not). --select/--ema choose the state dict in every input (default:
+    the checkpoint itself, or its largest state dict). One tensor at a time: memory does not grow
+    with the number of inputs or the size of the model. No torch needed.
+
+    \b
+    Examples:
+      ckptfix average ep8.pth ep9.pth ep10.pth avg.pth
+      ckptfix average run/ckpt-*.pth.tar avg.safetensors --ema
+      ckptfix average a.safetensors b/ c.pth soup.safetensors --coefficients 1,1,2
+      ckptfix average ds_run1/ ds_run2/ avg/ --max-shard-size 2GB --json
+    """
+    from ..pipeline import average_checkpoints
+
+    if len(paths) < 3:
+        raise UsageError("give at least two inputs, then OUT: ckptfix average A B OUT")
+    opts = pipeline_options(kw)
+    report = average_checkpoints(paths[:-1], paths[-1], coefficients, opts)
+    if as_json:
+        emit_json("average", ExitCode.OK, report.to_dict())
+    else:
+        say(report.message)
+        for note in report.notes:
+            say(f"note: {note}", err=True)
     return ExitCode.OK

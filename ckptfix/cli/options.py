@@ -264,3 +264,30 @@ PREFIX = apply(
         click.option("--strict", is_flag=True, help="Exit 1 when there is nothing to change."),
     ]
 )
+
+
+def pick(options: list[Decorator], *names: str) -> Decorator:
+    """The options of a bundle whose parameter names are ``names`` (a command that shares some of
+    a bundle's options, spelled and explained exactly as the others spell them)."""
+    chosen = [option for option in options if set(option_names(option)) & set(names)]
+    missing = set(names) - {name for option in chosen for name in option_names(option)}
+    assert not missing, f"no such options: {sorted(missing)}"
+    return apply(chosen)
+
+
+#: what ``average`` takes from the pipeline's options: the choice of state dict in each input, and
+#: the writer's (its other steps apply to one checkpoint: run them on the result with convert)
+AVERAGE = pick(
+    PIPELINE_OPTIONS,
+    "select",
+    "ema",
+    "out_format",
+    "max_shard_size",
+    "max_expand",
+    "dry_run",
+    "force",
+    "verify",
+    "as_json",
+    "tag",
+    "weights",
+)

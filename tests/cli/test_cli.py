@@ -25,6 +25,7 @@ COMMANDS = [
     "verify",
     "scan",
     "publish",
+    "average",
 ]
 
 

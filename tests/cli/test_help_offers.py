@@ -43,6 +43,7 @@ BASE = {
     "verify": ["{missing}"],
     "scan": ["{missing}"],
     "inspect": ["{missing}"],
+    "average": ["{missing}", "{missing}", "{out}"],
 }
 
 
@@ -72,7 +73,7 @@ def _refused(command: str, option: str, tmp_path: Path) -> str | None:
     elif option in BATCH_OPTIONS and command not in BASE:
         base = ["{missing}", "-o", "{out_dir}"] if option != "output_dir" else ["{missing}"]
     elif option == "max_shard_size":
-        base = ["{missing}", "{out_dir}/"]
+        base = [("{out_dir}/" if a == "{out}" else a) for a in BASE.get(command, ["{missing}", "{out}"])]
     elif option in ("model", "model_path"):
         base = ["{missing}", "{out}"]
     required = REQUIRED.get(command, [])

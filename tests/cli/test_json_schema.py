@@ -44,6 +44,7 @@ RUNS: dict[str, list[list[str]]] = {
         ["{ddp}", "{tmp}/h.pth", "--reference", "{tmp}/g.pth"],
     ],
     "publish": [["{ddp}", "{tmp}"]],
+    "average": [["{bare}", "{bare}", "{tmp}/avg.pth"], ["{bare}", "{bare}", "{tmp}/avg/", "--max-shard-size", "300B"]],
 }
 
 #: dicts whose keys are data (dtypes, devices, metadata names...), not schema vocabulary

@@ -91,10 +91,10 @@ NOT_RUN = {
 }
 
 
-def _code_blocks(language: str) -> list[str]:
-    """The text of README.md's fenced code blocks labelled ``language`` ("" for unlabelled)."""
+def _code_blocks(language: str, text: str = README) -> list[str]:
+    """The text of the pages' fenced code blocks labelled ``language`` ("" for unlabelled)."""
     blocks, current, label = [], None, ""
-    for line in README.splitlines():
+    for line in text.splitlines():
         if line.strip().startswith("```"):
             if current is None:
                 current, label = [], line.strip()[3:]
@@ -148,6 +148,50 @@ def _workspace(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "mypkg")
 
 
+def _glob(folder: Path, pattern: str) -> list[str]:
+    """A word with ``*`` expanded as the shell would, in ``folder`` (the word itself if nothing matches)."""
+    return sorted(str(p.relative_to(folder)) for p in folder.glob(pattern)) or [pattern]
+
+
+def _averaging_workspace(folder: Path) -> None:
+    """What docs/average.md's examples name: three timm-style epochs (``state_dict`` and
+    ``state_dict_ema``, other weights each), a run folder of two, the same weights as safetensors,
+    shards and .pth, and two DeepSpeed run folders."""
+    for epoch in (8, 9, 10):
+        torch.manual_seed(epoch)
+        sd, ema = TinyNet().state_dict(), TinyNet().state_dict()
+        torch.save({"epoch": epoch, "state_dict": sd, "state_dict_ema": ema}, folder / f"ep{epoch}.pth")
+    (folder / "run").mkdir()
+    for n in (1, 2):
+        shutil.copy(folder / f"ep{8 + n}.pth", folder / "run" / f"ckpt-{n}.pth.tar")
+    bare = FIXTURES / "bare_tinynet.pth"
+    ckptfix.convert(bare, folder / "a.safetensors")
+    ckptfix.convert(bare, folder / "b", ckptfix.ConvertOptions(max_shard_size="1KB"))
+    shutil.copy(bare, folder / "c.pth")
+    for run in ("ds_run1", "ds_run2"):
+        shutil.copytree(FIXTURES / "deepspeed" / "z2_bf16_w2", folder / run)
+
+
+def test_the_averaging_python_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/average.md's Python block as written, on the files it names."""
+    [block] = _code_blocks("python", PAGES["docs/average.md"])
+    _averaging_workspace(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    names: dict[str, object] = {}
+    exec(compile(block, "docs/average.md (Python API)", "exec"), names)
+    from safetensors.torch import load_file
+
+    emas = [torch.load(tmp_path / f"ep{e}.pth", weights_only=True)["state_dict_ema"] for e in (8, 9, 10)]
+    written = load_file(tmp_path / "avg.safetensors")
+    assert written.keys() == emas[0].keys()
+    for key, first in emas[0].items():
+        if first.is_floating_point():  # (1·a + 1·b + 2·c) / 4 in float64, cast back
+            mean = (emas[0][key].double() + emas[1][key].double() + 2 * emas[2][key].double()) / 4
+            assert torch.equal(written[key], mean.to(first.dtype)), key
+        else:  # counters: the last input's
+            assert torch.equal(written[key], emas[2][key]), key
+
+
 def _shown_outputs() -> list[tuple[str, str]]:
     """(command, the output the README shows for it): a one-line unlabelled block followed by a
     ``text`` block, in the README's numbered problems."""
@@ -182,6 +226,9 @@ def test_every_example_command_line_runs(line: str, tmp_path: Path, monkeypatch:
     ran = 0
     for command in line.split(" && "):
         words = shlex.split(command.replace("/tmp/", f"{tmp_path}/"), comments=True)
+        if words[:2] == ["ckptfix", "average"]:
+            _averaging_workspace(tmp_path)
+        words = [w for word in words for w in (_glob(tmp_path, word) if "*" in word else [word])]  # as a shell
         if words[:2] == ["pip", "install"]:
             continue
         assert words[0] == "ckptfix", f"not a ckptfix command: add it to NOT_RUN with a reason: {command}"
@@ -211,7 +258,7 @@ def test_the_example_checkpoint_with_configs_needs_one_of_the_three_ways_out(
 
 def test_the_python_api_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The README's Python block as written, on the files it names (`model` is the bare TinyNet)."""
-    block = _code_blocks("python")
+    block = _code_blocks("python", PAGES["README.md"])
     assert len(block) == 1
     shutil.copy(FIXTURES / "dataparallel_tinynet.pth", tmp_path / "ddp.pth")
     shutil.copy(FIXTURES / "ddp_cpu_tinynet.pth", tmp_path / "ddp_8gpu.pth")
