@@ -341,6 +341,8 @@ def _compare_new_pair(
     dtype_a, dtype_b = _dtype_of(left), _dtype_of(right)
     shape_a, shape_b = _shape_of(left), _shape_of(right)
     if shape_a == shape_b and dtype_a != dtype_b:
+        budget.spend(path, left)  # element by element, as below: a stride-0 view counts in full
+        budget.spend(path, right)
         _compare_across_dtypes(report, path, left, right, files, rtol, atol)
         return
     if dtype_a != dtype_b or shape_a != shape_b:

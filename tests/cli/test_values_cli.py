@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hostile import PROTO, assert_refused, ck, items, make_base_zip, pid, tensor, with_data_pkl
+from hostile import PROTO, assert_refused, ck, g, items, make_base_zip, pid, tensor, with_data_pkl
 from oracle import assert_reads_as_torch, torch_view
 from safetensors.torch import load_file
 
@@ -92,3 +92,14 @@ def test_an_expanding_view_within_the_budget_is_written_and_verified_in_pieces(w
     assert result.returncode == 0, result.stderr
     assert torch.equal(load_file(out)["w"], torch_view(a).tree["w"])
     assert ck("diff", a, out).returncode == 0
+
+
+def test_a_dtype_change_does_not_escape_the_budget(wide: Path, tmp_path: Path) -> None:
+    """diff across dtypes compares element by element too: a 16 GiB broadcast read as float32 on
+    one side and as int32 on the other is held to the same budget, not read for minutes."""
+    n = 2**16
+    rows = expanded(wide, tmp_path / "rows.pth", (n, n), (0, 1))
+    ints = PROTO + items(("w", tensor(pid("0", n, g("torch", "IntStorage")), 0, (n, n), (0, 1)))) + b"."
+    other = with_data_pkl(wide, ints, tmp_path / "ints.pth")
+    assert torch_view(other).loads and torch_view(other).tree["w"].dtype == torch.int32
+    assert_refused(ck("diff", rows, other), "budget", "'w'")
