@@ -247,20 +247,36 @@ WRITE_COMMANDS = (
 )
 
 
+def _streamed(
+    in_path: str, out_path: str | None, out_format: str | None, as_json: bool, work: Callable[[str, str | None], int]
+) -> int:
+    """``work(IN, OUT)`` with ``-`` standing for standard input or output (:func:`stdio_paths`):
+    the report goes to stderr when stdout carries the checkpoint, and a run that does not end
+    in exit 0 sends nothing down the pipe."""
+    if STREAM not in (in_path, out_path):
+        return work(in_path, out_path)
+    if out_path == STREAM and as_json:
+        raise UsageError("--json prints on standard output, which OUT - fills with the checkpoint")
+    with stdio_paths(in_path, out_path, out_format) as (real_in, real_out):
+        with contextlib.redirect_stdout(sys.stderr) if out_path == STREAM else contextlib.nullcontext():
+            code = work(str(real_in), None if real_out is None else str(real_out))
+        if code != ExitCode.OK and real_out is not None:
+            Path(real_out).unlink(missing_ok=True)
+        return code
+
+
 def _write_command(spec: WriteCommand) -> click.Command:
     """Build the click command for one row: INPUTS, the row's own options, then PIPELINE."""
 
     def run(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
         if len(paths) == 2 and STREAM in paths and not kw.get("output_dir") and not kw.get("in_place"):
-            if paths[1] == STREAM and as_json:
-                raise UsageError("--json prints on standard output, which OUT - fills with the checkpoint")
-            with stdio_paths(paths[0], paths[1], kw.get("out_format")) as (real_in, real_out):
-                # the report goes to stderr when stdout carries the checkpoint
-                with contextlib.redirect_stdout(sys.stderr) if paths[1] == STREAM else contextlib.nullcontext():
-                    code = run_write(spec, (str(real_in), str(real_out)), as_json, kw)
-                if code != ExitCode.OK and real_out is not None:
-                    Path(real_out).unlink(missing_ok=True)  # nothing goes down the pipe
-                return code
+            return _streamed(
+                paths[0],
+                paths[1],
+                kw.get("out_format"),
+                as_json,
+                lambda i, o: run_write(spec, (i, str(o)), as_json, kw),
+            )
         return run_write(spec, paths, as_json, kw)
 
     run.__doc__ = spec.help
@@ -429,24 +445,29 @@ def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
       ckptfix fit train.ckpt weights.safetensors --model models:build --model-path ./src
       ckptfix fit pretrained.pth init.pth --reference new_head.pth --allow-partial
       ckptfix fit gpu_ddp.pth cpu_fp16.pth --reference bare.pth --map-location cpu --dtype float16
+      cat ddp.pth | ckptfix fit - - --reference bare.pth --format safetensors > fixed.safetensors
     """
     from ..pipeline import fit_checkpoint
 
     opts = pipeline_options(kw)
-    plan, report = fit_checkpoint(in_path, out_path, options=opts, **kw)
-    code = ExitCode.OK if plan.loads_strictly else ExitCode.CHECK_FAILED
-    if as_json:
-        written = report.to_dict() if report else {"input": in_path, "output": out_path, "written": False}
-        emit_json("fit", code, {**written, "plan": plan.to_dict()})
-    else:
-        click.echo(render.fit_plan(plan))
-        say(
-            report.message
-            if report
-            else "nothing written: the result would not load with strict=True "
-            "(use --allow-partial to write the keys that fit)"
-        )
-    return code
+
+    def work(real_in: str, real_out: str | None) -> int:
+        plan, report = fit_checkpoint(real_in, real_out, options=opts, **kw)
+        code = ExitCode.OK if plan.loads_strictly else ExitCode.CHECK_FAILED
+        if as_json:
+            written = report.to_dict() if report else {"input": in_path, "output": out_path, "written": False}
+            emit_json("fit", code, {**written, "plan": plan.to_dict()})
+        else:
+            click.echo(render.fit_plan(plan))
+            say(
+                report.message
+                if report
+                else "nothing written: the result would not load with strict=True "
+                "(use --allow-partial to write the keys that fit)"
+            )
+        return code
+
+    return _streamed(in_path, out_path, opts.out_format, as_json, work)
 
 
 @cli.command("diff", context_settings=CONTEXT)

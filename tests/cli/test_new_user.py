@@ -250,6 +250,18 @@ def test_dash_gates_stdin_in_scan_and_verify(tmp_path: Path) -> None:
     assert invoke_cli("verify", "-", stdin=clean).returncode == 0
 
 
+def test_dash_in_fit(tmp_path: Path) -> None:
+    """fit reads and writes one file each: ``-`` works there too, the plan goes to stderr."""
+    from safetensors.torch import load
+
+    data = (FIXTURES / "dataparallel_tinynet.pth").read_bytes()
+    fitted = invoke_cli("fit", "-", "-", "--reference", BARE, "--format", "safetensors", stdin=data)
+    assert fitted.returncode == 0 and "9 keys match" in fitted.stderr, fitted.stderr
+    assert set(load(fitted.stdout_bytes)) == set(torch.load(BARE, weights_only=True))
+    partial = invoke_cli("fit", "-", "-", "--model", "no_such_module:x", "--format", "pth", stdin=data)
+    assert partial.returncode != 0 and partial.stdout_bytes == b""
+
+
 def test_the_progress_line_is_cleared_on_a_terminal_only(monkeypatch: pytest.MonkeyPatch) -> None:
     from ckptfix.cli import render
 
