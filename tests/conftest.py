@@ -133,6 +133,18 @@ def _counted_popen_init(self: subprocess.Popen, *args: Any, **kwargs: Any) -> No
 subprocess.Popen.__init__ = _counted_popen_init  # type: ignore[method-assign]
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Under ``pytest -n N`` each worker hands its spawn counts to the controller's summary."""
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["spawns"] = dict(SPAWNS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    SPAWNS.update(getattr(node, "workeroutput", {}).get("spawns", {}))
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if SPAWNS:
         files = ", ".join(f"{name} {count}" for name, count in sorted(SPAWNS.items()))
