@@ -26,6 +26,7 @@ from .errors import BadInputError, CannotWriteError, CheckFailedError, UnsafeInp
 from .fileio.atomic import atomic_output, check_destination
 from .fileio.extents import shared_bytes, shared_bytes_of
 from .fileio.ranges import FileRange, OpenFiles, OutputStream
+from .fileio.remote import consistent_reads, metadata_only
 from .fileio.sizes import parse_size
 from .formats.checkpoint import (
     FORMAT_DCP,
@@ -436,6 +437,7 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out
 
 
 @collector_paused()
+@consistent_reads
 def convert(
     in_path: str | os.PathLike[str],
     out_path: str | os.PathLike[str] | None = None,
@@ -733,17 +735,22 @@ def write_checkpoint(
 
 
 @collector_paused()
+@consistent_reads
 def inspect_checkpoint(
     path: str | os.PathLike[str], *, unsafe_load: bool = False, allow_globals: Sequence[str] = ()
 ) -> dict[str, Any]:
     """The ``inspect`` report as plain data; reads structure only, never tensor data."""
     check_global_patterns(allow_globals)
     # unknown classes are shown as inert records (a warning names them): inspect writes nothing
-    ckpt = read_checkpoint(path, unsafe_load=unsafe_load, allow_globals=allow_globals, inert_unknown=not unsafe_load)
+    with metadata_only():  # a remote input: a few planned requests, whatever its size
+        ckpt = read_checkpoint(
+            path, unsafe_load=unsafe_load, allow_globals=allow_globals, inert_unknown=not unsafe_load
+        )
     return summarize(ckpt)
 
 
 @collector_paused()
+@consistent_reads
 def diff_checkpoints(
     a_path: str | os.PathLike[str],
     b_path: str | os.PathLike[str],
@@ -770,6 +777,7 @@ def diff_checkpoints(
 
 
 @collector_paused()
+@consistent_reads
 def fit_checkpoint(
     in_path: str | os.PathLike[str],
     out_path: str | os.PathLike[str] | None,
@@ -885,6 +893,7 @@ class PublishResult:
 
 
 @collector_paused()
+@consistent_reads
 def publish(
     in_path: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],

@@ -33,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import BadInputError, CkptfixError
+from ..fileio.ranges import RangeSource
+from ..fileio.remote import as_path, consistent_reads, metadata_only
 from ..fileio.ziparchive import read_record_bytes
 from ..formats.dcp import METADATA_NAME, is_dcp_folder
 from ..formats.detect import open_input, sniff
@@ -119,13 +121,14 @@ def _verdict(name: str, at: str) -> tuple[str, str, str]:
     return verdict, at, reason
 
 
+@consistent_reads
 def scan_path(path: str | Path) -> ScanResult:
     """Scan one checkpoint -- a file, a shard index or folder, a DCP folder -- never executing
     anything; bad input is reported in the result, never raised.
 
     A sharded checkpoint is scanned file by file (the globals say which shard); a DCP folder's
     ``.metadata`` is a plain pickle and is scanned as one."""
-    target = Path(path)
+    target = as_path(path)  # a URL stays one (RemotePath)
     try:
         parts = _parts(target)
     except (OSError, CkptfixError) as exc:
@@ -169,12 +172,39 @@ def _scan_pickle_file(path: Path) -> ScanResult:
     return result
 
 
+def _scan_remote_file(f: RangeSource, size: int, result: ScanResult) -> ScanResult:
+    """A remote file that is not a zip, scanned as :func:`_scan_file` scans a local one, from
+    bytes fetched rather than a memory map: a safetensors file holds no pickle (its header is
+    not even fetched), a legacy file or a pickle is fetched whole, up to the pickle limit."""
+    what = sniff(f.pread(512, 0), size)
+    result.format = what.kind
+    if what.kind == "safetensors":
+        return result
+    if what.kind == "tar":
+        result.error = "tar-era torch file: not scanned"
+        return result
+    if size > MAX_PICKLE_BYTES:
+        result.error = f"a {what.kind} file of {size} bytes from a URL: not scanned remotely; download it first"
+        return result
+    data = f.pread(size, 0)
+    if what.kind == "legacy" or (what.kind == "not-checkpoint" and "pickle" in what.description):
+        found, result.error = scan_pickles(data, "pickles", count=5 if what.kind == "legacy" else None)
+    else:
+        found, _ = scan_pickles(data, "pickles", headerless=True)
+        result.error = what.description
+    result.globals.extend(found)
+    return result
+
+
 def _scan_file(path: Path) -> ScanResult:
     """Scan one file; never executes, never raises for bad input (the error is in the result)."""
     result = ScanResult(str(path))
     data: bytes | mmap.mmap
     try:
-        f, size = open_input(str(path))  # never opens a FIFO or a device (they hang or never end)
+        with metadata_only():  # a remote file: its pickles are read, no tensor record's header
+            f, size = open_input(str(path))  # never opens a FIFO or a device (they hang or never end)
+        if isinstance(f, RangeSource) and sniff(f.pread(512, 0), size).kind != "zip":
+            return _scan_remote_file(f, size, result)
         with f:
             what = sniff(f.read(512), size)
             result.format = what.kind

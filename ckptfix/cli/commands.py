@@ -24,7 +24,7 @@ from ..errors import ExitCode, UsageError
 from ..formats.detect import FORMAT_NAME_ALIASES, FORMAT_NAMES
 from ..model.dtypes import CAST_ALIASES, CASTABLE
 from . import render
-from .options import BATCH_OPTIONS, IN_OUT, INPUTS, PIPELINE, PREFIX, Decorator, allow_global, apply
+from .options import BATCH_OPTIONS, IN_OUT, INPUTS, PIPELINE, PREFIX, REMOTE, Decorator, allow_global, apply
 from .render import emit_json, printable, say
 
 if TYPE_CHECKING:  # the pipeline (and all it reads with) is imported when a command runs, not for --help
@@ -433,6 +433,7 @@ def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
 @click.option("--drop", multiple=True, metavar="GLOB", help="Leave entries of A matching GLOB out of the comparison.")
 @click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@REMOTE
 def diff_command(
     a_path: str, b_path: str, rtol: float, atol: float, select_b: str | None, as_json: bool, **kw: Any
 ) -> int:
@@ -492,6 +493,7 @@ def diff_command(
 @click.option("--recursive", is_flag=True, help="Folder inputs: include sub-folders.")
 @click.option("-q", "--quiet", is_flag=True, help="Print only failures.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+@REMOTE
 def verify(
     paths: tuple[str, ...],
     expect_prefix: str | None,
@@ -580,6 +582,7 @@ def publish_command(in_path: str, out_dir: str, as_json: bool, **kw: Any) -> int
 @click.option("--recursive", is_flag=True, help="Folder inputs: include sub-folders.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
 @click.option("--strict", is_flag=True, help="Exit 1 for unknown classes too, not only dangerous ones.")
+@REMOTE
 def scan(paths: tuple[str, ...], recursive: bool, as_json: bool, strict: bool) -> int:
     """List every global each file's pickles reference, and judge them; never runs anything.
 
@@ -618,6 +621,7 @@ def scan(paths: tuple[str, ...], recursive: bool, as_json: bool, strict: bool) -
     "--unsafe-load", is_flag=True, help="For TRUSTED files only: fall back to torch.load(weights_only=False)."
 )
 @allow_global("Read objects of this global (dotted name, * ? [...] globs) as opaque records, never imported or run.")
+@REMOTE
 def inspect_command(path: str, as_json: bool, unsafe_load: bool, allow_globals: tuple[str, ...]) -> int:
     """Describe a checkpoint without reading its tensor data.
 

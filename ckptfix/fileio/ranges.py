@@ -23,9 +23,11 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, BinaryIO, TypeGuard
+from functools import partial
+from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeGuard, cast, runtime_checkable
 
 from ..errors import BadInputError
+from .urls import is_url
 
 if TYPE_CHECKING:  # imported when first needed: concurrent.futures costs ~6 ms (it imports logging)
     from concurrent.futures import Future, ThreadPoolExecutor
@@ -45,6 +47,23 @@ MERGE_LIMIT = 1 << 28
 #: the buffer the background CRC reads through: small enough to stay in cache between the
 #: read and the CRC, large enough that the per-call cost vanishes (measured: flat 256 KiB-4 MiB)
 _CRC_CHUNK = 1 << 20
+
+
+@runtime_checkable
+class RangeSource(Protocol):
+    """A file read by ranges rather than through a descriptor: a remote object
+    (:class:`~ckptfix.fileio.remote.RemoteFile`). Readers that would ``pread`` a descriptor ask
+    it instead; it can be told what is about to be read, and streams big ranges itself."""
+
+    metadata_only: bool
+
+    def pread(self, size: int, offset: int) -> bytes: ...
+
+    def prefetch(self, ranges: list[tuple[int, int]]) -> None: ...
+
+    def iter_range(self, offset: int, size: int) -> Iterator[bytes]: ...
+
+    def check_unchanged(self) -> None: ...
 
 
 @dataclass(slots=True, unsafe_hash=True)
@@ -90,8 +109,17 @@ class WindowedReader:
     ends; callers check lengths.
     """
 
-    def __init__(self, fd: int, window: int = 1 << 16, *, base: int = 0, end: int | None = None) -> None:
+    def __init__(
+        self,
+        fd: int,
+        window: int = 1 << 16,
+        *,
+        base: int = 0,
+        end: int | None = None,
+        source: RangeSource | None = None,
+    ) -> None:
         self._fd = fd
+        self._read_at = source.pread if source is not None else partial(os.pread, fd)
         self._window = window
         self._base = base  # offsets are relative to here (a FileSlice's start)
         self._end = end  # and nothing at or past this relative offset is read
@@ -101,7 +129,7 @@ class WindowedReader:
     def _pread(self, size: int, offset: int) -> bytes:
         if self._end is not None:
             size = max(0, min(size, self._end - offset))
-        return os.pread(self._fd, size, self._base + offset)
+        return self._read_at(size, self._base + offset)
 
     def read(self, offset: int, size: int) -> bytes:
         at = offset - self._start
@@ -118,6 +146,8 @@ class WindowedReader:
         """A reader over the open file ``f``, or over just its part when it is a :class:`FileSlice`."""
         if isinstance(f, FileSlice):
             return cls(f.fileno(), base=f.base, end=f.size)
+        if isinstance(f, RangeSource):  # it windows and keeps what it fetched itself: pass reads through
+            return cls(-1, 1, source=f)
         return cls(f.fileno())
 
 
@@ -176,7 +206,14 @@ class OpenFiles:
     def file(self, path: str) -> BinaryIO:
         f = self._files.get(path)
         if f is None:
-            f = self._files[path] = self._stack.enter_context(open(path, "rb"))  # noqa: SIM115
+            if is_url(path):  # a remote object: read by ranges, checked unchanged when done
+                from .remote import RemoteFile
+
+                remote = RemoteFile(path)
+                self._stack.callback(remote.check_unchanged)
+                f = self._files[path] = cast(BinaryIO, remote)
+            else:
+                f = self._files[path] = self._stack.enter_context(open(path, "rb"))  # noqa: SIM115
         return f
 
     def map(self, path: str) -> mmap.mmap:
@@ -191,7 +228,7 @@ class OpenFiles:
         rather than a ``pread`` each (a training checkpoint has ~4 records per parameter)."""
         window = self._windows.get(path)
         if window is None:
-            window = self._windows[path] = WindowedReader(self.file(path).fileno())
+            window = self._windows[path] = WindowedReader.over(self.file(path))
         return window.read(offset, size)
 
     def crc_in_background(self, source: FileRange) -> Future[int]:
@@ -272,7 +309,7 @@ class OutputStream:
             if not want_crc:
                 return None
             return source.crc if source.crc is not None else zlib.crc32(data)
-        if is_plain_range(source):
+        if is_plain_range(source) and not is_url(source.path):
             crc = files.crc_in_background(source) if want_crc and source.crc is None else None
             pending = self._pending
             if (
@@ -330,6 +367,9 @@ def iter_chunks(source: FileRange | ComputedSource, files: OpenFiles) -> Iterato
         yield data
         return
     f = files.file(source.path)
+    if source.deflated_size is None and isinstance(f, RangeSource):
+        yield from f.iter_range(source.offset, source.size)  # concurrent ranged reads, in order
+        return
     if source.deflated_size is None:
         done = 0
         while done < source.size:

@@ -32,6 +32,7 @@ from .ranges import (
     FileRange,
     OpenFiles,
     OutputStream,
+    RangeSource,
     WindowedReader,
     inflate_chunks,
     is_plain_range,
@@ -135,8 +136,12 @@ def read_directory(f: BinaryIO, file_size: int, path: str) -> ZipDirectory:
     _refuse_name_clashes(names, path)
     records = ZipDirectory()
     view = WindowedReader.over(f)
+    deferred = _plan_remote_reads(f, names, entries)
     for name, entry in zip(names, entries):
         _check_entry(entry, name, path)
+        if name in deferred:  # see _plan_remote_reads: the record's data is never read
+            records.add(name, -1, entry.compressed_size, entry.size, entry.method, entry.crc, entry.header_offset)
+            continue
         data_offset = _check_local_header(view, entry, name, file_size, path)
         if data_offset + entry.compressed_size > end.cd_offset:
             raise BadInputError(
@@ -145,6 +150,22 @@ def read_directory(f: BinaryIO, file_size: int, path: str) -> ZipDirectory:
         records.add(name, data_offset, entry.compressed_size, entry.size, entry.method, entry.crc, entry.header_offset)
     _refuse_overlaps(records, path)
     return records
+
+
+def _plan_remote_reads(f: BinaryIO, names: list[str], entries: list[_Entry]) -> frozenset[str]:
+    """For a remote archive, plan the local-header reads below (one request each otherwise).
+
+    Reading only metadata (``inspect``, ``scan``: :func:`~ckptfix.fileio.remote.metadata_only`),
+    the headers of tensor records (``*/data/*``) are not read at all, so a checkpoint of any
+    size costs a few requests: those records get data offset -1, which no read accepts, and
+    stay out of the overlap check. Otherwise every header is fetched ahead, coalesced and
+    concurrently, and checked as for a local file. Returns the names not read."""
+    if not isinstance(f, RangeSource):
+        return frozenset()
+    if f.metadata_only:
+        return frozenset(name for name in names if name.split("/")[1:2] == ["data"] and name.count("/") >= 2)
+    f.prefetch([(e.header_offset, _LOCAL_HEADER.size + len(e.raw_name)) for e in entries])
+    return frozenset()
 
 
 class ZipDirectory(Mapping[str, ZipRecord]):
@@ -207,7 +228,8 @@ class ZipDirectory(Mapping[str, ZipRecord]):
     def spans(self) -> Iterator[tuple[int, int, str]]:
         """(first byte, one past the last, name) of each record, local header included."""
         for name, i in self._index.items():
-            yield self._header_offset[i], self._data_offset[i] + self._compressed_size[i], name
+            if self._data_offset[i] >= 0:  # -1: a remote record whose header was not read (metadata only)
+                yield self._header_offset[i], self._data_offset[i] + self._compressed_size[i], name
 
 
 def _read_end(f: BinaryIO, file_size: int, path: str) -> _End:

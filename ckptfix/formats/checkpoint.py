@@ -9,7 +9,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import BadInputError, UnsafeInputError
+from ..errors import BadInputError, UnsafeInputError, UsageError
+from ..fileio.remote import RemotePath, as_path
+from ..fileio.urls import is_url
 from ..model.needs import need_torch
 from ..model.refs import Tree
 from .dcp import is_dcp_folder, read_dcp, read_dcp_safely
@@ -82,9 +84,9 @@ def read_checkpoint(
     path = str(path)
     st = check_input(path)  # never opens: a FIFO, a device or a socket is refused from its mode
     if stat.S_ISDIR(st.st_mode):
-        return _read_folder(Path(path), unsafe_load, allow_globals, inert_unknown)
+        return _read_folder(as_path(path), unsafe_load, allow_globals, inert_unknown)
     if path.endswith(".index.json"):
-        return _read_sharded(Path(path), allow_globals)
+        return _read_sharded(as_path(path), allow_globals)
     f, file_size = open_input(path)
     with f:
         what = sniff(f.read(512), file_size)
@@ -103,6 +105,12 @@ def read_checkpoint(
             tensors, metadata = read_safetensors(path, f, file_size)
             return Checkpoint(path, FORMAT_SAFETENSORS, tensors, file_size, metadata=metadata)
         if what.kind == "legacy":
+            if is_url(path):
+                raise UsageError(
+                    f"{path}: a legacy torch checkpoint (saved with _use_new_zipfile_serialization=False); "
+                    "ckptfix reads this format from local files only",
+                    hint="download it first, e.g. fsspec's `fs.get`, then run ckptfix on the copy",
+                )
             globals_seen = set()
             try:
                 root = read_legacy(path, f, file_size, globals_seen, allow_globals, inert_unknown=inert_unknown)
@@ -127,6 +135,11 @@ def read_checkpoint(
 
 def _read_folder(folder: Path, unsafe_load: bool, allow_globals: Sequence[str], inert_unknown: bool) -> Checkpoint:
     if is_dcp_folder(folder):
+        if isinstance(folder, RemotePath):
+            raise UsageError(
+                f"{folder}: a torch.distributed.checkpoint folder; ckptfix reads DCP folders from local disk only",
+                hint="copy it locally first",
+            )
         size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
         globals_seen: set[str] = set()
         try:

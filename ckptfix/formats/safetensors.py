@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeAlias
 from ..errors import BadInputError, UsageError
 from ..fileio import strictjson
 from ..fileio.ranges import BLOCK, SMALL_COPY, FileRange, OpenFiles, OutputStream, is_plain_range
+from ..fileio.urls import is_url
 from ..model.data import is_c_contiguous, tensor_c_bytes
 from ..model.dtypes import DTYPE_ITEMSIZE, DTYPE_TO_SAFETENSORS, SAFETENSORS_DTYPES, SAFETENSORS_PACKED
 from ..model.needs import need_torch
@@ -496,6 +497,8 @@ def _unchanged_file(plan: SafetensorsPlan, files: OpenFiles) -> FileRange | None
     if len(pieces) != 1 or not isinstance(pieces[0], _Run):
         return None
     run = pieces[0]
+    if is_url(run.path):
+        return None  # a remote source is streamed tensor by tensor (the runs merge anyway)
     f = files.file(run.path)
     if run.offset != len(plan.header) or os.fstat(f.fileno()).st_size != run.offset + run.size:
         return None

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from ..errors import BadInputError
 from ..fileio.ranges import OpenFiles, is_plain_range, read_all
+from ..fileio.urls import is_url
 from .dtypes import DTYPE_ITEMSIZE
 from .needs import need_torch
 
@@ -86,12 +87,12 @@ def tensor_c_bytes(t: TensorRef | torch.Tensor, files: OpenFiles) -> bytes:
     start = t.storage_offset * itemsize
     swap = swap_unit_for(t.dtype) if t.storage.byteorder == "big" else 0
     buffer: bytes | mmap.mmap
-    if is_plain_range(source):
-        if swap <= 1 and is_c_contiguous(t.shape, t.stride):
-            return read_all(source.sub(start, t.nbytes), files)
+    if is_plain_range(source) and swap <= 1 and is_c_contiguous(t.shape, t.stride):
+        return read_all(source.sub(start, t.nbytes), files)
+    if is_plain_range(source) and not is_url(source.path):
         buffer, base = files.map(source.path), source.offset + start
     elif source is None:
         raise BadInputError(f"storage {t.storage.key!r:.40} has no source bytes to read")
-    else:  # compressed or computed: this one storage in memory
+    else:  # compressed, computed or remote (never mapped): this one storage in memory
         buffer, base = read_all(source, files), start
     return gather_c_order(buffer, base, itemsize, t.shape, t.stride, swap)

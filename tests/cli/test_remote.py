@@ -1,0 +1,240 @@
+"""Checkpoints named by URL (issue 25), against real servers on 127.0.0.1 in threads of this
+process: moto's S3 API used through s3fs exactly as a user's code would, and a range-capable
+HTTP server. Requests and bytes are counted on the server side (tests/remote_servers.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_values, invoke_cli
+from safetensors.torch import load_file, save_file
+
+pytest.importorskip("s3fs", reason="the S3 tests need the [remote] extra (s3fs) and moto[server]")
+pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
+
+from remote_servers import Server, start_http, start_s3
+
+BUCKET = "ckpts"
+#: what fsspec needs to reach the loopback S3 API, as a user would give it
+S3_OPTIONS = ("key=testing", "secret=testing")
+
+
+def _state(count: int, side: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"module.layer{i}.weight": torch.randn(side, side, generator=gen) for i in range(count)}
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoints uploaded: a 2.6 MB torch zip (40 tensors of 64 KiB, so that reading every
+    record's header or the whole file would break the planned-read bounds), its safetensors
+    twin, and a two-shard folder with an index."""
+    root = tmp_path_factory.mktemp("remote")
+    sd = _state(40, 128)
+    torch.save({"state_dict": sd, "epoch": 3}, root / "train.pth")
+    save_file(sd, str(root / "model.safetensors"))
+    shards = root / "shards"
+    shards.mkdir()
+    names = list(sd)
+    weight_map = {}
+    for n, part in enumerate((names[:20], names[20:])):
+        shard = f"model-0000{n + 1}-of-00002.safetensors"
+        save_file({k: sd[k] for k in part}, str(shards / shard))
+        weight_map.update(dict.fromkeys(part, shard))
+    (shards / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def s3(local: Path) -> Iterator[tuple[Server, Any]]:
+    import s3fs
+
+    server = start_s3()
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=server.endpoint, skip_instance_cache=True)
+    fs.mkdir(BUCKET)
+    fs.put(str(local / "train.pth"), f"{BUCKET}/run/train.pth")
+    fs.put(str(local / "model.safetensors"), f"{BUCKET}/run/model.safetensors")
+    for p in (local / "shards").iterdir():
+        fs.put(str(p), f"{BUCKET}/shards/{p.name}")
+    yield server, fs
+    server.stop()
+
+
+def _s3_args(server: Server) -> list[str]:
+    args = ["--storage-option", f"endpoint_url={server.endpoint}"]
+    for option in S3_OPTIONS:
+        args += ["--storage-option", option]
+    return args
+
+
+def _pickle_size(path: Path) -> int:
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return next(i.file_size for i in z.infolist() if i.filename.endswith("/data.pkl"))
+
+
+def _without_paths(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in summary.items() if k not in ("input", "path", "shared_bytes")}
+
+
+def test_inspect_s3_torch_zip_is_a_few_planned_requests(s3: tuple[Server, Any], local: Path) -> None:
+    server, _ = s3
+    server.traffic.reset()
+    result = invoke_cli("inspect", f"s3://{BUCKET}/run/train.pth", "--json", *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    requests = server.traffic.to("run/train.pth")
+    size = (local / "train.pth").stat().st_size
+    assert size > 2_500_000  # so the bounds below could not hold if the file were read whole
+    assert len(requests) <= 6, requests
+    assert server.traffic.bytes_sent <= (1 << 20) + _pickle_size(local / "train.pth")
+    assert all(r[0] in ("HEAD", "GET") for r in requests)
+    # the same report as for the local file
+    here = invoke_cli("inspect", local / "train.pth", "--json")
+    assert _without_paths(json.loads(result.stdout)) == _without_paths(json.loads(here.stdout))
+
+
+def test_inspect_s3_safetensors_and_shard_index(s3: tuple[Server, Any], local: Path) -> None:
+    server, _ = s3
+    server.traffic.reset()
+    result = invoke_cli("inspect", f"s3://{BUCKET}/run/model.safetensors", "--json", *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    assert len(server.traffic.requests) <= 3, server.traffic.requests  # HEAD, the header window
+    assert server.traffic.bytes_sent <= 1 << 18
+    assert json.loads(result.stdout)["tensors"] == 40
+
+    server.traffic.reset()
+    index = f"s3://{BUCKET}/shards/model.safetensors.index.json"
+    result = invoke_cli("inspect", index, "--json", *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert (summary["format"], summary["tensors"]) == ("sharded", 40)
+    gets = [r for r in server.traffic.requests if r[0] == "GET" and "list-type" not in r[1]]
+    assert len(gets) == 3  # the index, then one header window per shard: no tensor bytes
+    assert server.traffic.bytes_sent <= 3 << 18
+
+
+def test_convert_s3_to_local_streams_ranges_and_matches_torch(
+    s3: tuple[Server, Any], local: Path, tmp_path: Path
+) -> None:
+    server, _ = s3
+    server.traffic.reset()
+    out = tmp_path / "model.safetensors"
+    args = ["--select", "state_dict", "--strip-prefix", "module.", "--max-concurrency", "4"]
+    result = invoke_cli("convert", f"s3://{BUCKET}/run/train.pth", out, *args, *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    expected = torch.load(local / "train.pth", weights_only=True)["state_dict"]
+    assert_values(load_file(out), {k.removeprefix("module."): v for k, v in expected.items()})
+    size = (local / "train.pth").stat().st_size
+    # every byte once, give or take the planned metadata windows and headers: never the whole
+    # object twice (a header prefetch that swallowed tensor data would)
+    assert server.traffic.bytes_sent <= 2 * size, "\n".join(map(str, server.traffic.requests))
+    assert any(r[2] for r in server.traffic.requests)  # ranged GETs, not whole-object downloads
+    assert not any(r[0] == "GET" and not r[2] and "list-type" not in r[1] for r in server.traffic.requests)
+
+    # and to a .pth, through the zip writer (strip-module keeps the training dict)
+    back = tmp_path / "bare.pth"
+    result = invoke_cli("strip-module", f"s3://{BUCKET}/run/train.pth", back, *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    loaded = torch.load(back, weights_only=True, mmap=True)
+    assert loaded["epoch"] == 3
+    assert_values(loaded["state_dict"], {k.removeprefix("module."): v for k, v in expected.items()})
+
+
+def test_scan_verify_and_diff_read_s3(s3: tuple[Server, Any], local: Path) -> None:
+    server, _ = s3
+    url = f"s3://{BUCKET}/run/train.pth"
+    server.traffic.reset()
+    result = invoke_cli("scan", url, "--json", *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    assert len(server.traffic.to("run/train.pth")) <= 6
+    here = invoke_cli("scan", local / "train.pth", "--json")
+    assert json.loads(result.stdout)["files"][0]["globals"] == json.loads(here.stdout)["files"][0]["globals"]
+
+    result = invoke_cli("verify", url, f"s3://{BUCKET}/run/model.safetensors", *_s3_args(server))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    result = invoke_cli("diff", url, local / "train.pth", *_s3_args(server))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_an_object_replaced_while_read_is_exit_3_and_nothing_written(
+    s3: tuple[Server, Any], local: Path, tmp_path: Path
+) -> None:
+    server, fs = s3
+    key = f"{BUCKET}/run/changing.pth"
+    fs.put(str(local / "train.pth"), key)
+    out = tmp_path / "out.safetensors"
+    gets = 0
+
+    def replace_after_metadata(method: str, path: str, range_: str) -> None:
+        nonlocal gets
+        if method == "GET" and path.endswith("changing.pth"):
+            gets += 1
+            if gets == 3:  # the reader has read the metadata: now the tensors come
+                from moto.s3.models import s3_backends
+
+                backend = next(iter(s3_backends.values()))["global"]
+                backend.put_object(BUCKET, "run/changing.pth", (local / "model.safetensors").read_bytes())
+
+    server.traffic.on_request = replace_after_metadata
+    try:
+        result = invoke_cli("convert", f"s3://{key}", out, "--select", "state_dict", *_s3_args(server))
+    finally:
+        server.traffic.on_request = None
+    assert result.returncode == 3, result.stderr
+    assert "changed while it was being read" in result.stderr or "changed or was truncated" in result.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_http_and_memory_urls(local: Path, tmp_path: Path) -> None:
+    server = start_http(local)
+    try:
+        url = f"{server.endpoint}/train.pth"
+        result = invoke_cli("inspect", url, "--json")
+        assert result.returncode == 0, result.stderr
+        assert len(server.traffic.requests) <= 6, server.traffic.requests
+        assert server.traffic.bytes_sent <= (1 << 20) + _pickle_size(local / "train.pth")
+        out = tmp_path / "m.safetensors"
+        result = invoke_cli("convert", f"{server.endpoint}/model.safetensors", out)
+        assert result.returncode == 0, result.stderr
+        assert_values(load_file(out), load_file(local / "model.safetensors"))
+    finally:
+        server.stop()
+
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    memory.pipe("/r25/model.safetensors", (local / "model.safetensors").read_bytes())
+    out = tmp_path / "from-memory.pth"
+    result = invoke_cli("convert", "memory://r25/model.safetensors", out)
+    assert result.returncode == 0, result.stderr
+    assert_values(torch.load(out, weights_only=True), load_file(local / "model.safetensors"))
+    result = invoke_cli("inspect", (local / "model.safetensors").as_uri())
+    assert result.returncode == 0 and "safetensors" in result.stdout
+
+
+def test_a_missing_backend_is_one_line_naming_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if not installed
+    result = invoke_cli("inspect", "gs://bucket/model.pth")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "pip install 'ckptfix[gcs]'" in result.stderr
+    monkeypatch.setitem(sys.modules, "fsspec", None)
+    result = invoke_cli("convert", "s3://bucket/model.pth", tmp_path / "out.pth")
+    assert result.returncode == 2
+    assert "pip install 'ckptfix[remote]'" in result.stderr and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_object_is_exit_3(s3: tuple[Server, Any]) -> None:
+    server, _ = s3
+    result = invoke_cli("inspect", f"s3://{BUCKET}/run/nothing.pth", *_s3_args(server))
+    assert result.returncode == 3
+    assert "no such object" in result.stderr
