@@ -20,7 +20,7 @@ import io
 import mmap
 import os
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -64,6 +64,8 @@ class RangeSource(Protocol):
     def iter_range(self, offset: int, size: int) -> Iterator[bytes]: ...
 
     def check_unchanged(self) -> None: ...
+
+    def plan(self, ranges: list[tuple[int, int]]) -> None: ...
 
 
 @dataclass(slots=True, unsafe_hash=True)
@@ -215,6 +217,20 @@ class OpenFiles:
             else:
                 f = self._files[path] = self._stack.enter_context(open(path, "rb"))  # noqa: SIM115
         return f
+
+    def plan(self, sources: Iterable[FileRange | ComputedSource | None]) -> None:
+        """Say which ranges a writer is about to read, in its order. Local files ignore it; a
+        remote object fetches them ahead (coalesced, concurrent, bounded: see
+        :meth:`~ckptfix.fileio.remote.RemoteFile.plan`)."""
+        wanted: dict[str, list[tuple[int, int]]] = {}
+        for source in sources:
+            if isinstance(source, FileRange) and is_url(source.path):
+                size = source.size if source.deflated_size is None else source.deflated_size
+                wanted.setdefault(source.path, []).append((source.offset, size))
+        for path, ranges in wanted.items():
+            f = self.file(path)
+            if isinstance(f, RangeSource):
+                f.plan(ranges)
 
     def map(self, path: str) -> mmap.mmap:
         m = self._maps.get(path)

@@ -312,6 +312,7 @@ class RemoteFile(io.RawIOBase):
         self._starts: list[int] = []  # sorted keys of _blocks
         self._cached = 0
         self._lock = threading.Lock()
+        self._ahead: _Readahead | None = None
 
     # -- io.RawIOBase
     def readable(self) -> bool:
@@ -390,6 +391,10 @@ class RemoteFile(io.RawIOBase):
         size = max(0, min(size, self.size - offset))
         if size == 0:
             return b""
+        if self._ahead is not None:
+            planned = self._ahead.take(offset, size)
+            if planned is not None and len(planned) == size:
+                return planned
         hit = self._cached_read(size, offset)
         if hit is not None:
             return hit
@@ -439,6 +444,23 @@ class RemoteFile(io.RawIOBase):
                 for future in pending:
                     future.cancel()
 
+    def plan(self, ranges: list[tuple[int, int]]) -> None:
+        """The ``(offset, size)`` ranges a writer is about to read, in its order: from now on they
+        are fetched ahead, coalesced (neighbours in that order less than :data:`SMALL_GAP`
+        apart, up to :data:`PART` bytes a request) and at most ``max_concurrency`` requests at
+        once, and reads are served from them as the writer gets there (:class:`_Readahead`)."""
+        spans: list[tuple[int, int]] = []
+        for offset, size in ranges:
+            end = min(self.size, offset + size)
+            if offset < 0 or offset >= end:
+                continue
+            last = spans[-1] if spans else None
+            if last is not None and last[1] <= offset <= last[1] + SMALL_GAP and end - last[0] <= PART:
+                spans[-1] = (last[0], end)
+                continue
+            spans.extend((at, min(end, at + PART)) for at in range(offset, end, PART))
+        self._ahead = _Readahead(self, spans) if spans else None
+
     def iter_range(self, offset: int, size: int) -> Iterator[bytes]:
         """``size`` bytes at ``offset`` as parts of at most :data:`PART` bytes, in order, fetched
         concurrently; the caller writes each as it arrives."""
@@ -446,11 +468,26 @@ class RemoteFile(io.RawIOBase):
             raise RuntimeError(f"{self.url}: a read of tensor bytes in a metadata-only read")
         if offset + size > self.size:
             raise BadInputError(f"{self.url}: the object ended inside tensor data (truncated?)")
+        ahead = self._ahead
+        while ahead is not None and size > 0:
+            piece = ahead.take(offset, size)
+            if piece is None:
+                break
+            yield piece
+            offset, size = offset + len(piece), size - len(piece)
+        if size == 0:
+            return
         if size < WINDOW:
             yield self.pread(size, offset)
             return
         spans = [[at, min(offset + size, at + PART)] for at in range(offset, offset + size, PART)]
         yield from self._map(lambda s: self.fetch(s[0], s[1]), spans)
+
+    def close(self) -> None:
+        if self._ahead is not None:
+            self._ahead.close()
+            self._ahead = None
+        super().close()
 
     def check_unchanged(self) -> None:
         """The object must still be the one first opened (size, ETag, version)."""
@@ -461,6 +498,54 @@ class RemoteFile(io.RawIOBase):
                 f"{self.url}: the object changed while it was being read ({_change(self.identity, now)}); "
                 "nothing written"
             )
+
+
+class _Readahead:
+    """Planned spans of one object fetched ahead of a writer that reads them in order.
+
+    At most ``max_concurrency`` spans are in flight or waiting to be read, so memory stays at
+    that many :data:`PART` s whatever the checkpoint's size. A read is served from the span
+    that holds it; spans before that one are done with (the writer went past them) and make
+    room for the next. A read the plan does not hold gets None: the caller fetches it itself.
+    """
+
+    def __init__(self, source: RemoteFile, spans: list[tuple[int, int]]) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self._source = source
+        self._spans = iter(spans)
+        self._pool = ThreadPoolExecutor(source.max_concurrency, thread_name_prefix="ckptfix-ahead")
+        self._window: list[tuple[int, int, Future[bytes]]] = []
+        self._fill()
+
+    def _fill(self) -> None:
+        while len(self._window) < self._source.max_concurrency:
+            span = next(self._spans, None)
+            if span is None:
+                return
+            start, end = span
+            self._window.append((start, end, self._pool.submit(self._source.fetch, start, end)))
+
+    def take(self, offset: int, size: int) -> bytes | None:
+        """Up to ``size`` bytes at ``offset`` from the span holding ``offset``, if planned."""
+        for i, (start, end, future) in enumerate(self._window):
+            if start <= offset < end:
+                data = future.result()
+                piece = data[offset - start : min(end, offset + size) - start]
+                # spans before this one are passed; this one too once its last byte is read
+                done = i + 1 if offset + len(piece) >= end else i
+                for _, _, passed in self._window[:done]:
+                    passed.cancel()
+                del self._window[:done]
+                self._fill()
+                return piece
+        return None
+
+    def close(self) -> None:
+        for _, _, future in self._window:
+            future.cancel()
+        self._window.clear()
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 def open_url(url: str) -> tuple[RemoteFile, int]:

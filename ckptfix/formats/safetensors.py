@@ -29,7 +29,7 @@ import itertools
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeAlias
 
@@ -478,6 +478,7 @@ def write_safetensors(
                 progress(plan.data_bytes)
         else:
             stream.write(plan.header)
+            files.plan(_planned_reads(plan.tensors))  # a remote input: fetched ahead, in this order
             for _, t in plan.tensors:
                 span = _plain_span(t)
                 if span is None:
@@ -488,6 +489,18 @@ def write_safetensors(
                     progress(t.nbytes)
         stream.flush()  # before the input files close: the last copy may still be pending
     return plan
+
+
+def _planned_reads(tensors: Iterable[tuple[str, TensorRef]]) -> Iterator[FileRange | None]:
+    """What the loop above reads, in its order: each tensor's bytes, or its whole storage when
+    it is gathered (see :func:`~ckptfix.model.data.tensor_c_bytes`)."""
+    for _, t in tensors:
+        span = _plain_span(t)
+        source = t.storage.source
+        if span is not None:
+            yield FileRange(span[0], span[1], t.nbytes)
+        elif isinstance(source, FileRange):
+            yield source
 
 
 def _unchanged_file(plan: SafetensorsPlan, files: OpenFiles) -> FileRange | None:

@@ -134,7 +134,7 @@ def test_convert_s3_to_local_streams_ranges_and_matches_torch(
     size = (local / "train.pth").stat().st_size
     # every byte once, give or take the planned metadata windows and headers: never the whole
     # object twice (a header prefetch that swallowed tensor data would)
-    assert server.traffic.bytes_sent <= 2 * size, "\n".join(map(str, server.traffic.requests))
+    assert server.traffic.bytes_sent <= size + (1 << 20), "\n".join(map(str, server.traffic.requests))
     assert any(r[2] for r in server.traffic.requests)  # ranged GETs, not whole-object downloads
     assert not any(r[0] == "GET" and not r[2] and "list-type" not in r[1] for r in server.traffic.requests)
 
