@@ -26,8 +26,9 @@ from .errors import BadInputError, CannotWriteError, CheckFailedError, UnsafeInp
 from .fileio.atomic import atomic_output, check_destination
 from .fileio.extents import shared_bytes, shared_bytes_of
 from .fileio.ranges import FileRange, OpenFiles, OutputStream
-from .fileio.remote import consistent_reads, metadata_only
+from .fileio.remote import as_path, consistent_reads, metadata_only, output_urls, staged_output
 from .fileio.sizes import parse_size
+from .fileio.urls import is_url
 from .formats.checkpoint import (
     FORMAT_DCP,
     FORMAT_SAFETENSORS,
@@ -470,7 +471,9 @@ def convert(
     for rule in opts.rename:
         parse_rule(rule)
     check_global_patterns(opts.allow_globals)  # the API gets the CLI's check too
-    if not opts.dry_run and kind == "file":
+    if is_url(out_path) and (opts.in_place or kind == "dcp"):
+        raise UsageError(f"{out_path}: a URL output takes a .pth/.safetensors name or a folder of shards")
+    if not opts.dry_run and kind == "file" and not is_url(out_path):
         check_destination(in_path, out_path, overwrite=opts.force, in_place=opts.in_place)
     started = time.perf_counter()
     # unknown classes are read as inert records and judged on what the output carries
@@ -515,17 +518,65 @@ def convert(
             return report
         # OUT was named: it exists afterwards, so `a && b` chains and batch folders never miss a
         # file -- a byte-for-byte copy when the format stays (reflinked where the file system can)
-        if _same_format(ckpt, kind, file_format):
+        if _same_format(ckpt, kind, file_format) and not is_url(out_path):
             _copy_whole(ckpt, Path(out_path), report)
         else:
-            _write(ckpt, root, Path(out_path), kind, file_format, max_bytes, opts, report, progress)
+            _write_to(
+                out_path,
+                opts,
+                report,
+                partial(
+                    _write,
+                    ckpt,
+                    root,
+                    kind=kind,
+                    file_format=file_format,
+                    max_bytes=max_bytes,
+                    opts=opts,
+                    report=report,
+                    progress=progress,
+                ),
+            )
         report.message = f"{why}; wrote {out_path} unchanged"
         report.notes.append(f"{why}: {out_path} is the input unchanged")
         report.seconds = time.perf_counter() - started
         return report
-    _write(ckpt, root, Path(out_path), kind, file_format, max_bytes, opts, report, progress)
+    _write_to(
+        out_path,
+        opts,
+        report,
+        partial(
+            _write,
+            ckpt,
+            root,
+            kind=kind,
+            file_format=file_format,
+            max_bytes=max_bytes,
+            opts=opts,
+            report=report,
+            progress=progress,
+        ),
+    )
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _write_to(out_path: str, opts: ConvertOptions, report: Report, write: Callable[[Path], None]) -> None:
+    """``write(OUT)`` for a local OUT; for a URL, ``write`` into a local staging path that is
+    then uploaded, each object atomically and a folder's index last (see
+    :func:`~ckptfix.fileio.remote.staged_output`), and the report names the URLs."""
+    if not is_url(out_path):
+        write(Path(out_path))
+        return
+    if opts.dry_run:
+        write(as_path(out_path))  # only named in the message
+        return
+    with staged_output(out_path, force=opts.force) as local:
+        write(local)
+        staged = list(report.outputs)
+        report.message = report.message.replace(str(local), out_path)
+    report.outputs = output_urls(out_path, local, staged)
+    report.shared_bytes = None
 
 
 def _same_format(ckpt: Checkpoint, kind: str, file_format: str) -> bool:

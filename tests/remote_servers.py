@@ -28,19 +28,19 @@ class Traffic:
     requests: list[tuple[str, str, str]] = field(default_factory=list)
     bytes_sent: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
-    #: called with each request before it is answered (a test's way to change the object mid-read)
-    on_request: Callable[[str, str, str], None] | None = None
+    #: called with each request (method, path?query, range) before it is answered: a test's way
+    #: to change the object mid-read, or to fail the request (return an HTTP status to answer)
+    on_request: Callable[[str, str, str], int | None] | None = None
 
     def reset(self) -> None:
         with self.lock:
             self.requests.clear()
             self.bytes_sent = 0
 
-    def add(self, method: str, path: str, range_: str) -> None:
+    def add(self, method: str, path: str, range_: str) -> int | None:
         with self.lock:
             self.requests.append((method, path, range_))
-        if self.on_request is not None:
-            self.on_request(method, path, range_)
+        return self.on_request(method, path, range_) if self.on_request is not None else None
 
     def sent(self, count: int) -> None:
         with self.lock:
@@ -48,7 +48,7 @@ class Traffic:
 
     def to(self, key: str) -> list[tuple[str, str, str]]:
         """The requests that named ``key`` (an object's path)."""
-        return [r for r in self.requests if r[1].rstrip("/").endswith(key)]
+        return [r for r in self.requests if r[1].split("?")[0].rstrip("/").endswith(key)]
 
 
 class _Counting:
@@ -58,7 +58,12 @@ class _Counting:
         self.app, self.traffic = app, traffic
 
     def __call__(self, environ: Environ, start_response: StartResponse) -> Iterator[bytes]:
-        self.traffic.add(environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""), environ.get("HTTP_RANGE", ""))
+        query = environ.get("QUERY_STRING", "")
+        path = environ.get("PATH_INFO", "") + (f"?{query}" if query else "")
+        status = self.traffic.add(environ["REQUEST_METHOD"], path, environ.get("HTTP_RANGE", ""))
+        if status is not None:  # a fault the test asked for
+            start_response(f"{status} Injected", [("Content-Type", "application/xml"), ("Content-Length", "0")])
+            return
         body = self.app(environ, start_response)
         try:
             for chunk in body:
@@ -89,7 +94,8 @@ def start_s3() -> Server:
     traffic = Traffic()
     app = _Counting(DomainDispatcherApplication(create_backend_app), traffic)
     server = make_server("127.0.0.1", 0, app, threaded=True, request_handler=Quiet)
-    thread = threading.Thread(target=server.serve_forever, name="moto-s3", daemon=True)
+    # a short poll: shutdown() waits up to one poll interval (0.5 s by default)
+    thread = threading.Thread(target=server.serve_forever, args=(0.02,), name="moto-s3", daemon=True)
     thread.start()
 
     def stop() -> None:
@@ -175,7 +181,7 @@ def start_http(root: Path) -> Server:
 
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
     server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, name="http-range", daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.02,), name="http-range", daemon=True)
     thread.start()
 
     def stop() -> None:

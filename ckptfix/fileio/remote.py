@@ -32,14 +32,14 @@ import re
 import stat
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import wraps
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from ..errors import BadInputError, UsageError
+from ..errors import BadInputError, CannotWriteError, CkptfixError, UsageError
 from .urls import is_url
 
 __all__ = [
@@ -639,3 +639,101 @@ def as_path(path: str | os.PathLike[str]) -> Path:
         return cast(Path, path)
     text = os.fspath(path)
     return cast(Path, RemotePath(text)) if is_url(text) else Path(text)
+
+
+# ---------------------------------------------------------------------------- outputs
+#: part size of a multipart upload (S3's minimum part is 5 MiB)
+UPLOAD_PART = 1 << 23
+
+
+def _exists(fs: Any, path: str, url: str) -> bool:
+    try:
+        return bool(fs.exists(path))
+    except Exception as exc:
+        raise CannotWriteError(f"{url}: cannot check the destination: {type(exc).__name__}: {exc}") from None
+
+
+def _staged_files(local: Path) -> list[Path]:
+    """What was written under ``local`` (a file, or a folder's files), an index file last: a
+    folder is complete once its index is there, so the index is uploaded after every shard."""
+    if local.is_file():
+        return [local]
+    if not local.is_dir():
+        return []
+    files = sorted(p for p in local.rglob("*") if p.is_file())
+    return sorted(files, key=lambda p: p.name.endswith(".index.json"))
+
+
+def upload_file(local: Path, fs: Any, path: str, url: str) -> None:
+    """Copy ``local`` to ``path`` so that the object is either complete or absent: the bytes go
+    up as a multipart upload (parts sent as they are read), completed only after the last part
+    and aborted on any failure, Ctrl-C included -- never a partial object, never an orphaned
+    upload. Filesystems without uncommitted writes (no ``autocommit=False``) are refused."""
+    try:
+        out = fs.open(path, "wb", autocommit=False, block_size=UPLOAD_PART)
+    except (TypeError, NotImplementedError):
+        raise UsageError(
+            f"{url}: this storage cannot commit a write atomically; write to s3:// or local disk"
+        ) from None
+    except Exception as exc:
+        raise CannotWriteError(f"{url}: cannot write: {type(exc).__name__}: {exc}") from None
+    try:
+        with open(local, "rb") as f:
+            while chunk := f.read(UPLOAD_PART):
+                out.write(chunk)
+        out.close()  # sends the last part; with autocommit off the object does not exist yet
+        out.commit()
+    except BaseException as exc:
+        with suppress(Exception):
+            out.discard()  # aborts the multipart upload: its parts are deleted
+        if isinstance(exc, Exception) and not isinstance(exc, CkptfixError):
+            raise CannotWriteError(f"{url}: upload failed: {type(exc).__name__}: {exc}; nothing written") from None
+        raise
+
+
+@contextmanager
+def staged_output(url: str, *, force: bool) -> Iterator[Path]:
+    """A local path to write an output for ``url`` to; on a clean exit its file (or its
+    folder's files, the index last) are uploaded, each atomically (:func:`upload_file`).
+
+    Without ``force`` an existing object is refused before anything is written or uploaded
+    (as for a local OUT). The output is staged in a temporary folder: the writers copy ranges
+    by the kernel and seek, which an upload stream cannot take; the upload then streams it.
+    If a folder's upload fails part way, the shards already uploaded are removed again, and
+    the index (the folder's completion marker) was never written.
+    """
+    import tempfile
+
+    fs, path = filesystem(url)
+    path = path.rstrip("/")
+    if not force and _exists(fs, path, url):
+        raise CannotWriteError(f"{url}: already exists", hint="pass --force to overwrite it")
+    with tempfile.TemporaryDirectory(prefix="ckptfix-upload-") as tmp:
+        local = Path(tmp) / (posixpath.basename(path) or "out")
+        yield local
+        staged = _staged_files(local)
+        targets = [(p, path if p == local else f"{path}/{p.relative_to(local).as_posix()}") for p in staged]
+        if not force:
+            for _, target in targets:
+                if _exists(fs, target, url):
+                    raise CannotWriteError(f"{url}: {target} already exists", hint="pass --force to overwrite it")
+        uploaded: list[str] = []
+        try:
+            for (p, target), shown in zip(targets, output_urls(url, local, [str(p) for p, _ in targets])):
+                upload_file(p, fs, target, shown)
+                uploaded.append(target)
+        except BaseException:
+            for target in uploaded:
+                with suppress(Exception):
+                    fs.rm_file(target)
+            raise
+
+
+def output_urls(url: str, local: Path, outputs: list[str]) -> list[str]:
+    """The URLs of the files a staged write reported (local paths under ``local``)."""
+    base = url.rstrip("/")
+    found = []
+    for out in outputs:
+        p = Path(out)
+        found.append(base if p == local else f"{base}/{p.relative_to(local).as_posix()}")
+    return found

@@ -32,11 +32,11 @@ def _state(count: int, side: int, seed: int = 0) -> dict[str, torch.Tensor]:
 
 @pytest.fixture(scope="module")
 def local(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The checkpoints uploaded: a 2.6 MB torch zip (40 tensors of 64 KiB, so that reading every
+    """The checkpoints uploaded: a 1.3 MB torch zip (40 tensors of 32 KiB, so that reading every
     record's header or the whole file would break the planned-read bounds), its safetensors
     twin, and a two-shard folder with an index."""
     root = tmp_path_factory.mktemp("remote")
-    sd = _state(40, 128)
+    sd = _state(40, 90)
     torch.save({"state_dict": sd, "epoch": 3}, root / "train.pth")
     save_file(sd, str(root / "model.safetensors"))
     shards = root / "shards"
@@ -91,7 +91,7 @@ def test_inspect_s3_torch_zip_is_a_few_planned_requests(s3: tuple[Server, Any], 
     assert result.returncode == 0, result.stderr
     requests = server.traffic.to("run/train.pth")
     size = (local / "train.pth").stat().st_size
-    assert size > 2_500_000  # so the bounds below could not hold if the file were read whole
+    assert size > 1_300_000  # so the bounds below could not hold if the file were read whole
     assert len(requests) <= 6, requests
     assert server.traffic.bytes_sent <= (1 << 20) + _pickle_size(local / "train.pth")
     assert all(r[0] in ("HEAD", "GET") for r in requests)
@@ -238,3 +238,55 @@ def test_a_missing_object_is_exit_3(s3: tuple[Server, Any]) -> None:
     result = invoke_cli("inspect", f"s3://{BUCKET}/run/nothing.pth", *_s3_args(server))
     assert result.returncode == 3
     assert "no such object" in result.stderr
+
+
+def _uploads_in_progress(fs: Any, bucket: str) -> list[Any]:
+    """Multipart uploads started and neither completed nor aborted, as S3 lists them."""
+    return fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+
+
+def test_remote_to_remote_shards_commit_the_index_last(s3: tuple[Server, Any], local: Path, tmp_path: Path) -> None:
+    server, fs = s3
+    server.traffic.reset()
+    out = f"s3://{BUCKET}/hub/"
+    args = ["--select", "state_dict", "--strip-prefix", "module.", "--max-shard-size", "600KB"]
+    result = invoke_cli("convert", f"s3://{BUCKET}/run/train.pth", out, *args, *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{BUCKET}/hub", refresh=True))
+    assert names[-1] == "model.safetensors.index.json" and len(names) == 4, names
+    # each object was committed by completing its multipart upload; the index's came last
+    completes = [r[1] for r in server.traffic.requests if r[0] == "POST" and "uploadId=" in r[1]]
+    assert len(completes) == 4 and "index.json" in completes[-1], completes
+    assert _uploads_in_progress(fs, BUCKET) == []
+    fs.get(f"{BUCKET}/hub/", str(tmp_path / "hub"), recursive=True)
+    from huggingface_hub import load_torch_model
+
+    expected = torch.load(local / "train.pth", weights_only=True)["state_dict"]
+    model = torch.nn.ModuleDict({f"layer{i}": torch.nn.Linear(90, 90, bias=False) for i in range(40)})
+    load_torch_model(model, tmp_path / "hub", strict=True)
+    assert_values(model.state_dict(), {k.removeprefix("module."): v for k, v in expected.items()})
+
+    # an existing output is refused without --force (exit 4), replaced with it
+    again = invoke_cli("convert", f"s3://{BUCKET}/run/train.pth", out, *args, *_s3_args(server))
+    assert again.returncode == 4 and "--force" in again.stderr
+    forced = invoke_cli("convert", f"s3://{BUCKET}/run/train.pth", out, *args, "--force", *_s3_args(server))
+    assert forced.returncode == 0, forced.stderr
+
+
+def test_a_failed_upload_leaves_no_object_and_no_multipart_upload(s3: tuple[Server, Any], local: Path) -> None:
+    server, fs = s3
+
+    def fail_parts(method: str, path: str, range_: str) -> int | None:
+        return 403 if method == "PUT" and "partNumber=" in path and "broken" in path else None  # not retried
+
+    server.traffic.on_request = fail_parts
+    try:
+        result = invoke_cli("strip-module", local / "train.pth", f"s3://{BUCKET}/broken/bare.pth", *_s3_args(server))
+    finally:
+        server.traffic.on_request = None
+    assert result.returncode == 4, result.stderr
+    assert "nothing written" in result.stderr and "Traceback" not in result.stderr
+    assert not fs.exists(f"{BUCKET}/broken/bare.pth")
+    assert _uploads_in_progress(fs, BUCKET) == []
+    # the upload had begun: parts were sent (and refused) before it was aborted
+    assert any(r[0] == "DELETE" and "uploadId=" in r[1] for r in server.traffic.requests)
