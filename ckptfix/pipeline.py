@@ -561,6 +561,13 @@ def convert(
     return report
 
 
+def _local_output(out: str | os.PathLike[str] | None, command: str) -> None:
+    """Commands that name their outputs themselves write to local disk only (a URL as a Path
+    would be a local folder named "s3:")."""
+    if out is not None and is_url(str(out)):
+        raise UsageError(f"{out}: {command} writes to a local path; convert (and the fixes) write to URLs")
+
+
 def _write_to(out_path: str, opts: ConvertOptions, report: Report, write: Callable[[Path], None]) -> None:
     """``write(OUT)`` for a local OUT; for a URL, ``write`` into a local staging path that is
     then uploaded, each object atomically and a folder's index last (see
@@ -868,6 +875,8 @@ def fit_checkpoint(
     """
     from .transforms.fit import best_fit, reference_from_model, shapes_of
 
+    _local_output(out_path, "fit")
+
     legacy = ConvertOptions(
         select=select,
         ema=ema,
@@ -968,6 +977,8 @@ def publish(
     ``out_format`` ... ``ema`` are the same fields, kept for existing callers.
     """
     import hashlib
+
+    _local_output(out_dir, "publish")
 
     from .transforms.fit import wrapper_chain
 

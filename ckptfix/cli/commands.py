@@ -252,6 +252,7 @@ def pipeline_options(kw: dict[str, Any], **preset: Any) -> ConvertOptions:
 def run_write(spec: WriteCommand, paths: tuple[str, ...], as_json: bool, kw: dict[str, Any]) -> int:
     """Build the options and run one file (IN OUT) or a batch (-o DIR, --in-place, folders)."""
     from ..batch import expand_inputs, plan_outputs, run_batch
+    from ..fileio.urls import is_url
 
     batch = {k: kw.pop(k) for k in BATCH_OPTIONS}
     opts = pipeline_options(kw, require_change=spec.require_change)
@@ -265,6 +266,8 @@ def run_write(spec: WriteCommand, paths: tuple[str, ...], as_json: bool, kw: dic
     else:
         if batch["output_dir"] is not None and opts.in_place:
             raise UsageError("give either -o DIR or --in-place, not both")
+        if any(is_url(p) for p in (*paths, batch["output_dir"] or "")):
+            raise UsageError("several inputs (-o DIR, --in-place) are local files; give a URL as IN OUT, one at a time")
         inputs = expand_inputs(paths, batch["recursive"])
         out_dir = Path(batch["output_dir"]) if batch["output_dir"] else None
         if out_dir is not None:

@@ -290,3 +290,15 @@ def test_a_failed_upload_leaves_no_object_and_no_multipart_upload(s3: tuple[Serv
     assert _uploads_in_progress(fs, BUCKET) == []
     # the upload had begun: parts were sent (and refused) before it was aborted
     assert any(r[0] == "DELETE" and "uploadId=" in r[1] for r in server.traffic.requests)
+
+
+def test_commands_that_name_their_outputs_refuse_urls(local: Path, tmp_path: Path) -> None:
+    # a URL taken as a local path would make a folder named "s3:" in the working directory
+    for args in (
+        ("publish", local / "model.safetensors", "s3://bucket/release/"),
+        ("strip-module", local / "train.pth", "-o", "s3://bucket/out/"),
+        ("strip-module", local / "train.pth", "s3://bucket/x.pth", "--in-place"),
+    ):
+        result = invoke_cli(*args, cwd=tmp_path)
+        assert result.returncode == 2, (args, result.stderr)
+    assert list(tmp_path.iterdir()) == []
