@@ -106,6 +106,8 @@ def start_s3() -> Server:
 
 
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
+#: what an ``on_request`` hook returns to make the HTTP server send a short body and drop the connection
+SHORT_BODY = -1
 
 
 def start_http(root: Path) -> Server:
@@ -144,7 +146,19 @@ def start_http(root: Path) -> Server:
 
         def do_GET(self) -> None:
             range_ = self.headers.get("Range", "")
-            traffic.add("GET", self.path, range_)
+            fault = traffic.add("GET", self.path, range_)
+            if fault == SHORT_BODY:  # the headers promise more than is sent, then the connection drops
+                self.send_response(206)
+                self.send_header("Content-Length", "1000")
+                self.end_headers()
+                self.wfile.write(b"x" * 10)
+                self.close_connection = True
+                return
+            if fault is not None:
+                self.send_response(fault)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+                return
             path = self._target()
             if path is None:
                 self.send_error(404)

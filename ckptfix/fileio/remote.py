@@ -80,6 +80,9 @@ PART = 1 << 23
 #: planned small reads (zip local headers) closer than this are fetched as one request: the
 #: bytes between them (tensor data the conversion fetches again) cost less than a request
 SMALL_GAP = 1 << 13
+#: a failed ranged read is tried again this many times, after BACKOFF, 2x, 4x ... seconds
+RETRIES = 3
+BACKOFF = 0.1
 #: what a RemoteFile keeps of the bytes it fetched for small reads, at most
 _CACHE_LIMIT = 1 << 26
 
@@ -338,22 +341,40 @@ class RemoteFile(io.RawIOBase):
 
     # -- ranges
     def fetch(self, start: int, end: int) -> bytes:
-        """``[start, end)`` in one ranged request; a short answer means the object changed."""
+        """``[start, end)`` in one ranged request.
+
+        A ranged GET changes nothing, so a failed or short one is safe to repeat: a server
+        error, a dropped connection or a short body is retried after 0.1, 0.2, 0.4 s
+        (:data:`RETRIES`), then the read fails (exit 3). A missing object or a refusal is not
+        retried. A short answer that persists means the object changed or was truncated.
+        """
         if start >= end:
             return b""
-        try:
-            data = self.fs.cat_file(self._path, start=start, end=end)
-        except Exception as exc:
-            raise _remote_error(self.url, exc) from None
-        with self._lock:
-            self.requests += 1
-            self.bytes_fetched += len(data)
-        if len(data) != end - start:
-            raise BadInputError(
-                f"{self.url}: asked for bytes {start}-{end} and got {len(data)}: the object changed or was truncated "
-                "while being read; nothing written"
-            )
-        return cast(bytes, data)
+        import time
+
+        data: bytes = b""
+        for attempt in range(RETRIES + 1):
+            if attempt:
+                time.sleep(BACKOFF * 2 ** (attempt - 1))
+            try:
+                data = self.fs.cat_file(self._path, start=start, end=end)
+            except (FileNotFoundError, PermissionError) as exc:
+                raise _remote_error(self.url, exc) from None
+            except Exception as exc:
+                if attempt == RETRIES:
+                    raise _remote_error(self.url, exc) from None
+                continue
+            finally:
+                with self._lock:
+                    self.requests += 1
+            with self._lock:
+                self.bytes_fetched += len(data)
+            if len(data) == end - start:
+                return data
+        raise BadInputError(
+            f"{self.url}: asked for bytes {start}-{end} and got {len(data)}, {RETRIES + 1} times: the object changed "
+            "or was truncated while being read; nothing written"
+        )
 
     def _cached_read(self, size: int, offset: int) -> bytes | None:
         import bisect

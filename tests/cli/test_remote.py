@@ -302,3 +302,33 @@ def test_commands_that_name_their_outputs_refuse_urls(local: Path, tmp_path: Pat
         result = invoke_cli(*args, cwd=tmp_path)
         assert result.returncode == 2, (args, result.stderr)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_ranged_reads_are_retried_then_exit_3(
+    local: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from remote_servers import SHORT_BODY
+
+    import ckptfix.fileio.remote
+
+    monkeypatch.setattr(ckptfix.fileio.remote, "BACKOFF", 0.005)  # the schedule, shortened
+    server = start_http(local)
+    faults = iter([503, SHORT_BODY, 500])  # one of each on the first ranged reads, then served
+
+    def flaky(method: str, path: str, range_: str) -> int | None:
+        return next(faults, None) if method == "GET" and range_ else None
+
+    server.traffic.on_request = flaky
+    try:
+        out = tmp_path / "m.safetensors"
+        result = invoke_cli("convert", f"{server.endpoint}/model.safetensors", out)
+        assert result.returncode == 0, result.stderr
+        assert_values(load_file(out), load_file(local / "model.safetensors"))
+        assert sum(1 for r in server.traffic.requests if r[2]) >= 4  # the three refused, then served
+
+        server.traffic.on_request = lambda method, path, range_: 503 if range_ else None  # never served
+        result = invoke_cli("convert", f"{server.endpoint}/model.safetensors", tmp_path / "never.safetensors")
+        assert result.returncode == 3, result.stderr
+        assert "Traceback" not in result.stderr and not (tmp_path / "never.safetensors").exists()
+    finally:
+        server.stop()
