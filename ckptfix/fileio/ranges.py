@@ -212,6 +212,7 @@ class OpenFiles:
                 from .remote import RemoteFile
 
                 remote = RemoteFile(path)
+                self._stack.callback(remote.close)  # after the check (callbacks run last first)
                 self._stack.callback(remote.check_unchanged)
                 f = self._files[path] = cast(BinaryIO, remote)
             else:

@@ -1,5 +1,5 @@
-"""Checkpoints where they live: inputs named by URL (``s3://``, ``gs://``, ``az://``, ``hf://``,
-``https://``, ``file://``, ``memory://``), read through ``fsspec`` as planned byte ranges.
+"""Checkpoints where they live: inputs and outputs named by URL (``s3://``, ``gs://``, ``az://``,
+``hf://``, ``https://``, ``file://``, ``memory://``), through ``fsspec``, as planned byte ranges.
 
 Why not mount the bucket, or ``fs.open()`` it and hand that to the readers: a remote file
 read like a local one moves bytes nobody asked for (a memory map over a remote mount took ~2 h
@@ -7,20 +7,23 @@ where explicit reads took 35 s, pytorch#175762), and the readers here never need
 file: ``inspect`` needs a zip's end records, directory and ``data.pkl``, or a safetensors
 length and header -- a few requests, whatever the checkpoint's size. So a :class:`RemoteFile`
 answers each read with one ranged GET of a window around it (the head and the tail of the
-object come in one request each, which is where every format keeps its metadata), keeps what
-it fetched, and can be told ahead of time which ranges a reader is about to read
-(:meth:`RemoteFile.prefetch`: coalesced, concurrent). Tensor bytes are streamed as
-concurrent ranged GETs of bounded size and number (:meth:`RemoteFile.iter_range`), in order,
-so memory stays at ``--max-concurrency`` parts whatever the tensor's size.
+object come in one request each, which is where every format keeps its metadata) and keeps
+what it fetched; a reader can name what it is about to read (:meth:`RemoteFile.prefetch`:
+coalesced, concurrent), and a writer the ranges it will copy, in its order
+(:meth:`RemoteFile.plan`): those are fetched ahead, at most ``--max-concurrency`` requests
+of at most :data:`PART` bytes, and written as they arrive. A failed ranged GET is retried.
 
 The object must not change while it is read: its identity (size, ETag, version) is taken
 when it is first opened within one command (:func:`consistent_reads`) and checked again at
 every later open and when a reader is done with it; a change is bad input (exit 3), and an
 output being written from it is then never committed.
 
-``fsspec`` and each scheme's backend (s3fs, gcsfs, adlfs, huggingface_hub, aiohttp) are the
-optional ``ckptfix[remote]`` extra: the core install stays small, and a URL given without
-them is one line naming what to install (exit 2).
+Outputs (:func:`staged_output`) are written locally, then uploaded object by object, each a
+multipart upload completed after its last part or aborted; a folder's index goes last.
+
+``fsspec`` and the backends of the common schemes are the optional ``ckptfix[remote]`` extra
+(``[gcs]`` and ``[azure]`` add gcsfs and adlfs): the core install stays small, and a URL given
+without them is one line naming what to install (exit 2).
 """
 
 from __future__ import annotations
