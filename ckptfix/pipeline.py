@@ -26,7 +26,7 @@ from .errors import BadInputError, CannotWriteError, CheckFailedError, UnsafeInp
 from .fileio.atomic import atomic_output, check_destination
 from .fileio.extents import shared_bytes, shared_bytes_of
 from .fileio.ranges import FileRange, OpenFiles, OutputStream
-from .fileio.remote import as_path, consistent_reads, metadata_only, output_urls, staged_output
+from .fileio.remote import as_path, consistent_reads, metadata_only, output_urls, refuse_existing, staged_output
 from .fileio.sizes import parse_size
 from .fileio.urls import is_url
 from .formats.checkpoint import (
@@ -475,6 +475,8 @@ def convert(
         raise UsageError(f"{out_path}: a URL output takes a .pth/.safetensors name or a folder of shards")
     if not opts.dry_run and kind == "file" and not is_url(out_path):
         check_destination(in_path, out_path, overwrite=opts.force, in_place=opts.in_place)
+    if not opts.dry_run and not opts.force and is_url(out_path):
+        refuse_existing(out_path)  # before any reading, as for a local OUT
     started = time.perf_counter()
     # unknown classes are read as inert records and judged on what the output carries
     # (check_output); --unsafe-load keeps the old way: the file through torch if it holds any

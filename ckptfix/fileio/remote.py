@@ -677,6 +677,13 @@ def _exists(fs: Any, path: str, url: str) -> bool:
         raise CannotWriteError(f"{url}: cannot check the destination: {type(exc).__name__}: {exc}") from None
 
 
+def refuse_existing(url: str) -> None:
+    """An existing object (or folder) at ``url`` is refused, as an existing local OUT is."""
+    fs, path = filesystem(url)
+    if _exists(fs, path.rstrip("/"), url):
+        raise CannotWriteError(f"{url}: already exists", hint="pass --force to overwrite it")
+
+
 def _staged_files(local: Path) -> list[Path]:
     """What was written under ``local`` (a file, or a folder's files), an index file last: a
     folder is complete once its index is there, so the index is uploaded after every shard."""
@@ -730,8 +737,8 @@ def staged_output(url: str, *, force: bool) -> Iterator[Path]:
 
     fs, path = filesystem(url)
     path = path.rstrip("/")
-    if not force and _exists(fs, path, url):
-        raise CannotWriteError(f"{url}: already exists", hint="pass --force to overwrite it")
+    if not force:
+        refuse_existing(url)
     with tempfile.TemporaryDirectory(prefix="ckptfix-upload-") as tmp:
         local = Path(tmp) / (posixpath.basename(path) or "out")
         yield local

@@ -266,11 +266,24 @@ def test_remote_to_remote_shards_commit_the_index_last(s3: tuple[Server, Any], l
     load_torch_model(model, tmp_path / "hub", strict=True)
     assert_values(model.state_dict(), {k.removeprefix("module."): v for k, v in expected.items()})
 
-    # an existing output is refused without --force (exit 4), replaced with it
+    # an existing output is refused without --force (exit 4) before the input is read
+    server.traffic.reset()
     again = invoke_cli("convert", f"s3://{BUCKET}/run/train.pth", out, *args, *_s3_args(server))
     assert again.returncode == 4 and "--force" in again.stderr
-    forced = invoke_cli("convert", f"s3://{BUCKET}/run/train.pth", out, *args, "--force", *_s3_args(server))
-    assert forced.returncode == 0, forced.stderr
+    assert server.traffic.to("run/train.pth") == []
+
+
+def test_force_replaces_an_existing_object(s3: tuple[Server, Any], local: Path) -> None:
+    server, fs = s3
+    key = f"{BUCKET}/forced/model.safetensors"
+    fs.pipe(key, b"old")
+    result = invoke_cli("convert", local / "model.safetensors", f"s3://{key}", *_s3_args(server))
+    assert result.returncode == 4 and fs.cat(key) == b"old"
+    result = invoke_cli("convert", local / "model.safetensors", f"s3://{key}", "--force", *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    from safetensors.torch import load
+
+    assert_values(load(fs.cat(key)), load_file(local / "model.safetensors"))
 
 
 def test_a_failed_upload_leaves_no_object_and_no_multipart_upload(s3: tuple[Server, Any], local: Path) -> None:
