@@ -16,6 +16,7 @@ import json
 import os
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
@@ -819,21 +820,24 @@ def diff_checkpoints(
     select_b: str | None = None,
     rtol: float = 0.0,
     atol: float = 0.0,
+    keys_only: bool = False,
 ) -> DiffReport:
     """Compare two checkpoints of any formats; ``options`` transforms A first (e.g. strip
-    ``module.``) so a fix can be checked against a reference. Tensors are read one at a time."""
+    ``module.``) so a fix can be checked against a reference. Tensors are read one at a time;
+    with ``keys_only`` none is (keys, dtypes, shapes: a remote input costs a few requests)."""
     from .analysis.diff import diff_trees
 
     opts = options or ConvertOptions()
     check_global_patterns(opts.allow_globals)
     # diff writes nothing: unknown classes (configs) are read as inert records, compared by state
     inert = not opts.unsafe_load
-    a = read_checkpoint(a_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals, inert_unknown=inert)
-    b = read_checkpoint(b_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals, inert_unknown=inert)
+    with metadata_only() if keys_only else nullcontext():
+        a = read_checkpoint(a_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals, inert_unknown=inert)
+        b = read_checkpoint(b_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals, inert_unknown=inert)
     scratch = Report("diff", str(a_path), None, a.format, b.format, dry_run=True)
     root_a = apply_transforms(a, opts, scratch)
     root_b = select_path(b.root, select_b, flag="--select-b")[1] if select_b else b.root
-    return diff_trees(root_a, root_b, a_name=str(a_path), b_name=str(b_path), rtol=rtol, atol=atol)
+    return diff_trees(root_a, root_b, a_name=str(a_path), b_name=str(b_path), rtol=rtol, atol=atol, keys_only=keys_only)
 
 
 @collector_paused()

@@ -139,10 +139,22 @@ def _measure(a: bytes, b: bytes, dtype: str, shape: list[int], rtol: float, atol
     }
 
 
+#: the hint a --keys-only report carries: its verdict says nothing of tensor values
+KEYS_ONLY_HINT = "tensor values were not read (--keys-only): keys, dtypes, shapes and other values compared"
+
+
 def diff_trees(
-    a_root: Any, b_root: Any, *, a_name: str = "A", b_name: str = "B", rtol: float = 0.0, atol: float = 0.0
+    a_root: Any,
+    b_root: Any,
+    *,
+    a_name: str = "A",
+    b_name: str = "B",
+    rtol: float = 0.0,
+    atol: float = 0.0,
+    keys_only: bool = False,
 ) -> DiffReport:
-    """Compare two checkpoint trees (lazy or real tensors), reading one tensor pair at a time."""
+    """Compare two checkpoint trees (lazy or real tensors), reading one tensor pair at a time;
+    with ``keys_only``, no tensor byte is read (tensors compare by dtype and shape)."""
     report = DiffReport(a_name, b_name)
     a, b = flatten(a_root), flatten(b_root)
     report.only_in_a = [k for k in a if k not in b]
@@ -155,9 +167,9 @@ def diff_trees(
             left_tensor = isinstance(left, TensorRef) or is_torch_tensor(left)
             right_tensor = isinstance(right, TensorRef) or is_torch_tensor(right)
             if left_tensor and right_tensor:
-                _compare_tensor(report, path, left, right, files, rtol, atol)
+                _compare_tensor(report, path, left, right, None if keys_only else files, rtol, atol)
             elif type(left) is StorageRef and type(right) is StorageRef:
-                _compare_storage(report, path, left, right, files)
+                _compare_storage(report, path, left, right, None if keys_only else files)
             elif left_tensor or right_tensor:
                 report.values_differ.append({"path": path, "a": type(left).__name__, "b": type(right).__name__})
             elif isinstance(left, Reduce) or isinstance(right, Reduce):
@@ -172,6 +184,8 @@ def diff_trees(
                 report.values_differ.append({"path": path, "a": repr(left)[:80], "b": repr(right)[:80]})
     if report.only_in_a and report.only_in_b:
         report.hint = _prefix_hint(report.only_in_a, report.only_in_b)
+    elif keys_only:
+        report.hint = KEYS_ONLY_HINT
     report.equal = not (
         report.only_in_a or report.only_in_b or report.mismatched or report.different or report.values_differ
     )
@@ -188,13 +202,16 @@ def _plain_equal(left: Any, right: Any) -> bool:
 
 
 def _compare_tensor(
-    report: DiffReport, path: str, left: Any, right: Any, files: OpenFiles, rtol: float, atol: float
+    report: DiffReport, path: str, left: Any, right: Any, files: OpenFiles | None, rtol: float, atol: float
 ) -> None:
+    """``files`` None: dtype and shape only (--keys-only)."""
     report.tensors_compared += 1
     dtype_a, dtype_b = _dtype_of(left), _dtype_of(right)
     shape_a, shape_b = _shape_of(left), _shape_of(right)
     if dtype_a != dtype_b or shape_a != shape_b:
         report.mismatched.append({"path": path, "a": f"{dtype_a} {shape_a}", "b": f"{dtype_b} {shape_b}"})
+        return
+    if files is None:
         return
     bytes_a, bytes_b = tensor_c_bytes(left, files), tensor_c_bytes(right, files)
     if bytes_a == bytes_b:
@@ -207,12 +224,17 @@ def _compare_tensor(
     report.different.append({"path": path, "dtype": dtype_a, "shape": shape_a, **measured})
 
 
-def _compare_storage(report: DiffReport, path: str, left: StorageRef, right: StorageRef, files: OpenFiles) -> None:
-    """A storage a tensor kind is rebuilt from (a quantized tensor's): dtype, size and bytes."""
+def _compare_storage(
+    report: DiffReport, path: str, left: StorageRef, right: StorageRef, files: OpenFiles | None
+) -> None:
+    """A storage a tensor kind is rebuilt from (a quantized tensor's): dtype, size and bytes
+    (not the bytes when ``files`` is None: --keys-only)."""
     if (left.dtype, left.numel) != (right.dtype, right.numel):
         report.mismatched.append(
             {"path": path, "a": f"{left.dtype} storage of {left.numel}", "b": f"{right.dtype} storage of {right.numel}"}
         )
+    elif files is None:
+        return
     elif left.source is None or right.source is None or read_all(left.source, files) != read_all(right.source, files):
         report.values_differ.append({"path": path, "a": "storage bytes", "b": "other storage bytes"})
 
@@ -220,6 +242,8 @@ def _compare_storage(report: DiffReport, path: str, left: StorageRef, right: Sto
 def render(report: DiffReport) -> str:
     """Human-readable diff."""
     lines = []
+    if report.equal and report.hint == KEYS_ONLY_HINT:
+        return f"equal keys: {report.tensors_compared} tensors match in dtype and shape, every other value matches"
     if report.equal:
         lines.append(f"equal: {report.tensors_compared} tensors and every other value match")
         return "\n".join(lines)

@@ -435,10 +435,22 @@ def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
 @click.option("--rename", multiple=True, metavar="RULE", help="Rename A's keys first: 'REGEX=>REPLACEMENT'.")
 @click.option("--drop", multiple=True, metavar="GLOB", help="Leave entries of A matching GLOB out of the comparison.")
 @click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
+@click.option(
+    "--keys-only",
+    is_flag=True,
+    help="Compare keys, dtypes, shapes and other values; read no tensor data (a remote checkpoint: a few requests).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @REMOTE
 def diff_command(
-    a_path: str, b_path: str, rtol: float, atol: float, select_b: str | None, as_json: bool, **kw: Any
+    a_path: str,
+    b_path: str,
+    rtol: float,
+    atol: float,
+    select_b: str | None,
+    keys_only: bool,
+    as_json: bool,
+    **kw: Any,
 ) -> int:
     """Compare two checkpoints of any formats: keys, shapes, dtypes and values.
 
@@ -452,11 +464,14 @@ def diff_command(
       ckptfix diff ddp.pth bare.pth --strip-prefix module.
       ckptfix diff train.ckpt weights.safetensors --select state_dict --strip-prefix model. --json
       ckptfix diff a.pth b.pth --rtol 1e-3 --atol 1e-5
+      ckptfix diff s3://bucket/run/last.ckpt model.safetensors --select state_dict --keys-only
     """
     from ..analysis.diff import render
     from ..pipeline import ConvertOptions, diff_checkpoints
 
-    report = diff_checkpoints(a_path, b_path, ConvertOptions(**kw), select_b=select_b, rtol=rtol, atol=atol)
+    report = diff_checkpoints(
+        a_path, b_path, ConvertOptions(**kw), select_b=select_b, rtol=rtol, atol=atol, keys_only=keys_only
+    )
     code = ExitCode.OK if report.equal else ExitCode.CHECK_FAILED
     if as_json:
         emit_json("diff", code, report.to_dict())

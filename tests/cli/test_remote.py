@@ -163,6 +163,20 @@ def test_scan_verify_and_diff_read_s3(s3: tuple[Server, Any], local: Path) -> No
     result = invoke_cli("diff", url, local / "train.pth", *_s3_args(server))
     assert result.returncode == 0, result.stdout + result.stderr
 
+    # --keys-only reads metadata only: the remote side costs what inspect does
+    server.traffic.reset()
+    args = ("--select", "state_dict", "--keys-only", "--json", *_s3_args(server))
+    result = invoke_cli("diff", url, local / "model.safetensors", *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout)["tensors_compared"] == 40
+    assert len(server.traffic.to("run/train.pth")) <= 6
+    assert server.traffic.bytes_sent <= (1 << 20) + _pickle_size(local / "train.pth")
+    other = _state(40, 90)
+    other["module.layer7.weight"] = other["module.layer7.weight"][:3]
+    save_file(other, str(local / "other.safetensors"))
+    result = invoke_cli("diff", url, local / "other.safetensors", *args)
+    assert result.returncode == 1 and "module.layer7.weight" in result.stdout
+
 
 def test_an_object_replaced_while_read_is_exit_3_and_nothing_written(
     s3: tuple[Server, Any], local: Path, tmp_path: Path
