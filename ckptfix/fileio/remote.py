@@ -700,6 +700,9 @@ def upload_file(local: Path, fs: Any, path: str, url: str) -> None:
     up as a multipart upload (parts sent as they are read), completed only after the last part
     and aborted on any failure, Ctrl-C included -- never a partial object, never an orphaned
     upload. Filesystems without uncommitted writes (no ``autocommit=False``) are refused."""
+    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
+    if "file" in protocols:  # a local folder must exist (object stores have none to make)
+        fs.makedirs(posixpath.dirname(path), exist_ok=True)
     try:
         out = fs.open(path, "wb", autocommit=False, block_size=UPLOAD_PART)
     except (TypeError, NotImplementedError):

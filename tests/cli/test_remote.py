@@ -232,6 +232,14 @@ def test_http_and_memory_urls(local: Path, tmp_path: Path) -> None:
     assert_values(torch.load(out, weights_only=True), load_file(local / "model.safetensors"))
     result = invoke_cli("inspect", (local / "model.safetensors").as_uri())
     assert result.returncode == 0 and "safetensors" in result.stdout
+    # a folder of shards to a file:// URL: its folder is made, the index written last
+    out_url = (tmp_path / "hub").as_uri() + "/"
+    result = invoke_cli("convert", local / "model.safetensors", out_url, "--max-shard-size", "600KB")
+    assert result.returncode == 0, result.stderr
+    shards = sorted((tmp_path / "hub").glob("*.safetensors"))
+    assert len(shards) == 3 and (tmp_path / "hub" / "model.safetensors.index.json").is_file()
+    merged = {k: v for shard in shards for k, v in load_file(shard).items()}
+    assert_values(merged, load_file(local / "model.safetensors"))
 
 
 def test_a_missing_backend_is_one_line_naming_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
