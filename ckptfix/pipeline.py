@@ -46,7 +46,8 @@ from .formats.safetensors import (
     write_safetensors,
     write_safetensors_from_torch,
 )
-from .formats.sharded import write_sharded
+from .formats.sharded import Split, write_sharded
+from .model.needs import need_torch
 from .model.paths import format_path
 from .model.paths import select as select_path
 from .model.refs import is_tensor_like
@@ -112,6 +113,9 @@ class ConvertOptions:
     verify: bool = False
     #: strip-module/add-module: write only when a key was renamed
     require_change: bool = False
+    #: split a sharded write by output shard over the processes ``torchrun`` started (see
+    #: :func:`torchrun_split`); every process runs the same command
+    distributed: bool = False
 
 
 @dataclass(frozen=True)
@@ -472,6 +476,10 @@ def convert(
     for rule in opts.rename:
         parse_rule(rule)
     check_global_patterns(opts.allow_globals)  # the API gets the CLI's check too
+    if opts.distributed and (kind != "sharded" or is_url(out_path) or opts.in_place):
+        raise UsageError("--distributed splits a folder of shards on local disk by shard: name a folder OUT/")
+    if opts.distributed and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
+        raise UsageError(_UNDER_TORCHRUN)
     if is_url(out_path) and (opts.in_place or kind == "dcp"):
         raise UsageError(f"{out_path}: a URL output takes a .pth/.safetensors name or a folder of shards")
     if not opts.dry_run and kind == "file" and not is_url(out_path):
@@ -562,6 +570,34 @@ def convert(
     )
     report.seconds = time.perf_counter() - started
     return report
+
+
+_UNDER_TORCHRUN = (
+    "--distributed runs under torchrun, e.g. torchrun --standalone --nproc-per-node 4 -m ckptfix convert IN OUT/ "
+    "--distributed"
+)
+
+
+def torchrun_split() -> Split:
+    """This process's part of a write split over ``torchrun``'s processes (torch.distributed
+    with gloo, the engine clusters already run: ``torchrun --nproc-per-node N -m ckptfix convert
+    IN OUT/ --distributed``, or across hosts with ``--nnodes``). The process group is made from
+    torchrun's environment on first use."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise UsageError(_UNDER_TORCHRUN)
+    need_torch()
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+    def all_ok(ok: bool) -> bool:
+        flag = torch.tensor([0 if ok else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()) == 0
+
+    return Split(dist.get_rank(), dist.get_world_size(), all_ok)
 
 
 def _local_output(out: str | os.PathLike[str] | None, command: str) -> None:
@@ -693,6 +729,7 @@ def _write(
             overwrite=opts.force,
             progress=progress,
             max_data_bytes=budget,
+            split=torchrun_split() if opts.distributed else None,
         )
         report.outputs = [str(p) for p in written.files]
         report.output_bytes = sum(p.stat().st_size for p in written.files)

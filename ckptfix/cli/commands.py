@@ -136,7 +136,16 @@ WRITE_COMMANDS = (
       ckptfix convert model.pth dcp_dir/ --format dcp
       ckptfix convert dcp_dir/ model.pth --unsafe-load    # DCP metadata is a plain pickle
       ckptfix convert ckpts/ -o dist/ --recursive --format safetensors --select state_dict
+      torchrun --nproc-per-node 4 -m ckptfix convert big/ out/ --max-shard-size 5GB --distributed
     """,
+        options=(
+            click.option(
+                "--distributed",
+                is_flag=True,
+                help="Under torchrun: split a shard-folder output by shard over its processes (gloo); "
+                "rank 0 writes the index last.",
+            ),
+        ),
         require_change=False,
     ),
     WriteCommand(
