@@ -78,14 +78,15 @@ class BatchReport:
 
 def _is_checkpoint_folder(folder: Path) -> bool:
     from .formats.dcp import is_dcp_folder
+    from .formats.deepspeed import is_deepspeed_folder
 
-    return is_dcp_folder(folder) or any((folder / n).is_file() for n in INDEX_NAMES)
+    return is_dcp_folder(folder) or is_deepspeed_folder(folder) or any((folder / n).is_file() for n in INDEX_NAMES)
 
 
 def expand_inputs(paths: Sequence[str], recursive: bool) -> list[tuple[Path, Path]]:
     """(input, path relative to its root) for every checkpoint named or inside a named folder.
 
-    A shard folder (with an ``*.index.json``) or a DCP folder is one checkpoint.
+    A shard folder (with an ``*.index.json``), a DCP folder or a DeepSpeed folder is one checkpoint.
     """
     found: list[tuple[Path, Path]] = []
     for raw in paths:

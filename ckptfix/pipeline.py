@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
@@ -27,7 +28,16 @@ from .errors import BadInputError, CannotWriteError, CheckFailedError, UnsafeInp
 from .fileio.atomic import atomic_output, check_destination
 from .fileio.extents import shared_bytes, shared_bytes_of
 from .fileio.ranges import FileRange, OpenFiles, OutputStream
-from .fileio.remote import as_path, consistent_reads, metadata_only, output_urls, refuse_existing, staged_output
+from .fileio.remote import (
+    RemotePath,
+    as_path,
+    consistent_reads,
+    local_or_remote,
+    metadata_only,
+    output_urls,
+    refuse_existing,
+    staged_output,
+)
 from .fileio.sizes import parse_size
 from .fileio.urls import is_url
 from .formats.checkpoint import (
@@ -116,6 +126,10 @@ class ConvertOptions:
     #: split a sharded write by output shard over the processes ``torchrun`` started (see
     #: :func:`torchrun_split`); every process runs the same command
     distributed: bool = False
+    #: DeepSpeed folders: the tag to read (default: what ``latest`` names) and the weights
+    #: (``fp32`` master weights, the default for ZeRO >= 1, or ``module``)
+    tag: str | None = None
+    weights: str | None = None
 
 
 @dataclass(frozen=True)
@@ -486,11 +500,18 @@ def convert(
         check_destination(in_path, out_path, overwrite=opts.force, in_place=opts.in_place)
     if not opts.dry_run and not opts.force and is_url(out_path):
         refuse_existing(out_path)  # before any reading, as for a local OUT
+    if not opts.dry_run and not (opts.in_place and kind == "file"):
+        check_no_overlap(local_or_remote(in_path), local_or_remote(out_path), kind)
     started = time.perf_counter()
     # unknown classes are read as inert records and judged on what the output carries
     # (check_output); --unsafe-load keeps the old way: the file through torch if it holds any
     ckpt = read_checkpoint(
-        in_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals, inert_unknown=not opts.unsafe_load
+        in_path,
+        unsafe_load=opts.unsafe_load,
+        allow_globals=opts.allow_globals,
+        inert_unknown=not opts.unsafe_load,
+        tag=opts.tag,
+        weights=opts.weights,
     )
     report = Report(
         command=command,
@@ -623,6 +644,86 @@ def _write_to(out_path: str, opts: ConvertOptions, report: Report, write: Callab
         report.message = report.message.replace(str(local), out_path)
     report.outputs = output_urls(out_path, local, staged)
     report.shared_bytes = None
+
+
+def _identity(path: Path) -> tuple[int, int] | str | None:
+    """What every spelling of one file shares: device and inode (None when there is no such
+    file); for a remote object (a :class:`RemotePath`), its URL: no links, no real path."""
+    if isinstance(path, RemotePath):
+        return str(path)
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _real(path: Path) -> Path:
+    """``path`` with its links resolved; a remote object's URL as it is."""
+    return path if isinstance(path, RemotePath) else Path(os.path.realpath(path))
+
+
+def _input_files(in_path: Path) -> list[Path]:
+    """The files reading IN may open: the file itself, or every file of the folder it names
+    (a shard folder, a DCP folder) or of its index's folder. Readers open them by path, lazily,
+    while the output is being written."""
+    folder = in_path if in_path.is_dir() else in_path.parent if in_path.name.endswith(".index.json") else None
+    if folder is None:
+        return [in_path]
+    try:
+        return [p for p in folder.iterdir() if p.is_file()]
+    except (OSError, BadInputError):  # a folder that cannot be listed (a remote one: its server said why)
+        return []
+
+
+#: the names a folder of shards is written under (formats/sharded.py's write_sharded)
+_SHARD_NAME = re.compile(r"(model|pytorch_model)(-\d+-of-\d+)?\.(safetensors|bin)(\.index\.json)?")
+
+
+def check_no_overlap(in_path: Path, out_path: Path, kind: str) -> None:
+    """Refuse an output that overlaps the input, before anything is read or written.
+
+    Inputs are read lazily by path while the output is written: an output file that is an input
+    file, or a folder of shards written into the input's own folder (``convert DIR DIR``, or
+    OUT naming that folder through a symlink or another spelling), would replace files that
+    are still to be read, and the result would silently hold wrong bytes. Files and folders
+    are compared by identity (device and inode: links, bind mounts, ``..``) and by real path;
+    a DCP output replaces its whole folder, so no input may lie anywhere inside it.
+
+    Paths come from :func:`~ckptfix.fileio.remote.local_or_remote`: a ``file://`` URL is the
+    local path it names; a remote object (a :class:`RemotePath`) cannot be resolved or statted
+    locally and is compared by its URL, with the input's URLs. A local file and a remote object
+    never overlap, and nothing is asked of a server then."""
+    if isinstance(in_path, RemotePath) != isinstance(out_path, RemotePath):
+        return
+    inputs = _input_files(in_path)
+    if kind == "file":
+        out_id, out_real = _identity(out_path), _real(out_path)
+        for file in inputs:
+            if (out_id is not None and _identity(file) == out_id) or _real(file) == out_real:
+                raise UsageError(
+                    f"{out_path}: the output would overwrite {file}, which the input is read from",
+                    hint="write to a path outside the input checkpoint",
+                )
+        return
+    folder_id = _identity(out_path)
+    if folder_id is None:
+        return  # a folder that does not exist yet holds no input
+    one_file = inputs == [in_path]
+    for file in inputs:
+        real = _real(file)
+        if kind == "dcp":
+            holders = [real.parent, *real.parent.parents, file.parent, *file.parent.parents]
+        elif one_file and not (_SHARD_NAME.fullmatch(file.name) or _SHARD_NAME.fullmatch(real.name)):
+            continue  # a single file beside the shards, under a name no shard or index takes
+        else:
+            holders = [real.parent, file.parent]
+        if any(_identity(h) == folder_id for h in holders):
+            raise UsageError(
+                f"{out_path}: the output folder holds the input's file {file}: writing it would replace files "
+                "while they are being read",
+                hint="write to a new folder outside the input",
+            )
 
 
 def _same_format(ckpt: Checkpoint, kind: str, file_format: str) -> bool:
@@ -835,14 +936,24 @@ def write_checkpoint(
 @collector_paused()
 @consistent_reads
 def inspect_checkpoint(
-    path: str | os.PathLike[str], *, unsafe_load: bool = False, allow_globals: Sequence[str] = ()
+    path: str | os.PathLike[str],
+    *,
+    unsafe_load: bool = False,
+    allow_globals: Sequence[str] = (),
+    tag: str | None = None,
+    weights: str | None = None,
 ) -> dict[str, Any]:
     """The ``inspect`` report as plain data; reads structure only, never tensor data."""
     check_global_patterns(allow_globals)
     # unknown classes are shown as inert records (a warning names them): inspect writes nothing
     with metadata_only():  # a remote input: a few planned requests, whatever its size
         ckpt = read_checkpoint(
-            path, unsafe_load=unsafe_load, allow_globals=allow_globals, inert_unknown=not unsafe_load
+            path,
+            unsafe_load=unsafe_load,
+            allow_globals=allow_globals,
+            inert_unknown=not unsafe_load,
+            tag=tag,
+            weights=weights,
         )
     return summarize(ckpt)
 
@@ -869,7 +980,14 @@ def diff_checkpoints(
     # diff writes nothing: unknown classes (configs) are read as inert records, compared by state
     inert = not opts.unsafe_load
     with metadata_only() if keys_only else nullcontext():
-        a = read_checkpoint(a_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals, inert_unknown=inert)
+        a = read_checkpoint(
+            a_path,
+            unsafe_load=opts.unsafe_load,
+            allow_globals=opts.allow_globals,
+            inert_unknown=inert,
+            tag=opts.tag,
+            weights=opts.weights,
+        )
         b = read_checkpoint(b_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals, inert_unknown=inert)
     scratch = Report("diff", str(a_path), None, a.format, b.format, dry_run=True)
     root_a = apply_transforms(a, opts, scratch)
@@ -948,7 +1066,14 @@ def fit_checkpoint(
         ref_shapes = shapes_of(max(found, key=lambda item: len(item[1]))[1])
     check_global_patterns(user.allow_globals)
     # unknown classes read as inert records: convert() below checks what OUT carries
-    ckpt = read_checkpoint(in_path, unsafe_load=user.unsafe_load, allow_globals=user.allow_globals, inert_unknown=True)
+    ckpt = read_checkpoint(
+        in_path,
+        unsafe_load=user.unsafe_load,
+        allow_globals=user.allow_globals,
+        inert_unknown=True,
+        tag=user.tag,
+        weights=user.weights,
+    )
     tree, base, _ = model_or_ema(ckpt.root, user.ema)  # the model's weights, not its EMA copy (or the reverse)
     chosen = select_path(tree, user.select) if user.select else None
     plan = best_fit(tree, ref_shapes, *chosen) if chosen else best_fit(tree, ref_shapes)
@@ -1038,7 +1163,14 @@ def publish(
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise CannotWriteError(f"{out_dir}: not a folder")
-    ckpt = read_checkpoint(in_path, unsafe_load=user.unsafe_load, allow_globals=user.allow_globals, inert_unknown=True)
+    ckpt = read_checkpoint(
+        in_path,
+        unsafe_load=user.unsafe_load,
+        allow_globals=user.allow_globals,
+        inert_unknown=True,
+        tag=user.tag,
+        weights=user.weights,
+    )
     tree = select_path(ckpt.root, user.select)[1] if user.select else ckpt.root
     found = find_state_dicts(tree)
     if not found:

@@ -189,7 +189,19 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         "shared_bytes": None if is_url(ckpt.path) else shared_bytes_of(_files_of(ckpt.path)),
         "notes": list(ckpt.notes),
         "warnings": _warnings(devices) + _unallowed_warning(unallowed),
+        **({"deepspeed": _deepspeed(ckpt)} if ckpt.deepspeed is not None else {}),
     }
+
+
+def _deepspeed(ckpt: Checkpoint) -> dict[str, Any]:
+    """A DeepSpeed folder's layout: stage, world size, tags, dtype, counts, weight sources."""
+    import dataclasses
+
+    assert ckpt.deepspeed is not None
+    info = dataclasses.asdict(ckpt.deepspeed)
+    info["tags"] = list(info["tags"])
+    info["weights_available"] = list(info["weights_available"])
+    return info
 
 
 def _files_of(path: str) -> list[str]:
@@ -227,6 +239,7 @@ _DIAGNOSIS = {
     "safetensors": "a safetensors file",
     "sharded": "an HF-style sharded checkpoint (index + shards)",
     "dcp": "a torch.distributed.checkpoint (DCP) folder",
+    "deepspeed": "a DeepSpeed checkpoint folder (ZeRO partitions consolidated into one model)",
 }
 
 

@@ -28,21 +28,26 @@ from __future__ import annotations
 
 import contextlib
 import mmap
+import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO, cast
 
 from ..errors import BadInputError, CkptfixError
-from ..fileio.ranges import RangeSource
-from ..fileio.remote import as_path, consistent_reads, metadata_only
-from ..fileio.ziparchive import read_record_bytes
-from ..formats.dcp import METADATA_NAME, is_dcp_folder
-from ..formats.detect import open_input, sniff
-from ..formats.sharded import find_index, read_index
-from ..formats.torchzip import MAX_PICKLE_BYTES, read_checked_directory
+from ..fileio.ranges import FileSlice, RangeSource
+from ..fileio.remote import RemotePath, as_path, consistent_reads, metadata_only
+from ..fileio.ziparchive import read_directory, read_record_bytes
+from ..formats.dcp import METADATA_NAME, dcp_items, is_dcp_folder
+from ..formats.deepspeed import is_deepspeed_folder
+from ..formats.detect import checkpoint_like, open_input, sniff_file
+from ..formats.sharded import find_index, other_checkpoints, read_index
+from ..formats.tarera import TarMember, open_tar, tar_layout
+from ..formats.torchzip import MAX_PICKLE_BYTES, check_record_names
+from ..model.dtypes import DTYPE_ITEMSIZE, STORAGE_DTYPE
 from ..pickling.globals import canonical_name, danger, plain_data
 from ..pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS
-from ..pickling.recording import record_globals
+from ..pickling.recording import RecordingHooks, Symbol, record_globals
+from ..pickling.vm import PickleVM
 
 
 @dataclass
@@ -88,6 +93,10 @@ class ScanResult:
 
 def classify(name: str) -> tuple[str, str]:
     """The verdict on one global (as pickled) and why."""
+    if name.startswith("<not read to the end"):
+        return "dangerous", "not read to the end (a limit of ckptfix's own): CPython reads on, and may run more"
+    if name.startswith("<a read at byte"):
+        return "dangerous", "CPython reads this pickle differently by stream (a read across a FRAME end)"
     if name.startswith("<"):
         return "dangerous", "laundering: the pickle changes or calls something the reader built"
     reason = danger(name)
@@ -127,37 +136,76 @@ def scan_path(path: str | Path) -> ScanResult:
     anything; bad input is reported in the result, never raised.
 
     A sharded checkpoint is scanned file by file (the globals say which shard); a DCP folder's
-    ``.metadata`` is a plain pickle and is scanned as one."""
+    ``.metadata`` is a plain pickle and is scanned with every item it lists. A folder's other
+    checkpoint-like files (:func:`~ckptfix.formats.sharded.other_checkpoints`: what torch or
+    ``transformers`` would load besides the checkpoint the folder's marker names) are scanned
+    too, each finding naming its file; the verdict is the worst of them."""
     target = as_path(path)  # a URL stays one (RemotePath)
+    result, is_dir = _scan_one(target)
+    if not is_dir or result.format == "":
+        return result
     try:
-        parts = _parts(target)
+        marker = target / METADATA_NAME if is_dcp_folder(target) else find_index(target)
+        others = other_checkpoints(target, marker) if marker is not None else []
     except (OSError, CkptfixError) as exc:
-        return ScanResult(str(path), error=str(exc))
+        result.error = result.error or f"the folder's other files were not scanned: {exc}"
+        return result
+    for other in others:
+        part, _ = _scan_one(other)
+        result.globals += [Found(g.name, g.verdict, f"{other.name}:{g.where}", g.reason) for g in part.globals]
+        result.error = result.error or (f"{other.name}: {part.error}" if part.error else "")
+    if others:
+        names = ", ".join(p.name for p in others)
+        result.notes.append(f"also scanned the folder's other checkpoint-like files: {names}"[:400])
+    return result
+
+
+def _scan_one(target: Path) -> tuple[ScanResult, bool]:
+    """One checkpoint's scan, and whether ``target`` is a folder (asked once: for a URL, each
+    question is a request)."""
+    is_dir = False
+    try:
+        is_dir = target.is_dir()
+        parts = _parts(target, is_dir)
+    except (OSError, CkptfixError) as exc:
+        return ScanResult(str(target), error=str(exc)), is_dir
     if parts is None:
-        return _scan_file(target)
+        return _scan_file(target), is_dir
+    if parts[0] == "dcp":
+        return _scan_dcp(target), is_dir
     kind, files, notes = parts
-    result = ScanResult(str(path), kind, notes=notes)
+    result = ScanResult(str(target), kind, notes=notes)
     for file in files:
-        part = _scan_pickle_file(file) if kind == "dcp" else _scan_file(file)
+        part = _scan_file(file)
         result.globals += [Found(g.name, g.verdict, f"{file.name}:{g.where}", g.reason) for g in part.globals]
         result.error = result.error or (f"{file.name}: {part.error}" if part.error else "")
         if kind == "file":  # a folder holding one model file: that file's format
             result.format = part.format
-    return result
+    return result, is_dir
 
 
-def _parts(target: Path) -> tuple[str, list[Path], list[str]] | None:
+def _parts(target: Path, is_dir: bool) -> tuple[str, list[Path], list[str]] | None:
     """The files of a checkpoint made of several (kind, files, notes), or None for one file."""
-    if target.is_dir() and is_dcp_folder(target):
-        note = "DCP tensor data files (*.distcp) are not scanned: only .metadata holds a pickle ckptfix can find"
-        return "dcp", [target / METADATA_NAME], [note]
-    index = find_index(target) if target.is_dir() else target
+    if is_dir and is_dcp_folder(target):
+        _local_only(target, "a torch.distributed.checkpoint folder")
+        return "dcp", [target / METADATA_NAME], []
+    if is_dir and is_deepspeed_folder(target):
+        _local_only(target, "a DeepSpeed checkpoint folder")
+        # every file torch might load: the tags' partitions and anything else checkpoint-like
+        return "deepspeed", sorted(p for p in target.rglob("*") if p.is_file() and checkpoint_like(p)), []
+    index = find_index(target) if is_dir else target
     if index is None:
         raise BadInputError(f"{target}: a folder with no checkpoint index or model file in it")
     if not index.name.lower().endswith(".index.json"):
         return None if index == target else ("file", [index], [])
     weight_map, _ = read_index(index)
     return "sharded", [index.parent / name for name in dict.fromkeys(weight_map.values())], []
+
+
+def _local_only(folder: Path, what: str) -> None:
+    """Refuse a remote folder of a kind whose scan maps its files (the verdict is not clean)."""
+    if isinstance(folder, RemotePath):
+        raise BadInputError(f"{folder}: {what}; scan reads these from local disk only (copy it locally first)")
 
 
 def _scan_pickle_file(path: Path) -> ScanResult:
@@ -172,66 +220,205 @@ def _scan_pickle_file(path: Path) -> ScanResult:
     return result
 
 
-def _scan_remote_file(f: RangeSource, size: int, result: ScanResult) -> ScanResult:
-    """A remote file that is not a zip, scanned as :func:`_scan_file` scans a local one, from
-    bytes fetched rather than a memory map: a safetensors file holds no pickle (its header is
-    not even fetched), a legacy file or a pickle is fetched whole, up to the pickle limit."""
-    what = sniff(f.pread(512, 0), size)
-    result.format = what.kind
-    if what.kind == "safetensors":
+def _scan_zip(f: BinaryIO, size: int, path: str, result: ScanResult) -> None:
+    """Every record of a zip whose name ends in ``.pkl`` in any case (torch's lookup ignores case:
+    an ``archive/DATA.PKL`` is what torch unpickles), scanned before the names are judged, so a
+    name the reader refuses still has its pickle's findings reported."""
+    records = read_directory(f, size, path)
+    for name, record in records.items():
+        if name.lower().endswith(".pkl"):
+            data = read_record_bytes(f, record, MAX_PICKLE_BYTES)
+            found, error = scan_pickles(data, name)
+            result.globals.extend(found)
+            result.error = result.error or (f"{name}: {error}" if error else "")
+    try:
+        check_record_names(records, path)
+    except BadInputError as exc:
+        result.error = result.error or str(exc)
+
+
+def _scan_dcp(folder: Path) -> ScanResult:
+    """A DCP folder as torch's loader reads it: ``.metadata`` (plain ``pickle.load``), then every
+    item it lists -- non-tensor items are ``torch.load(weights_only=False)``-ed from their
+    ``.distcp`` byte range (a zip, or else legacy pickles: a BytesIO gets no tar attempt)."""
+    result = ScanResult(str(folder), "dcp")
+    meta = _scan_pickle_file(folder / METADATA_NAME)
+    result.globals += [Found(g.name, g.verdict, f"{METADATA_NAME}:{g.where}", g.reason) for g in meta.globals]
+    if meta.error:
+        result.error = f"{METADATA_NAME}: {meta.error}"
+    problems: list[str] = []
+    try:
+        items = dcp_items(folder, problems)
+    except (OSError, CkptfixError) as exc:
+        result.error = result.error or f"the items were not scanned: {exc}"
         return result
-    if what.kind == "tar":
-        result.error = "tar-era torch file: not scanned"
-        return result
-    if size > MAX_PICKLE_BYTES:
-        result.error = f"a {what.kind} file of {size} bytes from a URL: not scanned remotely; download it first"
-        return result
-    data = f.pread(size, 0)
-    if what.kind == "legacy" or (what.kind == "not-checkpoint" and "pickle" in what.description):
-        found, result.error = scan_pickles(data, "pickles", count=5 if what.kind == "legacy" else None)
-    else:
-        found, _ = scan_pickles(data, "pickles", headerless=True)
-        result.error = what.description
-    result.globals.extend(found)
+    for item in items:
+        label = f"{item.relative_path}@{item.offset}"
+        part = ScanResult(label)
+        try:
+            f, size = open_input(folder / item.relative_path)
+            with f:
+                if item.offset + item.length > size:
+                    raise BadInputError(f"{label}: the item runs past the end of the file ({size} bytes)")
+                blob = FileSlice(f, item.offset, item.length)
+                if blob.read(4) == b"PK\x03\x04":
+                    _scan_zip(cast(BinaryIO, blob), item.length, label, part)
+                else:
+                    data = os.pread(f.fileno(), min(item.length, MAX_PICKLE_BYTES), item.offset)
+                    part.globals, part.error = scan_pickles(data, "pickles", headerless=data[:1] != b"\x80")
+        except (OSError, CkptfixError, ValueError) as exc:
+            part.error = str(exc)
+        result.globals += [Found(g.name, g.verdict, f"{label}:{g.where}", g.reason) for g in part.globals]
+        result.error = result.error or (f"{item.fqn}: {part.error}" if part.error else "")
+    result.error = result.error or "; ".join(problems)
     return result
 
 
 def _scan_file(path: Path) -> ScanResult:
     """Scan one file; never executes, never raises for bad input (the error is in the result)."""
     result = ScanResult(str(path))
-    data: bytes | mmap.mmap
     try:
         with metadata_only():  # a remote file: its pickles are read, no tensor record's header
             f, size = open_input(str(path))  # never opens a FIFO or a device (they hang or never end)
-        if isinstance(f, RangeSource) and sniff(f.pread(512, 0), size).kind != "zip":
-            return _scan_remote_file(f, size, result)
         with f:
-            what = sniff(f.read(512), size)
+            what = sniff_file(f, size, path)
             result.format = what.kind
             if what.kind == "zip":
-                records = read_checked_directory(f, size, str(path))
-                for name, record in records.items():
-                    if name.lower().endswith(".pkl"):
-                        data = read_record_bytes(f, record, MAX_PICKLE_BYTES)
-                        found, error = scan_pickles(data, name)
-                        result.globals.extend(found)
-                        result.error = result.error or (f"{name}: {error}" if error else "")
+                _scan_zip(f, size, str(path), result)
             elif what.kind == "legacy" or (what.kind == "not-checkpoint" and "pickle" in what.description):
                 # a legacy file is exactly five pickles, then raw storage bytes (not opcodes)
-                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                with _whole(f, size, what.kind) as data:
                     found, result.error = scan_pickles(data, "pickles", count=5 if what.kind == "legacy" else None)
                 result.globals.extend(found)
             elif what.kind == "safetensors":
-                pass  # JSON header and raw bytes: no code can be referenced
+                pass  # JSON header and raw bytes: no code can be referenced (a remote header is not even fetched)
             elif what.kind == "tar":
-                result.error = "tar-era torch file: not scanned"
+                with _whole(f, size, what.kind) as data:
+                    result.error = _scan_tar(f, data, size, result.globals)
             else:
                 # not a format we know -- but a protocol 0/1 pickle has no header, and
                 # pickle.load would still run whatever it names: record that, if anything
-                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else contextlib.nullcontext(b"") as data:
+                with _whole(f, size, what.kind) as data:
                     found, _ = scan_pickles(data, "pickles", headerless=True)
                 result.globals.extend(found)
                 result.error = what.description
     except (OSError, CkptfixError, ValueError) as exc:
         result.error = str(exc)
     return result
+
+
+def _whole(f: BinaryIO, size: int, kind: str) -> contextlib.AbstractContextManager[bytes | mmap.mmap]:
+    """All of an open file's bytes: a local file mapped; a remote one (no descriptor to map)
+    fetched whole, up to the pickle limit (a bigger one is not scanned: download it first)."""
+    if isinstance(f, RangeSource):
+        if size > MAX_PICKLE_BYTES:
+            raise BadInputError(f"a {kind} file of {size} bytes from a URL: not scanned remotely; download it first")
+        return contextlib.nullcontext(f.pread(size, 0))
+    if not size:
+        return contextlib.nullcontext(b"")
+    return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+class _CannotFollow(Exception):
+    """torch's next read depends on a value ckptfix cannot know without running the pickle."""
+
+
+def _one_pickle(data: bytes | mmap.mmap, pos: int, end: int, where: str, found: list[Found]) -> tuple[Any, int]:
+    """Run one pickle of a tar member as torch's ``pickle_module.load(f)`` would; returns its value
+    (symbols for globals and calls) and where the next read starts."""
+    recorded: list[tuple[str, str]] = []
+    vm = PickleVM(data, RecordingHooks(where, recorded, _plain), start=pos, end=end)
+    try:
+        value = vm.run()
+    finally:
+        found += [Found(canonical_name(name), *_verdict(name, at)) for name, at in recorded]
+    return value, _after_frames(data, pos, vm.pos, end)
+
+
+def _after_frames(data: bytes | mmap.mmap, start: int, stop: int, end: int) -> int:
+    """Where torch's next raw read starts after a pickle that ran from ``start`` to ``stop``:
+    the tar members are read from an unbuffered file (no ``peek()``), from which CPython's C
+    unpickler reads each FRAME whole, so a STOP inside a frame leaves the file at the frame's
+    end, not after the STOP. Frames follow one another from the PROTO on."""
+    pos = start + 2 if data[start : start + 1] == b"\x80" else start
+    while pos + 9 <= end and data[pos] == _FRAME_OPCODE:
+        frame_end = pos + 9 + int.from_bytes(data[pos + 1 : pos + 9], "little")
+        if stop <= frame_end:
+            return max(stop, frame_end)
+        pos = frame_end
+    return stop
+
+
+_FRAME_OPCODE = 0x95
+
+
+def _storage_itemsize(args: Any) -> int:
+    """torch reads ``key, location, storage_type = args`` and takes the element size from the
+    storage class's *name* (any module): ``torch.serialization.StorageType``."""
+    if type(args) is tuple and len(args) == 3 and type(args[2]) is Symbol and args[2].kind == "global":
+        dtype = STORAGE_DTYPE.get(args[2].name.rsplit(".", 1)[-1])
+        if dtype is not None and dtype in DTYPE_ITEMSIZE and args[2].name.rsplit(".", 1)[-1] != "UntypedStorage":
+            return DTYPE_ITEMSIZE[dtype]
+    raise _CannotFollow("a storage record that does not name a storage class")
+
+
+def _raw(data: bytes | mmap.mmap, pos: int, size: int, end: int) -> int:
+    if pos + size > end:
+        raise EOFError
+    return pos + size
+
+
+def _scan_tar_member(data: bytes | mmap.mmap, member: TarMember, found: list[Found]) -> None:
+    """Every pickle torch's ``legacy_load`` unpickles from one member, following the raw records
+    between them exactly as torch reads them (storage sizes, tensor shapes)."""
+    where = f"tar member {member.name}"
+    pos, end = member.start, member.end
+    count, pos = _one_pickle(data, pos, end, where, found)
+    if member.name == "pickle":
+        return
+    if type(count) is not int:
+        raise _CannotFollow(f"its {member.name} count is {type(count).__name__}, not an int")
+    for _ in range(count):
+        if pos >= end:
+            raise EOFError  # torch's next pickle.load ends in EOFError: nothing more is unpickled
+        args, pos = _one_pickle(data, pos, end, where, found)
+        if member.name == "storages":
+            itemsize = _storage_itemsize(args)
+            numel = int.from_bytes(data[pos : _raw(data, pos, 8, end)], "little", signed=True)
+            pos = _raw(data, pos + 8, numel * itemsize, end) if numel >= 0 else end + 1
+            if pos > end:
+                raise EOFError
+        else:  # tensors: int32 ndim, 4 bytes, ndim sizes, ndim strides, the offset (int64s)
+            ndim = int.from_bytes(data[pos : _raw(data, pos, 4, end)], "little", signed=True)
+            if ndim < 0:
+                raise EOFError  # struct.unpack of a negative count fails: torch stops
+            pos = _raw(data, pos, 8 + 16 * ndim + 8, end)
+    if member.name == "storages":
+        _one_pickle(data, pos, end, where, found)  # the storage views
+
+
+def _scan_tar(f: Any, data: bytes | mmap.mmap, size: int, found: list[Found]) -> str:
+    """Scan what torch's tar reader unpickles (see :mod:`ckptfix.formats.tarera`); returns the
+    error that keeps the file from being called clean (a tar-era file is never read safely)."""
+    tar = open_tar(f)
+    if tar is None:  # sniffed as tar a moment ago: the file changed
+        return "the file changed while being scanned"
+    layout = tar_layout(tar, size)
+    error = "tar-era torch file: torch reads it only with weights_only=False (its members were scanned)"
+    for member in layout.members:
+        try:
+            _scan_tar_member(data, member, found)
+        except EOFError:
+            return error  # torch stops with an error there: nothing further is unpickled
+        except _CannotFollow as exc:
+            return f"tar member {member.name}: cannot follow torch's reading ({exc}); treat it as unsafe"
+        except BadInputError as exc:
+            return f"tar member {member.name}: {exc}"
+    if layout.problem:
+        return f"{layout.problem}; treat it as unsafe"
+    if layout.fallback:
+        # torch catches the TarError and reads the file from its start as legacy pickles
+        more, bad = scan_pickles(data, "pickles (torch's fallback after a tar error)", headerless=True)
+        found += more
+        return error + (f"; {bad}" if bad else "")
+    return error + (f" ({layout.stop})" if layout.stop else "")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..errors import CkptfixError, UsageError, group_by_module
@@ -25,7 +26,9 @@ from ..formats.checkpoint import (
     Checkpoint,
     read_checkpoint,
 )
+from ..formats.dcp import METADATA_NAME, is_dcp_folder
 from ..formats.detect import FORMAT_NAME_ALIASES, FORMAT_NAMES
+from ..formats.sharded import find_index, other_checkpoints
 from ..model.dtypes import CAST_ALIASES, CASTABLE
 from ..model.paths import format_path
 from ..model.refs import TensorRef
@@ -149,8 +152,29 @@ def verify_path(
                 except (CkptfixError, OSError) as exc:
                     result.problems.append(f"storage {storage.key}: {exc}")
     _check_expectations(ckpt, result, expect)
+    _verify_other_files(Path(path), result)
     result.ok = not result.problems
     return result
+
+
+def _verify_other_files(folder: Path, result: VerifyResult) -> None:
+    """A folder's other checkpoint-like files (what torch or ``transformers`` would load besides
+    the checkpoint its marker names: :func:`~ckptfix.formats.sharded.other_checkpoints`) must
+    pass verify too (without the expectations, which are about the folder's checkpoint)."""
+    if not folder.is_dir():
+        return
+    try:
+        marker = folder / METADATA_NAME if is_dcp_folder(folder) else find_index(folder)
+        others = other_checkpoints(folder, marker) if marker is not None else []
+    except (OSError, CkptfixError) as exc:
+        result.problems.append(f"the folder's other files were not checked: {exc}")
+        return
+    for other in others:
+        part = verify_path(other)
+        result.problems += [p if p.startswith(str(other)) else f"{other.name}: {p}" for p in part.problems]
+    if others:
+        names = ", ".join(p.name for p in others)
+        result.notes.append(f"also verified the folder's other checkpoint-like files: {names}"[:400])
 
 
 def _check_expectations(ckpt: Checkpoint, result: VerifyResult, expect: Expectations) -> None:

@@ -24,7 +24,7 @@ from ..errors import ExitCode, UsageError
 from ..formats.detect import FORMAT_NAME_ALIASES, FORMAT_NAMES
 from ..model.dtypes import CAST_ALIASES, CASTABLE
 from . import render
-from .options import BATCH_OPTIONS, IN_OUT, INPUTS, PIPELINE, PREFIX, REMOTE, Decorator, allow_global, apply
+from .options import BATCH_OPTIONS, DEEPSPEED, IN_OUT, INPUTS, PIPELINE, PREFIX, REMOTE, Decorator, allow_global, apply
 from .render import emit_json, printable, say
 
 if TYPE_CHECKING:  # the pipeline (and all it reads with) is imported when a command runs, not for --help
@@ -451,6 +451,7 @@ def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @REMOTE
+@DEEPSPEED
 def diff_command(
     a_path: str,
     b_path: str,
@@ -649,7 +650,15 @@ def scan(paths: tuple[str, ...], recursive: bool, as_json: bool, strict: bool) -
 )
 @allow_global("Read objects of this global (dotted name, * ? [...] globs) as opaque records, never imported or run.")
 @REMOTE
-def inspect_command(path: str, as_json: bool, unsafe_load: bool, allow_globals: tuple[str, ...]) -> int:
+@DEEPSPEED
+def inspect_command(
+    path: str,
+    as_json: bool,
+    unsafe_load: bool,
+    allow_globals: tuple[str, ...],
+    tag: str | None = None,
+    weights: str | None = None,
+) -> int:
     """Describe a checkpoint without reading its tensor data.
 
     Shows the format, where the state dicts are and which prefixes their keys share,
@@ -660,11 +669,12 @@ def inspect_command(path: str, as_json: bool, unsafe_load: bool, allow_globals: 
     Examples:
       ckptfix inspect model.pth
       ckptfix inspect model.pth --json | jq .devices
+      ckptfix inspect ds_run/ --json | jq .deepspeed
     """
     from ..analysis.inspect import render
     from ..pipeline import inspect_checkpoint
 
-    summary = inspect_checkpoint(path, unsafe_load=unsafe_load, allow_globals=allow_globals)
+    summary = inspect_checkpoint(path, unsafe_load=unsafe_load, allow_globals=allow_globals, tag=tag, weights=weights)
     if as_json:
         emit_json("inspect", ExitCode.OK, summary)
     else:

@@ -247,6 +247,23 @@ PIPELINE_OPTIONS: list[Decorator] = [
     click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout."),
     *REMOTE_OPTIONS,
 ]
+
+#: what to read from a DeepSpeed checkpoint folder (every command that reads one takes them)
+DEEPSPEED_OPTIONS: list[Decorator] = [
+    click.option(
+        "--tag",
+        metavar="TAG",
+        help="DeepSpeed folders: the checkpoint tag to read, e.g. global_step100 (default: the one 'latest' names).",
+    ),
+    click.option(
+        "--weights",
+        type=click.Choice(["fp32", "module"]),
+        help="DeepSpeed folders: fp32 = the optimizer's fp32 master weights (default for ZeRO 1-3, as "
+        "zero_to_fp32.py); module = the weights as trained (fp16/bf16 for mixed precision; ZeRO-0's only ones).",
+    ),
+]
+PIPELINE_OPTIONS += DEEPSPEED_OPTIONS
+DEEPSPEED = apply(DEEPSPEED_OPTIONS)
 PIPELINE = apply(PIPELINE_OPTIONS)
 
 

@@ -101,6 +101,24 @@ class ComputedSource:
     produce: Callable[[OpenFiles], bytes]
 
 
+@dataclass(frozen=True, eq=False)
+class JoinedSource(ComputedSource):
+    """Bytes that are several file ranges end to end: a tensor split across files (a ZeRO
+    parameter whose fp32 master weights straddle two ranks' partitions). ``pieces`` tile the
+    bytes exactly once, in order (checked when it is made); writers copy them piece by piece
+    (:meth:`OutputStream.copy`, :func:`iter_chunks`), and ``produce`` joins them only for a
+    caller that needs the one tensor in memory (a cast, a gather)."""
+
+    pieces: tuple[FileRange, ...] = ()
+
+    @classmethod
+    def of(cls, pieces: tuple[FileRange, ...]) -> JoinedSource:
+        if not pieces or any(not is_plain_range(p) or p.size <= 0 or p.offset < 0 for p in pieces):
+            raise ValueError("a joined source needs non-empty, uncompressed pieces")
+        size = sum(p.size for p in pieces)
+        return cls(size, lambda files: b"".join(read_all(p, files) for p in pieces), pieces)
+
+
 class WindowedReader:
     """Small reads of one file, in mostly increasing order, served from one buffered window.
 
@@ -313,10 +331,31 @@ class OutputStream:
 
     def copy(self, source: FileRange | ComputedSource, files: OpenFiles, *, want_crc: bool = False) -> int | None:
         """Append ``source``'s bytes: by the kernel when they are stored as they are, else
-        streamed in chunks. Returns the CRC32 when ``want_crc``: the one the source recorded
-        where there is one (the bytes are unchanged), else computed on a worker thread while
-        the kernel copies, so a CRC costs no more wall time than the copy it rides along."""
-        if is_plain_range(source) and source.size < SMALL_COPY:
+        streamed in chunks. Returns the CRC32 when ``want_crc``: for a local stored range the
+        one the source recorded where there is one (the bytes are unchanged), else computed on
+        a worker thread while the kernel copies, so a CRC costs no more wall time than the copy
+        it rides along; for streamed bytes (a remote object's included), the CRC of what was
+        written."""
+        if is_plain_range(source):
+            return self._copy_plain(source, files, want_crc)
+        if isinstance(source, JoinedSource) and not want_crc:
+            for piece in source.pieces:  # each piece by the kernel (a CRC streams them instead)
+                self._copy_plain(piece, files, False)
+            return None
+        return self._stream(iter_chunks(source, files), want_crc)
+
+    def _stream(self, chunks: Iterator[bytes], want_crc: bool) -> int | None:
+        """Write ``chunks`` through the buffer; their CRC32 when ``want_crc``."""
+        crc_value = 0
+        for chunk in chunks:
+            if want_crc:
+                crc_value = zlib.crc32(chunk, crc_value)
+            self.write(chunk)
+        return crc_value if want_crc else None
+
+    def _copy_plain(self, source: FileRange, files: OpenFiles, want_crc: bool) -> int | None:
+        """:meth:`copy` of bytes stored as they are in one file."""
+        if source.size < SMALL_COPY:
             # a small record (a training checkpoint has ~4 per parameter): one pread into the
             # buffered output beats a flush plus a copy_file_range call per record
             data = files.small_read(source.path, source.offset, source.size)
@@ -326,31 +365,26 @@ class OutputStream:
             if not want_crc:
                 return None
             return source.crc if source.crc is not None else zlib.crc32(data)
-        if is_plain_range(source) and not is_url(source.path):
-            crc = files.crc_in_background(source) if want_crc and source.crc is None else None
-            pending = self._pending
-            if (
-                pending is not None
-                and pending.path == source.path
-                and pending.offset + pending.size == source.offset
-                and pending.size < MERGE_LIMIT
-            ):
-                pending.size += source.size
-            else:
-                self._copy_pending()
-                self._out.flush()
-                self._pending = _PendingCopy(files, source.path, source.offset, source.size, self.offset)
-            self.offset += source.size
-            if crc is None:
-                return source.crc
-            self._copy_pending()  # now, while the worker computes the CRC beside it
-            return crc.result()
-        crc_value = 0
-        for chunk in iter_chunks(source, files):
-            if want_crc:
-                crc_value = zlib.crc32(chunk, crc_value)
-            self.write(chunk)
-        return crc_value if want_crc else None
+        if not is_local_range(source):  # a remote object: no descriptor to copy from, so streamed
+            return self._stream(iter_chunks(source, files), want_crc)
+        crc = files.crc_in_background(source) if want_crc and source.crc is None else None
+        pending = self._pending
+        if (
+            pending is not None
+            and pending.path == source.path
+            and pending.offset + pending.size == source.offset
+            and pending.size < MERGE_LIMIT
+        ):
+            pending.size += source.size
+        else:
+            self._copy_pending()
+            self._out.flush()
+            self._pending = _PendingCopy(files, source.path, source.offset, source.size, self.offset)
+        self.offset += source.size
+        if crc is None:
+            return source.crc
+        self._copy_pending()  # now, while the worker computes the CRC beside it
+        return crc.result()
 
     def _copy_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -375,29 +409,45 @@ def is_plain_range(source: object) -> TypeGuard[FileRange]:
     return isinstance(source, FileRange) and source.deflated_size is None
 
 
+def is_local_range(source: object) -> TypeGuard[FileRange]:
+    """True for a plain range of a local file: one the kernel can copy and a worker can CRC by
+    its descriptor. A remote object's range (a URL) is plain but has no descriptor: its bytes
+    stream through Python, and their CRC is computed on the way."""
+    return is_plain_range(source) and not is_url(source.path)
+
+
 def iter_chunks(source: FileRange | ComputedSource, files: OpenFiles) -> Iterator[bytes]:
     """The bytes of ``source`` in bounded chunks, inflating compressed records."""
+    if isinstance(source, JoinedSource):
+        for piece in source.pieces:  # stored ranges, so the loop below reads each
+            yield from _stored_chunks(piece, files)
+        return
     if isinstance(source, ComputedSource):
         data = source.produce(files)
         if len(data) != source.size:
             raise RuntimeError(f"computed data is {len(data)} bytes, expected {source.size}")
         yield data
         return
+    if source.deflated_size is None:
+        yield from _stored_chunks(source, files)
+        return
+    yield from inflate_chunks(files.file(source.path), source.offset, source.deflated_size, source.size, source.path)
+
+
+def _stored_chunks(source: FileRange, files: OpenFiles) -> Iterator[bytes]:
+    """The bytes of an uncompressed range in bounded chunks."""
     f = files.file(source.path)
-    if source.deflated_size is None and isinstance(f, RangeSource):
+    if isinstance(f, RangeSource):
         yield from f.iter_range(source.offset, source.size)  # concurrent ranged reads, in order
         return
-    if source.deflated_size is None:
-        done = 0
-        while done < source.size:
-            f.seek(source.offset + done)
-            chunk = f.read(min(_CHUNK, source.size - done))
-            if not chunk:
-                raise BadInputError(f"{source.path}: the file ended inside tensor data (truncated?)")
-            done += len(chunk)
-            yield chunk
-        return
-    yield from inflate_chunks(f, source.offset, source.deflated_size, source.size, source.path)
+    done = 0
+    while done < source.size:
+        f.seek(source.offset + done)
+        chunk = f.read(min(_CHUNK, source.size - done))
+        if not chunk:
+            raise BadInputError(f"{source.path}: the file ended inside tensor data (truncated?)")
+        done += len(chunk)
+        yield chunk
 
 
 def inflate_chunks(f: BinaryIO, offset: int, compressed_size: int, size: int, where: str) -> Iterator[bytes]:

@@ -603,6 +603,9 @@ class RemotePath:
     def __hash__(self) -> int:
         return hash(str(self))
 
+    def __lt__(self, other: RemotePath) -> bool:  # sorted() listings, as of Paths
+        return str(self) < str(other)
+
     def __truediv__(self, name: str) -> RemotePath:
         return RemotePath(f"{self}/{name}")
 
@@ -663,6 +666,18 @@ def as_path(path: str | os.PathLike[str]) -> Path:
         return cast(Path, path)
     text = os.fspath(path)
     return cast(Path, RemotePath(text)) if is_url(text) else Path(text)
+
+
+def local_or_remote(path: str | os.PathLike[str]) -> Path:
+    """Where ``path``'s bytes live: a local path, and a ``file://`` (or ``local://``) URL's local
+    path, as a :class:`Path` (so two spellings of one file compare by device and inode); any
+    other URL as a :class:`RemotePath` (an object has one name: URLs compare as text)."""
+    text = os.fspath(path)
+    if not is_url(text):
+        return Path(text)
+    if scheme_of(text) in ("file", "local"):
+        return Path(filesystem(text)[1])
+    return cast(Path, RemotePath(text))
 
 
 # ---------------------------------------------------------------------------- outputs

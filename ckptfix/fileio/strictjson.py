@@ -9,12 +9,18 @@ another to a loader. So, unlike ``json.loads``:
 * ``NaN``/``Infinity`` are errors (not JSON; serde_json refuses them), and ``-0`` is read as
   the float serde_json makes of it, so it is refused wherever an integer is required;
 * nesting too deep for Python's recursion limit is an error, not a ``RecursionError``;
-* the text must be UTF-8.
+* the text must be UTF-8;
+* with ``serde_numbers=True`` (safetensors headers, which only serde_json reads), a number
+  serde_json cannot hold is an error, as it is there ("number out of range"): a float literal
+  beyond the double range (``1e400``: Python makes it ``inf``) and an integer too large for a
+  u64/i64 whose double value overflows too (serde_json falls back to a double for the rest).
 """
 
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections.abc import Iterator
 from typing import Any, NoReturn
 
@@ -43,7 +49,26 @@ def _integer(text: str) -> int | float:
     return -0.0 if text == "-0" else int(text)
 
 
-def loads(raw: bytes) -> Any:
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise JSONError(f"the number {text[:40]}{'...' if len(text) > 40 else ''} is out of range (beyond a double)")
+    return value
+
+
+def _ranged_integer(text: str) -> int | float:
+    value = _integer(text)
+    if abs(value) >= _U64 and math.isinf(float(text)):  # float(text): no int-digits limit
+        raise JSONError(f"the number {text[:40]}... is out of range (beyond a u64 and a double)")
+    return value
+
+
+_U64 = 1 << 64
+#: the shortest run of digits whose value can exceed a double (~1.8e308 has 309 digits)
+_LONG_DIGITS = re.compile(rb"[0-9]{309}")
+
+
+def loads(raw: bytes, *, serde_numbers: bool = False) -> Any:
     """Parse ``raw`` strictly (see the module docstring); raises :class:`JSONError`."""
     try:
         text = raw.decode("utf-8")
@@ -52,8 +77,19 @@ def loads(raw: bytes) -> Any:
     try:
         # a parse_int hook costs a Python call per integer: only when a "-0" could be there
         # (None is json's own default, int)
-        parse_int = _integer if "-0" in text else None
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant, parse_int=parse_int)
+        parse_int: Any = _integer if "-0" in text else None
+        parse_float: Any = None
+        if serde_numbers:
+            parse_float = _finite_float  # only floats pay a Python call: headers hold few
+            if _LONG_DIGITS.search(raw):  # integers pay one only where one could overflow
+                parse_int = _ranged_integer
+        return json.loads(
+            text,
+            object_pairs_hook=_no_duplicates,
+            parse_constant=_no_constant,
+            parse_int=parse_int,
+            parse_float=parse_float,
+        )
     except RecursionError as exc:
         raise JSONError("nested too deeply") from exc
     except JSONError:

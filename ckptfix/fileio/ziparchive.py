@@ -21,6 +21,7 @@ import struct
 import zlib
 from array import array
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple, TypeGuard
 
@@ -35,6 +36,7 @@ from .ranges import (
     RangeSource,
     WindowedReader,
     inflate_chunks,
+    is_local_range,
     is_plain_range,
 )
 
@@ -84,8 +86,11 @@ class ZipRecord:
 
     def source(self, path: str, base: int = 0) -> FileRange:
         """The record's bytes as a :class:`FileRange` of the archive file ``path`` (whose zip
-        starts at ``base``: a zip stored inside another file)."""
+        starts at ``base``: a zip stored inside another file); a deflated record must pass
+        :func:`check_inflation` first."""
         deflated = self.compressed_size if self.method == DEFLATED else None
+        if deflated is not None:
+            check_inflation(self, path)
         return FileRange(path, base + self.data_offset, self.size, self.crc, deflated)
 
 
@@ -162,10 +167,15 @@ def _plan_remote_reads(f: BinaryIO, names: list[str], entries: list[_Entry]) -> 
     concurrently, and checked as for a local file. Returns the names not read."""
     if not isinstance(f, RangeSource):
         return frozenset()
-    if f.metadata_only:
-        return frozenset(name for name in names if name.split("/")[1:2] == ["data"] and name.count("/") >= 2)
+    if f.metadata_only:  # a record named .pkl in any case is read (scan reads every one)
+        return frozenset(name for name in names if _tensor_record(name) and not name.lower().endswith(".pkl"))
     f.prefetch([(e.header_offset, _LOCAL_HEADER.size + len(e.raw_name)) for e in entries])
     return frozenset()
+
+
+def _tensor_record(name: str) -> bool:
+    """``<archive>/data/<key>``: where torch keeps storage bytes."""
+    return name.split("/")[1:2] == ["data"] and name.count("/") >= 2
 
 
 class ZipDirectory(Mapping[str, ZipRecord]):
@@ -488,6 +498,28 @@ def _refuse_overlaps(records: ZipDirectory, path: str) -> None:
         previous = span
 
 
+#: how many times larger than its compressed bytes a deflated record may inflate: real data
+#: deflates 1.1x (weights) to ~6x (pickles); a zip bomb, ~1000x
+INFLATE_RATIO = 64
+#: the absolute budget below which a record is never refused for its ratio (a small record of
+#: zeros deflates far beyond the ratio and costs nothing)
+INFLATE_FLOOR = 16 << 20
+
+
+def check_inflation(record: ZipRecord, path: str = "") -> None:
+    """Refuse a deflated record that declares more than :data:`INFLATE_RATIO` times its
+    compressed bytes (and more than :data:`INFLATE_FLOOR`): every reader, writer and check that
+    inflates records passes here first, so a kilobyte-sized file cannot make any command
+    produce, hold or compare gigabytes (each inflation is also streamed in bounded chunks)."""
+    if record.method != DEFLATED or record.size <= max(INFLATE_FLOOR, INFLATE_RATIO * record.compressed_size):
+        return
+    where = f"{path}: record {record.name!r}" if path else f"record {record.name!r}"
+    raise BadInputError(
+        f"{where} is deflated from {record.compressed_size} bytes but declares {record.size} "
+        f"(more than {INFLATE_RATIO}x): a zip bomb, or not a checkpoint torch.save wrote; refusing"
+    )
+
+
 def read_record_bytes(f: BinaryIO, record: ZipRecord, limit: int, path: str = "") -> bytes:
     """Read a (small) record into memory, inflating it if needed, refusing more than ``limit``.
 
@@ -498,6 +530,7 @@ def read_record_bytes(f: BinaryIO, record: ZipRecord, limit: int, path: str = ""
     where = f"{path}: record {record.name!r}" if path else f"record {record.name!r}"
     if record.size > limit:
         raise BadInputError(f"{where} declares {record.size} bytes, over the {limit}-byte limit")
+    check_inflation(record, path)
     if record.method == STORED:
         f.seek(record.data_offset)
         raw = f.read(record.compressed_size)
@@ -518,6 +551,15 @@ def shares_blocks(source: FileRange | ComputedSource) -> TypeGuard[FileRange]:
     is 64-aligned exactly when the source one is: safetensors tensors often are not).
     """
     return is_plain_range(source) and source.size >= SMALL_COPY and source.offset % RECORD_ALIGNMENT == 0
+
+
+def _check_crc(name: str, source: FileRange | ComputedSource, recorded: int | None, actual: int) -> None:
+    if recorded and actual != recorded:
+        where = source.path if isinstance(source, FileRange) else "the input"
+        raise BadInputError(
+            f"{where}: the bytes copied into {name} have CRC32 {actual:08x}, but the input's record says "
+            f"{recorded:08x}: the input is corrupt (run `ckptfix verify` on it); nothing was written"
+        )
 
 
 _DESCRIPTOR = struct.Struct("<4sIII")
@@ -541,6 +583,8 @@ class ZipWriter:
         self._header_offsets = array("q")
         self._sizes = array("q")
         self._crcs = array("I")
+        #: kernel-copied records whose CRC a worker is computing: (name, source, recorded, future)
+        self._crc_checks: list[tuple[str, FileRange, int, Future[int]]] = []
         self._zip64_threshold = zip64_threshold
 
     @property
@@ -617,28 +661,47 @@ class ZipWriter:
     def add_copy(self, name: str, source: FileRange | ComputedSource, files: OpenFiles) -> int:
         """Add a record whose bytes come from ``source``; returns its CRC32.
 
-        A stored range is copied by the kernel: with a known CRC (a zip record) it keeps the
-        CRC the source recorded (CRC 0 stays 0, as torch wrote it), else the CRC is computed
-        beside the copy. Anything else is streamed in bounded chunks and its CRC computed on
-        the way. See :func:`shares_blocks` for where the record's data lands.
+        A stored range of a local file is copied by the kernel (adjacent ones merged into one
+        call), anything else streamed in bounded chunks (a remote object's ranges too: there is
+        no descriptor to copy from). Where the source recorded a CRC (a zip record), the bytes
+        are checked against it: a record whose bytes do not match its CRC is corrupt, and
+        copying its CRC along would make the output pass every check. A kernel-copied record's
+        CRC is computed on a worker thread from the same source bytes while the kernel copies
+        them, and checked before the archive is closed (:meth:`close`); a streamed one's as it
+        streams. CRC 0 marks a file saved with ``torch.serialization.set_crc32_options(False)``:
+        it stays 0, unchecked, as torch wrote it. See :func:`shares_blocks` for where the
+        record's data lands.
         """
+        recorded = source.crc if isinstance(source, FileRange) else None
         if is_plain_range(source) and source.size < SMALL_COPY:
             data = files.small_read(source.path, source.offset, source.size)
             if len(data) != source.size:
                 raise BadInputError(f"{source.path}: the file ended inside tensor data (truncated?)")
-            crc = source.crc if source.crc is not None else zlib.crc32(data)
+            crc = 0 if recorded == 0 else zlib.crc32(data)
+            _check_crc(name, source, recorded, crc)
             self.add_small(name, data, crc)
             return crc
+        if recorded and is_local_range(source):
+            unchecked = FileRange(source.path, source.offset, source.size)
+            self._crc_checks.append((name, source, recorded, files.crc_in_background(unchecked)))
         header_offset = self._offset
         place = source.offset if shares_blocks(source) else None
         full = self._start_record(name, source.size, place)
         copied_crc = self._stream.copy(source, files, want_crc=True)
         assert copied_crc is not None
+        if not is_local_range(source):  # streamed (a remote object too): the CRC is of the bytes written
+            _check_crc(name, source, recorded, copied_crc)
+            if recorded == 0 and is_plain_range(source):
+                copied_crc = 0  # unchecked, kept as torch wrote it, as a local copy keeps it
         self._finish_record(full, header_offset, source.size, copied_crc)
         return copied_crc
 
     def close(self) -> None:
-        """Write the central directory and the (zip64 and classic) end records."""
+        """Write the central directory and the (zip64 and classic) end records, once every
+        copied record's bytes matched the CRC its source recorded."""
+        for record, source, recorded, future in self._crc_checks:
+            _check_crc(record, source, recorded, future.result())
+        self._crc_checks.clear()
         cd_offset = self._offset
         for name, header_offset, size, crc in zip(self._names, self._header_offsets, self._sizes, self._crcs):
             zip64 = b""

@@ -15,7 +15,8 @@ from ..fileio.urls import is_url
 from ..model.needs import need_torch
 from ..model.refs import Tree
 from .dcp import is_dcp_folder, read_dcp, read_dcp_safely
-from .detect import check_input, open_input, sniff
+from .deepspeed import DeepSpeedInfo, is_deepspeed_folder, read_deepspeed
+from .detect import check_input, open_input, sniff_file
 from .legacy import load_with_torch, save_with_torch
 from .legacy_pickle import read_legacy
 from .safetensors import read_safetensors
@@ -28,6 +29,7 @@ FORMAT_TORCH_TAR = "torch-tar"
 FORMAT_SAFETENSORS = "safetensors"
 FORMAT_SHARDED = "sharded"
 FORMAT_DCP = "dcp"
+FORMAT_DEEPSPEED = "deepspeed"
 
 
 @dataclass
@@ -50,6 +52,8 @@ class Checkpoint:
     metadata: dict[str, Any] = field(default_factory=dict)
     #: False when the tree holds real tensors (formats read through torch itself)
     lazy: bool = True
+    #: a DeepSpeed folder: its stage, world size, tags and the weights read
+    deepspeed: DeepSpeedInfo | None = None
 
     def write(self, root: Tree, out: BinaryIO, progress: Callable[[int], None] | None = None) -> None:
         """Write ``root`` (this checkpoint's tree, transformed) as a torch zip file."""
@@ -66,6 +70,8 @@ def read_checkpoint(
     unsafe_load: bool = False,
     allow_globals: Sequence[str] = (),
     inert_unknown: bool = False,
+    tag: str | None = None,
+    weights: str | None = None,
 ) -> Checkpoint:
     """Open ``path`` safely: diagnose the file, then read it without running any of its code.
 
@@ -79,17 +85,27 @@ def read_checkpoint(
     written back unchanged and never imported or called. ``inert_unknown=True`` reads every other
     global that is not dangerous as an inert record too, marked not allowed (no writer writes
     one): for callers that then write only part of the tree and check what they write
-    (:func:`~ckptfix.pickling.reader.foreign_globals`).
+    (:func:`~ckptfix.pickling.reader.foreign_globals`). ``tag`` and ``weights`` choose what a
+    DeepSpeed folder gives (:func:`~ckptfix.formats.deepspeed.read_deepspeed`); other inputs refuse them.
     """
     path = str(path)
     st = check_input(path)  # never opens: a FIFO, a device or a socket is refused from its mode
+    if stat.S_ISDIR(st.st_mode) and is_deepspeed_folder(as_path(path)) and not is_dcp_folder(as_path(path)):
+        if is_url(path):
+            raise UsageError(
+                f"{path}: a DeepSpeed checkpoint folder; ckptfix reads DeepSpeed folders from local disk only",
+                hint="copy it locally first",
+            )
+        return _read_deepspeed(Path(path), allow_globals, tag, weights)
+    if tag is not None or weights is not None:
+        raise UsageError(f"{path}: --tag and --weights choose what a DeepSpeed checkpoint folder gives; not one")
     if stat.S_ISDIR(st.st_mode):
         return _read_folder(as_path(path), unsafe_load, allow_globals, inert_unknown)
     if path.endswith(".index.json"):
         return _read_sharded(as_path(path), allow_globals)
     f, file_size = open_input(path)
     with f:
-        what = sniff(f.read(512), file_size)
+        what = sniff_file(f, file_size, path)
         if what.kind == "zip":
             globals_seen: set[str] = set()
             try:
@@ -129,6 +145,11 @@ def read_checkpoint(
                 "with weights_only=False (running code from the file); ckptfix has no safe reader for it",
                 hint="only if you trust this file: --unsafe-load (unsafe_load=True), then save it in today's format",
             )
+        if is_url(path):
+            raise UsageError(
+                f"{path}: a tar-era torch checkpoint; ckptfix reads this format from local files only",
+                hint="download it first, e.g. fsspec's `fs.get`, then run ckptfix on the copy",
+            )
         return _read_with_torch(path, FORMAT_TORCH_TAR, file_size, unsafe=True)
     raise BadInputError(f"{path}: {what.description}")
 
@@ -159,6 +180,15 @@ def _read_folder(folder: Path, unsafe_load: bool, allow_globals: Sequence[str], 
     if found.name.endswith(".index.json"):
         return _read_sharded(found, allow_globals)
     return read_checkpoint(found, unsafe_load=unsafe_load, allow_globals=allow_globals, inert_unknown=inert_unknown)
+
+
+def _read_deepspeed(folder: Path, allow_globals: Sequence[str], tag: str | None, weights: str | None) -> Checkpoint:
+    globals_seen: set[str] = set()
+    root, info = read_deepspeed(folder, globals_seen, allow_globals, tag=tag, weights=weights)
+    size = info.input_bytes
+    return Checkpoint(
+        str(folder), FORMAT_DEEPSPEED, root, size, globals_seen, notes=[info.describe(), *info.notes], deepspeed=info
+    )
 
 
 def _read_sharded(index_path: Path, allow_globals: Sequence[str] = ()) -> Checkpoint:

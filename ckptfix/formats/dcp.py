@@ -21,6 +21,7 @@ import shutil
 import tempfile
 import warnings
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -92,13 +93,11 @@ def read_dcp_safely(
     planner = fields.get("planner_data") or {}
     if not (isinstance(described, dict) and isinstance(items, dict) and isinstance(planner, dict)):
         raise BadInputError(f"{where}: corrupt DCP metadata: no state_dict_metadata or storage_data table")
-    located: dict[str, list[tuple[tuple[int, ...] | None, dict[str, object]]]] = {}
-    for key, info in items.items():
-        index, stored = _fields(key, "MetadataIndex", where), _fields(info, "_StorageInfo", where)
-        if stored.get("transform_descriptors"):
-            raise BadInputError(f"{where}: DCP items saved with transforms (compression) are not supported yet")
-        offset = index.get("offset")
-        located.setdefault(str(index.get("fqn")), []).append((None if offset is None else _size(offset, where), stored))
+    located = _located(items, where)
+    for stored_items in located.values():
+        for _, stored in stored_items:
+            if stored.get("transform_descriptors"):
+                raise BadInputError(f"{where}: DCP items saved with transforms (compression) are not supported yet")
     tree: dict[object, object] = {}
     with OpenFiles() as files:
         for fqn, meta in described.items():
@@ -110,6 +109,80 @@ def read_dcp_safely(
     return tree
 
 
+Located = dict[str, list[tuple[tuple[int, ...] | None, dict[str, object]]]]
+
+
+def _located(items: dict[object, object], where: str, problems: list[str] | None = None) -> Located:
+    """``storage_data`` by fqn: (chunk offsets or None, the ``_StorageInfo`` fields).
+
+    torch looks items up in this dict by ``MetadataIndex(fqn, offset)`` (equal by those two fields:
+    ``index`` is a hint that takes no part); a pickle can hold two keys equal to torch, of which
+    torch's dict keeps the last -- refused as ambiguous, never read as the first (with
+    ``problems``, noted there and kept, so that a scan still visits both)."""
+    located: Located = {}
+    keys: set[tuple[str, tuple[int, ...] | None]] = set()
+    for key, info in items.items():
+        index, stored = _fields(key, "MetadataIndex", where), _fields(info, "_StorageInfo", where)
+        fqn, raw = index.get("fqn"), index.get("offset")
+        if not isinstance(fqn, str):  # torch looks items up by MetadataIndex(str fqn): 1 is not "1"
+            raise BadInputError(f"{where}: corrupt DCP metadata: an item named by a {type(fqn).__name__}, not a str")
+        offset = None if raw is None else _size(raw, where)
+        identity = (fqn, offset)
+        if identity in keys:
+            problem = (
+                f"{where}: two storage_data entries for one item ({fqn!r:.80}, offset {offset}): torch keeps "
+                "the last, another reader the first; refusing as ambiguous"
+            )
+            if problems is None:
+                raise BadInputError(problem)
+            problems.append(problem)
+        keys.add(identity)
+        located.setdefault(fqn, []).append((offset, stored))
+    return located
+
+
+@dataclass(frozen=True)
+class DcpItem:
+    """One stored item (a ``torch.save`` blob inside a ``.distcp`` file), as ``scan`` visits it."""
+
+    fqn: str
+    relative_path: str
+    offset: int
+    length: int
+
+
+def dcp_items(folder: Path, problems: list[str]) -> list[DcpItem]:
+    """Every item a DCP folder's metadata lists (what torch's loader may ``torch.load``; the
+    non-tensor ones with ``weights_only=False``), in file order; the metadata is read by the
+    restricted reader (scan the ``.metadata`` pickle itself first: this refuses a hostile one).
+    Entries torch would read ambiguously are all listed, and said in ``problems``."""
+    where = str(folder / METADATA_NAME)
+    f, size = open_input(folder / METADATA_NAME)
+    with f:
+        if size > MAX_METADATA_BYTES:
+            raise BadInputError(f"{where}: {size} bytes, too large for DCP metadata")
+        data = f.read(size)
+    metadata, _ = restricted_load(data, None, set(), _METADATA_ALLOW)
+    items = _fields(metadata, "Metadata", where).get("storage_data")
+    if not isinstance(items, dict):
+        raise BadInputError(f"{where}: corrupt DCP metadata: no storage_data table")
+    found = []
+    for fqn, stored_items in _located(items, where, problems).items():
+        for _, stored in stored_items:
+            name, offset, length = _item_place(stored, where)
+            found.append(DcpItem(fqn, name, offset, length))
+    return sorted(found, key=lambda item: (item.relative_path, item.offset))
+
+
+def _item_place(stored: dict[str, object], where: str) -> tuple[str, int, int]:
+    name, offset, length = stored.get("relative_path"), stored.get("offset"), stored.get("length")
+    if not (isinstance(name, str) and name and "/" not in name and "\\" not in name and name not in (".", "..")):
+        raise BadInputError(f"{where}: corrupt DCP metadata: item file {name!r:.80} is not a file in the folder")
+    if not (type(offset) is int and type(length) is int and offset >= 0 and length > 0):
+        raise BadInputError(f"{where}: corrupt DCP metadata: an item with a bad offset or length")
+    return name, offset, length
+
+
 def _read_item(
     folder: Path,
     stored: dict[str, object],
@@ -118,11 +191,7 @@ def _read_item(
     where: str,
 ) -> Tree:
     """One item: the ``torch.save`` zip at (relative_path, offset, length), read in place."""
-    name, offset, length = stored.get("relative_path"), stored.get("offset"), stored.get("length")
-    if not (isinstance(name, str) and name and "/" not in name and "\\" not in name and name not in (".", "..")):
-        raise BadInputError(f"{where}: corrupt DCP metadata: item file {name!r:.80} is not a file in the folder")
-    if not (type(offset) is int and type(length) is int and offset >= 0 and length > 0):
-        raise BadInputError(f"{where}: corrupt DCP metadata: an item with a bad offset or length")
+    name, offset, length = _item_place(stored, where)
     f, size = open_input(folder / name)
     with f:
         if offset + length > size:
@@ -143,7 +212,11 @@ def _read_entry(
     where: str,
 ) -> Tree:
     if isinstance(meta, OpaqueObject) and meta.global_.name == "BytesStorageMetadata":
-        return _read_item(folder, stored[0][1], globals_seen, allow, where)
+        # torch reads storage_data[MetadataIndex(fqn)]: the entry without chunk offsets
+        plain = [info for offsets, info in stored if offsets is None]
+        if not plain:
+            raise BadInputError(f"{where}: corrupt DCP metadata: no stored item for {fqn!r:.80} (only tensor chunks)")
+        return _read_item(folder, plain[0], globals_seen, allow, where)
     fields = _fields(meta, "TensorStorageMetadata", where)
     shape = _size(fields.get("size"), where)
     properties = fields.get("properties")

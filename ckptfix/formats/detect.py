@@ -15,6 +15,7 @@ import os
 import stat
 import struct
 from dataclasses import dataclass
+from pathlib import Path
 from typing import BinaryIO, cast
 
 from ..errors import BadInputError
@@ -33,7 +34,7 @@ FILE_FORMATS = ("pth", "safetensors")
 OUTPUT_FORMATS = (*FILE_FORMATS, "dcp")
 #: what ``inspect`` (and every --json ``format`` field) calls the formats read: checkpoint.py's
 #: FORMAT_* values, here so the CLI can offer them without importing the readers
-FORMAT_NAMES = ("torch-zip", "torch-legacy", "torch-tar", "safetensors", "sharded", "dcp")
+FORMAT_NAMES = ("torch-zip", "torch-legacy", "torch-tar", "safetensors", "sharded", "dcp", "deepspeed")
 #: the ``--format`` names that differ from what they write
 FORMAT_NAME_ALIASES = {"pth": "torch-zip"}
 
@@ -218,3 +219,47 @@ def sniff(head: bytes, file_size: int) -> Sniffed:
     if is_text:
         return Sniffed("not-checkpoint", "a plain text file, not a checkpoint")
     return Sniffed("not-checkpoint", "not a checkpoint format ckptfix recognises (unknown binary data)")
+
+
+_TAR = Sniffed("tar", "a tar archive (the format of torch before 0.4)")
+#: the only start torch.load takes for a zip (``torch.serialization._is_zipfile``)
+_ZIP_LOCAL = b"PK\x03\x04"
+
+
+def sniff_file(f: BinaryIO, file_size: int, path: str | os.PathLike[str]) -> Sniffed:
+    """What ``torch.load(path)`` takes the open file ``f`` for, in torch's own order: a path ending
+    ``.safetensors`` goes to the safetensors library; a file starting ``PK\\x03\\x04`` is a zip;
+    any other file is first offered to Python's tar reader (whatever its first bytes look like:
+    a legacy checkpoint, a safetensors file named ``.bin`` or a plain pickle can also be a tar
+    header), and only when tarfile refuses it is it sniffed from its first bytes. Leaves ``f``
+    just past the first 512 bytes, as :func:`sniff` callers expect."""
+    from .tarera import open_tar
+
+    head = f.read(512)
+    what = sniff(head, file_size)
+    if os.fspath(path).endswith(".safetensors") or head.startswith(_ZIP_LOCAL) or file_size == 0:
+        return what
+    tar = open_tar(f)
+    f.seek(len(head))
+    if tar is not None:
+        tar.close()
+        return _TAR
+    if what.kind == "tar":  # "ustar" but a header tarfile refuses: torch reads it as a pickle
+        return Sniffed("not-checkpoint", "a tar header torch's tar reader refuses (bad checksum or fields)")
+    return what
+
+
+def checkpoint_like(path: Path) -> bool:
+    """Whether a file in a folder is one that torch or ``transformers`` might load: a name from
+    the suffix registry (:data:`CHECKPOINT_SUFFIXES`), or first bytes that torch.load takes for
+    a checkpoint or a pickle (``training_args.bin`` is one; so is a pickle named ``.txt``).
+    Anything that cannot be opened as a regular file counts too: checking it reports why."""
+    if path.name.lower().endswith(CHECKPOINT_SUFFIXES):
+        return True
+    try:
+        f, size = open_input(path)
+    except BadInputError:
+        return not path.is_dir()
+    with f:
+        what = sniff_file(f, size, path)
+    return what.kind != "not-checkpoint" or "pickle" in what.description or "tar header" in what.description

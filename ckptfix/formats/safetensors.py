@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any, BinaryIO, TypeAlias
 
 from ..errors import BadInputError, UsageError
 from ..fileio import strictjson
-from ..fileio.ranges import BLOCK, SMALL_COPY, FileRange, OpenFiles, OutputStream, is_plain_range
+from ..fileio.ranges import BLOCK, SMALL_COPY, FileRange, JoinedSource, OpenFiles, OutputStream, is_plain_range
 from ..fileio.urls import is_url
 from ..model.data import is_c_contiguous, tensor_c_bytes
 from ..model.dtypes import DTYPE_ITEMSIZE, DTYPE_TO_SAFETENSORS, SAFETENSORS_DTYPES, SAFETENSORS_PACKED
@@ -94,7 +94,7 @@ def read_safetensors(path: str, f: BinaryIO, file_size: int) -> tuple[dict[str, 
     if len(raw) != header_len:
         raise BadInputError(f"{path}: the file ended inside the safetensors header (truncated?)")
     try:
-        header = strictjson.loads(raw)
+        header = strictjson.loads(raw, serde_numbers=True)
     except strictjson.JSONError as exc:
         raise BadInputError(f"{path}: corrupt safetensors header: {exc}") from exc
     if not isinstance(header, dict):
@@ -224,6 +224,13 @@ def _plain_span(t: TensorRef) -> tuple[str, int] | None:
     if t.storage.byteorder == "big" or not is_plain_range(source) or not is_c_contiguous(t.shape, t.stride):
         return None
     return source.path, source.offset + t.storage_offset * DTYPE_ITEMSIZE[t.dtype]
+
+
+def _joined(t: TensorRef) -> JoinedSource | None:
+    """``t``'s bytes as file ranges end to end, when they are stored as safetensors stores them."""
+    source = t.storage.source
+    whole = t.storage_offset == 0 and t.storage.byteorder == "little" and is_c_contiguous(t.shape, t.stride)
+    return source if isinstance(source, JoinedSource) and whole and t.nbytes == source.size else None
 
 
 def _runs(tensors: Iterable[tuple[str, TensorRef]]) -> list[_Run | TensorRef]:
@@ -481,7 +488,10 @@ def write_safetensors(
             files.plan(_planned_reads(plan.tensors))  # a remote input: fetched ahead, in this order
             for _, t in plan.tensors:
                 span = _plain_span(t)
-                if span is None:
+                joined = _joined(t) if span is None else None
+                if joined is not None:  # ranges of several files (a ZeRO partition's slices): each by the kernel
+                    stream.copy(joined, files)
+                elif span is None:
                     stream.write(tensor_c_bytes(t, files))
                 else:  # file to file, in the kernel; the stream merges tensors that lie back to back
                     stream.copy(FileRange(span[0], span[1], t.nbytes), files)
@@ -501,6 +511,8 @@ def _planned_reads(tensors: Iterable[tuple[str, TensorRef]]) -> Iterator[FileRan
             yield FileRange(span[0], span[1], t.nbytes)
         elif isinstance(source, FileRange):
             yield source
+        elif isinstance(source, JoinedSource):
+            yield from source.pieces
 
 
 def _unchanged_file(plan: SafetensorsPlan, files: OpenFiles) -> FileRange | None:

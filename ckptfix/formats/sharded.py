@@ -15,6 +15,7 @@ does not list is an error, never a silently incomplete model.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Mapping
@@ -26,7 +27,7 @@ from ..errors import BadInputError, CannotWriteError
 from ..fileio import strictjson
 from ..fileio.atomic import atomic_output
 from ..model.refs import TensorRef
-from .detect import open_input
+from .detect import checkpoint_like, open_input
 from .safetensors import plan_safetensors, write_safetensors
 from .torchzip import write_torch_zip
 
@@ -278,3 +279,30 @@ def merge_shards(
 
 def _count(weight_map: Mapping[str, str], shard: str) -> int:
     return sum(1 for v in weight_map.values() if v == shard)
+
+
+def other_checkpoints(folder: Path, marker: Path) -> list[Path]:
+    """The checkpoint-like files of ``folder`` (:func:`~.detect.checkpoint_like`) that the
+    checkpoint ``marker`` names (a DCP ``.metadata``, a shard index or the single model file
+    chosen by :func:`find_index`) does not cover: decoys as far as ckptfix's reader goes, but
+    files torch or ``transformers`` would load (``pytorch_model.bin`` next to
+    ``model.safetensors``, a second hub index and its shards, ``training_args.bin``). Other
+    indexes are listed as themselves (checking one checks its shards)."""
+    from .dcp import METADATA_NAME, dcp_items
+
+    covered = {marker.name}
+    if marker.name == METADATA_NAME:
+        try:
+            covered |= {item.relative_path for item in dcp_items(folder, [])}
+        except BadInputError:
+            covered |= {p.name for p in folder.glob("*.distcp")}
+    elif marker.name.lower().endswith(".index.json"):
+        with contextlib.suppress(BadInputError):  # the checkpoint's own check reports it
+            covered |= set(read_index(marker)[0].values())
+    others = []
+    for entry in sorted(folder.iterdir()):
+        if entry.name in covered or (entry.name.startswith(".") and entry.name.endswith(".ckptfix-tmp")):
+            continue
+        if entry.name.lower().endswith(".index.json") or (entry.is_file() and checkpoint_like(entry)):
+            others.append(entry)
+    return others

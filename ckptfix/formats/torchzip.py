@@ -51,6 +51,9 @@ _REGENERATED = {"data.pkl", ".format_version", ".storage_alignment", "byteorder"
 #: record it: read, checked and written back with the same value
 _VERSION_RECORDS = ("version", ".data/version")
 _VERSION = re.compile(rb"[0-9]{1,8}\r?\n?")
+#: the versions torch's reader accepts (kMinSupportedFileFormatVersion, kMaxSupportedFileFormatVersion
+#: in caffe2/serialize/versions.h; torch 2.13 refuses 0 and 11+)
+MIN_VERSION, MAX_VERSION = 1, 10
 #: every name torch's loader looks up, besides ``data/<key>`` storages
 _TORCH_NAMES = _REGENERATED | set(_VERSION_RECORDS)
 
@@ -146,6 +149,15 @@ def _read_versions(f: BinaryIO, records: Mapping[str, ZipRecord], path: str) -> 
             if not _VERSION.fullmatch(value):
                 raise BadInputError(f"{path}: record {name} holds {value[:16]!r}, not a version number")
             versions[name] = value
+    # torch reads .data/version where there is one, else version (caffe2 inline_container.cc),
+    # and refuses a value outside its range: carried into an output, torch could not load it
+    if versions:
+        effective = int(versions.get(".data/version", versions.get("version", b"3")))
+        if not MIN_VERSION <= effective <= MAX_VERSION:
+            raise BadInputError(
+                f"{path}: serialization version {effective}, which torch refuses (it reads versions "
+                f"{MIN_VERSION} to {MAX_VERSION}): not a file torch.load can read"
+            )
     return versions
 
 

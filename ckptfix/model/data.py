@@ -7,8 +7,7 @@ import mmap
 from typing import TYPE_CHECKING
 
 from ..errors import BadInputError
-from ..fileio.ranges import OpenFiles, is_plain_range, read_all
-from ..fileio.urls import is_url
+from ..fileio.ranges import OpenFiles, is_local_range, is_plain_range, read_all
 from .dtypes import DTYPE_ITEMSIZE
 from .needs import need_torch
 
@@ -89,7 +88,7 @@ def tensor_c_bytes(t: TensorRef | torch.Tensor, files: OpenFiles) -> bytes:
     buffer: bytes | mmap.mmap
     if is_plain_range(source) and swap <= 1 and is_c_contiguous(t.shape, t.stride):
         return read_all(source.sub(start, t.nbytes), files)
-    if is_plain_range(source) and not is_url(source.path):
+    if is_local_range(source):
         buffer, base = files.map(source.path), source.offset + start
     elif source is None:
         raise BadInputError(f"storage {t.storage.key!r:.40} has no source bytes to read")

@@ -202,22 +202,66 @@ def _parameter(func: Global, args: tuple[Any, ...]) -> TensorRef:
     return replace(args[0], param=ParamInfo(args[1], args[2], args[3] if with_state else ABSENT))
 
 
+#: what ``dict(value)`` / ``set(value)`` iterate, for the values a pickle can hold
+_MAPPINGS = (dict, OrderedDict, Counter)
+_SEQUENCES = (list, tuple, set, frozenset, str, bytes)
+
+
+def _pairs(value: Any, what: str) -> list[tuple[Any, Any]]:
+    """``dict(value)``'s items: a mapping's, or a sequence of 2-item sequences (``[[k, v], ...]``,
+    how Python 2-era checkpoints pickle an OrderedDict: ``REDUCE(OrderedDict, ([[k, v], ...],))``)."""
+    if type(value) in _MAPPINGS:
+        return list(value.items())
+    if type(value) in (list, tuple):
+        pairs = []
+        for item in value:
+            if type(item) not in (list, tuple, str, bytes) or len(item) != 2:
+                raise BadInputError(f"corrupt pickle: {what} built from something other than key-value pairs")
+            pairs.append((item[0], item[1]))
+        return pairs
+    raise BadInputError(f"corrupt pickle: {what} built from something other than key-value pairs")
+
+
+def _keys(builder: Callable[[Global, tuple[Any, ...]], Any], args: tuple[Any, ...]) -> list[Any]:
+    """The values a builder's result will hash (dict keys, set elements), for the VM's key checks."""
+    if not args or builder not in (_ordered_dict, _counter, _set):
+        return []
+    value = args[0]
+    if type(value) in _MAPPINGS:
+        return list(value)
+    if builder is _ordered_dict:
+        return [k for k, _ in _pairs(value, "OrderedDict")]
+    return list(value) if type(value) in _SEQUENCES and type(value) is not str else []
+
+
 def _ordered_dict(func: Global, args: tuple[Any, ...]) -> OrderedDict[Any, Any]:
-    if args:
-        raise BadInputError("corrupt pickle: OrderedDict built with arguments")
-    return OrderedDict()
+    """``OrderedDict()``, ``OrderedDict(mapping)`` or ``OrderedDict([[key, value], ...])``: what
+    torch's weights-only unpickler calls ``OrderedDict(*args)`` with."""
+    if not args:
+        return OrderedDict()
+    if len(args) > 1:
+        raise BadInputError("corrupt pickle: OrderedDict built with more than one argument")
+    try:
+        return OrderedDict(_pairs(args[0], "OrderedDict"))
+    except TypeError:
+        raise BadInputError("corrupt pickle: OrderedDict with an unhashable key") from None
 
 
 def _counter(func: Global, args: tuple[Any, ...]) -> Counter[Any]:
+    """``Counter()``, ``Counter(mapping)`` or ``Counter(elements)`` (counted)."""
     if args == ():
         return Counter()
-    if len(args) == 1 and type(args[0]) is dict:
-        return Counter(args[0])
-    raise BadInputError("corrupt pickle: Counter built from something other than a dict")
+    if len(args) == 1 and type(args[0]) in (*_MAPPINGS, *_SEQUENCES):
+        try:
+            return Counter(args[0])
+        except TypeError:
+            raise BadInputError("corrupt pickle: Counter of unhashable elements") from None
+    raise BadInputError("corrupt pickle: Counter built from something other than a mapping or elements")
 
 
 def _set(func: Global, args: tuple[Any, ...]) -> set[Any] | frozenset[Any]:
-    if args and not (len(args) == 1 and type(args[0]) in (list, tuple, set, frozenset)):
+    """``set(iterable)`` for the iterables a pickle can hold (a mapping gives its keys)."""
+    if args and not (len(args) == 1 and type(args[0]) in (*_SEQUENCES, *_MAPPINGS)):
         raise BadInputError(f"corrupt pickle: {func.name} built from something other than a list")
     try:
         return (set if func.name == "set" else frozenset)(args[0] if args else ())
@@ -233,19 +277,35 @@ def _encode(func: Global, args: tuple[Any, ...]) -> bytes:
     return data
 
 
+#: the largest ``bytearray(n)`` built from a number (torch would allocate any size: a budget)
+MAX_BYTEARRAY = 1 << 24
+
+
 def _bytearray(func: Global, args: tuple[Any, ...]) -> bytearray:
-    """``bytearray`` from text or bytes only: ``bytearray(10**12)`` must not allocate."""
+    """``bytearray()`` from bytes, text and an encoding, a list of byte values, or a size up to
+    :data:`MAX_BYTEARRAY` (``bytearray(10**12)`` must not allocate)."""
     if not args:
         return bytearray()
-    if type(args[0]) is bytes and len(args) == 1:
-        return bytearray(args[0])
-    if type(args[0]) is str and len(args) == 2 and type(args[1]) is str:
+    first = args[0]
+    if len(args) == 1 and type(first) is bytes:
+        return bytearray(first)
+    if len(args) == 1 and type(first) is int and 0 <= first <= MAX_BYTEARRAY:
+        return bytearray(first)
+    if len(args) == 1 and type(first) in (list, tuple) and all(type(v) is int and 0 <= v < 256 for v in first):
+        return bytearray(first)
+    if type(first) is str and len(args) in (2, 3) and all(type(a) is str for a in args):
         return bytearray(_encode(func, args))
     raise BadInputError("corrupt pickle: bytearray built from something other than bytes")
 
 
 def _complex(func: Global, args: tuple[Any, ...]) -> complex:
-    if len(args) > 2 or not all(type(a) in (int, float) for a in args):
+    """``complex(real[, imag])`` from numbers, or ``complex(text)``."""
+    if len(args) == 1 and type(args[0]) is str:
+        try:
+            return complex(args[0])
+        except ValueError:
+            raise BadInputError("corrupt pickle: complex built from malformed text") from None
+    if len(args) > 2 or not all(type(a) in (int, float, bool, complex) for a in args):
         raise BadInputError("corrupt pickle: complex built from non-numbers")
     try:
         return complex(*args)
@@ -267,6 +327,14 @@ BUILDERS: dict[str, Callable[[Global, tuple[Any, ...]], Any]] = {
     "builtins.bytearray": _bytearray,
     "builtins.complex": _complex,
     "_codecs.encode": _encode,
+}
+
+
+#: builders whose class's ``__new__`` ignores its arguments (NEWOBJ makes an empty one)
+_EMPTY_NEW: dict[Callable[[Global, tuple[Any, ...]], Any], Callable[[], Any]] = {
+    _ordered_dict: OrderedDict,
+    _counter: Counter,
+    _bytearray: bytearray,
 }
 
 
@@ -349,14 +417,19 @@ class ReaderHooks(Hooks):
         builder = self._calls.get(id(func)) if type(func) is Global else None
         if builder is None:
             raise BadInputError(f"corrupt or hostile pickle: it calls a {type(func).__name__}, not an allowed global")
-        if builder is _set and args and type(args[0]) in (list, tuple, set, frozenset):
-            for item in args[0]:  # set elements are hashed: the same checks as dict keys
-                self.vm.check_key(item)
+        for key in _keys(builder, args):  # dict keys and set elements are hashed: the VM's key checks
+            if type(key) is not str:
+                self.vm.check_key(key)
         return builder(func, args)
 
     def new_object(self, cls: Any, args: tuple[Any, ...], kwargs: dict[Any, Any] | None) -> Any:
-        if type(cls) is Global and self._calls.get(id(cls)) is _opaque_reduce:
+        builder = self._calls.get(id(cls)) if type(cls) is Global else None
+        if builder is _opaque_reduce:
             return OpaqueObject(cls, args, "newobj_ex" if kwargs is not None else "newobj", kwargs)
+        if kwargs is None and builder in _EMPTY_NEW:
+            return _EMPTY_NEW[builder]()  # cls.__new__(cls, *args), as torch calls it: args ignored
+        if kwargs is None and builder is _complex:
+            return _complex(cls, args)
         raise BadInputError(f"corrupt or hostile pickle: NEWOBJ of {cls!r:.80}, which is not an allowed class")
 
     def build(self, inst: Any, state: Any) -> None:

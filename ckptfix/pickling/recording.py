@@ -18,13 +18,14 @@ import codecs
 import mmap
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from ..errors import BadInputError
 from ..model.walk import walk
 from .globals import danger, resolved_name
 from .names import is_dotted_identifier
-from .vm import Hooks, PickleVM
+from .vm import Budgets, Hooks, OverBudget, PickleVM, Unhashed
 
 #: how many pickles-inside-bytes deep the recording goes
 MAX_NESTED = 8
@@ -45,13 +46,14 @@ class Symbol:
 
 
 def protocol2_bytes(args: tuple[Any, ...]) -> bytes | None:
-    """``_codecs.encode(text, "latin1"[, errors])``: how protocol 2 spells ``bytes`` (text codecs
-    only); None if it is not that. The reader's builder and the recording hooks both use it."""
+    """``_codecs.encode(text, "latin1"[, errors])``: how protocol 2 spells ``bytes`` (any text
+    encoding, as torch's weights-only unpickler calls it); None if it is not that. The reader's
+    builder and the recording hooks both use it."""
     if not (1 <= len(args) <= 3 and all(type(a) is str for a in args)):
         return None
     try:
-        if codecs.lookup(args[1] if len(args) > 1 else "utf-8").name not in ("latin-1", "iso8859-1", "ascii", "utf-8"):
-            return None
+        if not codecs.lookup(args[1] if len(args) > 1 else "utf-8")._is_text_encoding:
+            return None  # bytes-to-bytes codecs (zlib, base64...) are not read
         data: bytes = codecs.encode(*args)
         return data
     except (LookupError, UnicodeError):
@@ -67,10 +69,16 @@ class RecordingHooks(Hooks):
     """See the module docstring. ``plain(name)`` says whether a global is one whose results the
     reader builds itself (torch records, Python builtins): those never take BUILD or items."""
 
+    python2_names_always = False  # as CPython: protocols 0-2 only
+    max_protocol = 5  # as CPython
+    list_arguments = True  # CPython stops there; reading on names more, never fewer
+
     def __init__(
         self, where: str, found: list[Finding], plain: Callable[[str], bool], depth: int = 0, headerless: bool = False
     ) -> None:
         self.where, self.found, self.plain, self.depth, self.headerless = where, found, plain, depth, headerless
+        #: a read ran past a FRAME's end: the other stream semantics must be read too
+        self.crossed = False
         # containers and blobs already searched for payloads, by id, with the objects kept alive
         # so an id is never reused: a memoised list passed to 20 000 calls is searched once
         # (searching it per call made the pass quadratic: 61 s for a 180 KB pickle)
@@ -132,7 +140,15 @@ class RecordingHooks(Hooks):
         return Symbol("persistent id", "pid")
 
     def check_key(self, key: Any) -> None:
-        pass  # symbols are hashable; the VM itself refuses unhashable and over-deep keys
+        pass  # symbols are hashable; the VM itself refuses unhashable keys
+
+    def costly_key(self, key: Any, why: str) -> Any:
+        return Unhashed(key)  # nothing reads a key's identity here: store it unhashed, read on
+
+    def frame_crossed(self, at: int) -> None:
+        if not self.crossed:
+            self.crossed = True
+            self._flag(f"a read at byte {at} across a FRAME end")
 
     def _payloads(self, value: Any) -> None:
         """Record the pickles hidden in bytes anywhere in ``value``."""
@@ -189,20 +205,52 @@ def record_globals(
     Without ``count``, stops quietly where the data stops being pickles after at least one
     complete pickle, if the failed attempt named nothing (trailing non-pickle bytes). What a
     pickle named before it turned to garbage is kept: ``pickle.load`` would have run it.
+
+    The pickles are read as CPython reads a ``BytesIO`` (``data.pkl``, nested pickles); if a
+    read runs past a FRAME's end -- where a stream with ``peek()`` (a legacy file) or
+    ``pickle.loads`` reads on linearly -- they are read linearly too and both findings kept,
+    with the crossing itself as a finding. A stop at one of ckptfix's own budgets (CPython
+    would read on) is a finding too (``<not read to the end: ...>``): never a clean result.
     """
+    found, error, crossed = _record(data, where, plain, depth, count, headerless, start, framed=True)
+    if crossed:
+        linear, _, _ = _record(data, where, plain, depth, count, headerless, start, framed=False)
+        found += [f for f in linear if f not in found]
+    return found, error
+
+
+def _record(
+    data: bytes | mmap.mmap,
+    where: str,
+    plain: Callable[[str], bool],
+    depth: int,
+    count: int | None,
+    headerless: bool,
+    start: int,
+    *,
+    framed: bool,
+) -> tuple[list[Finding], str, bool]:
     found: list[Finding] = []
-    pos, complete = start, 0
+    pos, complete, crossed = start, 0, False
     while pos < len(data) and (count is None or complete < count):
         before = len(found)
-        vm = PickleVM(data, RecordingHooks(where, found, plain, depth, headerless), start=pos)
+        hooks = RecordingHooks(where, found, plain, depth, headerless)
+        # nothing here is built for keeps: integers as long as the pickle (CPython has no limit)
+        budgets = replace(Budgets.for_length(len(data) - pos), max_long_bytes=len(data))
+        vm = PickleVM(data, hooks, budgets, start=pos, framed=framed)
         try:
             vm.run()
+        except OverBudget as exc:
+            found.append((f"<not read to the end: {str(exc).removeprefix('corrupt or hostile pickle: ')}>", where))
+            return found, str(exc), crossed or hooks.crossed
         except BadInputError as exc:
+            crossed = crossed or hooks.crossed
             if count is None and (complete or headerless) and len(found) == before:
-                return found, ""
-            return found, str(exc)
+                return found, "", crossed
+            return found, str(exc), crossed
+        crossed = crossed or hooks.crossed
         pos = vm.pos
         complete += 1
     if count is not None and complete < count:
-        return found, f"only {complete} of the {count} pickles are there (truncated)"
-    return found, ""
+        return found, f"only {complete} of the {count} pickles are there (truncated)", crossed
+    return found, "", crossed

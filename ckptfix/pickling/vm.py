@@ -23,15 +23,66 @@ object, and reads via one ``read()`` call per opcode in its pure-Python form. He
 * malformed input is recognised explicitly (truncation, stack underflow, bad memo index,
   unhashable keys...) and raised as :class:`BadInputError`; any other exception is a bug in
   ckptfix and surfaces as one (exit 5), so the fuzzer can find it.
+
+The semantics (what a port -- the native core -- must do the same; each point is tested against
+CPython 3.11's ``_pickle.c`` or torch's ``_weights_only_unpickler`` through the oracle):
+
+Reading the bytes. CPython's C unpickler reads a stream without ``peek()`` -- torch hands it
+``data.pkl`` and nested ``_load_from_bytes`` pickles as a ``BytesIO`` -- through a buffer that,
+after a FRAME, holds exactly that frame. ``framed=True`` (the default) follows it:
+
+* a fixed-size read (an opcode's argument or length, a string's bytes) that fits in the frame is
+  taken there; one that starts inside the frame and runs past its end is taken whole from the
+  bytes *after* the frame, and the frame's rest is dropped;
+* ``BINBYTES``/``SHORT_BINBYTES``/``BINBYTES8``/``BYTEARRAY8`` data is read through the frame's
+  end linearly (C ``ReadInto``: the frame's rest, then the stream);
+* a text line (``INT``, ``GLOBAL``...) not ending inside the frame is dropped there and read from
+  after the frame; lines have no length limit (a line costs its bytes in the allocation budget);
+* a ``FRAME`` inside a frame that fits in the frame's rest changes nothing; one that does not
+  is read from after the outer frame (the rest dropped); zero-length frames and frames in any
+  protocol are read the same way; a ``STOP`` leaves the next pickle to start after its frame.
+
+``framed=False`` reads linearly (``pickle.loads``, and a buffered file with ``peek()`` -- legacy
+files, DCP's ``.metadata`` -- whose reading through a frame's end depends on where its 8 KiB
+buffer happens to end). Every point where the two differ is reported to
+:meth:`Hooks.frame_crossed`: the reader refuses (torch's weights-only unpickler reads no FRAME at
+all, so this refuses nothing it loads); the recorder reads the pickle both ways, keeps both sets
+of globals and reports the crossing as a dangerous finding (no pickler writes one).
+
+Text opcodes, as C parses the NUL-terminated line (:func:`int_text` and friends): ``INT`` is
+``strtol(text, 0)`` (``010`` is 8, ``0x10`` 16; ``I01``/``I00`` and any other two-character
+line reading 0 or 1 are bools) falling back to ``int(text, 0)``; ``LONG`` drops one ``L`` and
+is ``int(text, 0)`` (``010L`` is refused); ``PUT``/``GET`` are ``int(text, 10)``; ``FLOAT``
+takes no blanks or underscores and refuses overflow; bytes after a NUL are not seen.
+Decimal integers of more than 4300 digits are refused, as CPython refuses them.
+
+Stack and names. ``STOP`` returns the top of the stack whatever is under it (open MARKs, extra
+items: CPython does not check). ``READONLY_BUFFER`` leaves bytes as they are (a bytearray
+becomes its bytes). Python 2 names (``_compat_pickle``) are renamed in protocols 0-2 only for
+the recorder (CPython's ``fix_imports``) and always for the reader (torch's weights-only
+unpickler); ``torch.tensor`` is ``torch._tensor`` always (torch's own ``find_class``).
+
+Keys. Dict keys and set elements must be hashable. Integers of any size are keys (digits are
+bounded where they are parsed, as CPython bounds them). Hashing work is budgeted, not only
+allocation: at most :data:`MAX_SHARED_HASH` distinct keys per hash (40 000 colliding ints,
+floats, complex numbers or tuples made CPython's dict quadratic: minutes), a total of atoms
+hashed proportional to the pickle's length, tuple/frozenset keys at most
+:data:`MAX_KEY_NESTING` deep. Past one of those the reader refuses and the recorder keeps the
+key unhashed (:class:`Unhashed`) and reads on. Every limit CPython does not have raises
+:class:`OverBudget`; the recorder turns it into a ``<not read to the end: ...>`` finding, which
+``scan`` calls dangerous: a pickle scan could not finish is never clean.
 """
 
 from __future__ import annotations
 
 import codecs
 import gc
+import math
 import mmap
+import re
 import struct
-from collections import OrderedDict
+from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -73,6 +124,13 @@ class Hooks:
 
     #: the machine running these hooks (set by :class:`PickleVM`), for its key checks
     vm: PickleVM
+    #: map Python 2 names (``__builtin__``, ``commands``...) in every protocol, as torch's weights-only
+    #: unpickler does; False: only in protocols 0-2, as CPython's unpickler does
+    python2_names_always = True
+    #: the highest PROTO accepted: torch's weights-only unpickler takes any (with a warning), CPython 5
+    max_protocol = 255
+    #: REDUCE / NEWOBJ with a list of arguments: torch's weights-only unpickler calls func(*list)
+    list_arguments = True
 
     def find_global(self, module: str, name: str) -> Any:
         raise NotImplementedError
@@ -104,24 +162,152 @@ class Hooks:
         """A dict key or set element the VM does not know (a record): hashable records only."""
         raise BadInputError(f"corrupt or hostile pickle: a {type(key).__name__} used as a dict key")
 
+    def frame_crossed(self, at: int) -> None:
+        """A read at byte ``at`` runs past the end of its FRAME, or a STOP leaves bytes in it: CPython's
+        readings differ by stream (see the module docstring). The reader refuses (torch's weights-only
+        unpickler reads no FRAME at all); the recorder notes it and reads on."""
+        raise _bad(f"a read at byte {at} runs past the end of its FRAME (CPython reads such a pickle two ways)")
 
-#: modules pickles name by their Python 2 spelling; torch and pickle map them the same way
-RENAMED_MODULES = {"__builtin__": "builtins", "copy_reg": "copyreg", "torch.tensor": "torch._tensor"}
+    def costly_key(self, key: Any, why: str) -> Any:
+        """A key past a hashing budget (:meth:`PickleVM.check_key`): the reader refuses; the recorder
+        stores it unhashed and reads on."""
+        raise over_limit(why)
+
 
 _ATOMS = frozenset({str, int, float, bool, type(None), bytes, complex})
 _UNHASHABLE = frozenset({list, dict, set, bytearray, OrderedDict})
 #: dict keys and set elements nest far less than values: CPython hashes, compares and repr()s
 #: a nested tuple recursively in C, so a 990-deep key inside the 1000 limit still crashes repr
 MAX_KEY_NESTING = 100
-_INT_HASH_LIMIT = (1 << 61) - 1  # ints beyond this share hashes: a dict of them is quadratic
+#: distinct dict keys (or set elements) one hash may stand for: beyond, inserting is quadratic
+MAX_SHARED_HASH = 32
+_NOTHING = object()
+
+
+class _SharedHash(list[Any]):
+    """The distinct keys seen with one hash (a type of its own: a key may be a list-like record)."""
+
+
+class OverBudget(BadInputError):
+    """A limit of ckptfix's own, which CPython does not have: CPython would read on. The recorder
+    therefore never reports a pickle it stopped on for this as clean."""
+
+
+class Unhashed:
+    """A dict key the recorder stores by identity instead of hashing it (too deep, or flooding)."""
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: Any) -> None:
+        self.key = key
 
 
 def _bad(what: str) -> BadInputError:
     return BadInputError(f"corrupt or hostile pickle: {what}")
 
 
+# --------------------------------------------------------------------------- text opcodes, as C reads them
+# CPython's C unpickler hands a text opcode's line (with its newline, NUL-terminated) to C
+# functions: whatever follows a NUL byte is not seen, and each opcode has its own parser.
+
+_C_SPACE = frozenset(b" \t\n\v\f\r")
+_DIGITS = {8: frozenset(b"01234567"), 10: frozenset(b"0123456789"), 16: frozenset(b"0123456789abcdefABCDEF")}
+_FLOAT_TEXT = re.compile(rb"[+-]?(?:(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?|(?i:inf|infinity|nan))")
+
+
+def _c_string(raw: bytes) -> bytes:
+    """What C sees of a line: up to its first NUL (the newline, ``raw`` lacks, is whitespace)."""
+    cut = raw.find(b"\0")
+    return raw if cut < 0 else raw[:cut]
+
+
+def _strtol(text: bytes) -> int | None:
+    """C ``strtol(text, &end, 0)`` for a 64-bit long, when it reads all of ``text`` without
+    overflow (None otherwise: the C unpickler then falls back to ``int(text, 0)``)."""
+    i, n = 0, len(text)
+    while i < n and text[i] in _C_SPACE:
+        i += 1
+    sign = 1
+    if i < n and text[i] in b"+-":
+        sign = -1 if text[i] == 45 else 1
+        i += 1
+    base = 10
+    if text[i : i + 2] in (b"0x", b"0X") and i + 2 < n and text[i + 2] in _DIGITS[16]:
+        base, i = 16, i + 2
+    elif text[i : i + 1] == b"0":
+        base = 8
+    digits = _DIGITS[base]
+    j = i
+    while j < n and text[j] in digits:
+        j += 1
+    if j == i:  # no digits: C's end pointer stays at the start, fine only where the text is empty
+        return 0 if not text else None
+    if j != n:
+        return None
+    significant = text[i:j].lstrip(b"0")
+    if len(significant) > 24:
+        return None  # overflow
+    value = sign * int(significant or b"0", base)
+    return value if -(1 << 63) <= value < 1 << 63 else None
+
+
+def _py_int(text: bytes, base: int) -> int:
+    """``PyLong_FromString(text, NULL, base)`` (what ``int(bytes, base)`` runs, digit limit included)."""
+    try:
+        return int(text, base)
+    except ValueError:
+        raise _bad("a malformed integer (or one of more than 4300 decimal digits)") from None
+
+
+def int_text(raw: bytes) -> int | bool:
+    """INT: ``strtol`` base 0 (``010`` is 8, ``0x10`` is 16), ``int(text, 0)`` where it stops early
+    or overflows; a two-character line reading 0 or 1 (``00``, ``01``, `` 1``, ``+1``) is a bool."""
+    if not raw:
+        raise _bad("it ends early (truncated)")
+    text = _c_string(raw)
+    value = _strtol(text)
+    if value is None:
+        return _py_int(text if len(text) < len(raw) else raw + b"\n", 0)
+    return bool(value) if len(raw) == 2 and value in (0, 1) else value
+
+
+def long_text(raw: bytes) -> int:
+    """LONG: one trailing ``L`` dropped, then ``int(text, 0)`` (``010L`` is refused, ``0x10L`` is 16)."""
+    if not raw:
+        raise _bad("it ends early (truncated)")
+    return _py_int(_c_string(raw[:-1] if raw[-1:] == b"L" else raw + b"\n"), 0)
+
+
+def index_text(raw: bytes) -> int:
+    """PUT / GET: ``int(text, 10)`` (leading zeros, blanks and underscores allowed), not negative."""
+    if not raw:
+        raise _bad("it ends early (truncated)")
+    text = _c_string(raw)
+    value = _py_int(text if len(text) < len(raw) else raw + b"\n", 10)
+    if value < 0:
+        raise _bad("a negative memo index")
+    return value
+
+
+def float_text(raw: bytes) -> float:
+    """FLOAT: ``PyOS_string_to_double`` -- no blanks, no underscores; overflow is an error."""
+    if not raw:
+        raise _bad("it ends early (truncated)")
+    text = _c_string(raw)
+    if _FLOAT_TEXT.fullmatch(text) is None:
+        raise _bad("a malformed float")
+    value = float(text)
+    if math.isinf(value) and text.lstrip(b"+-")[:1] not in (b"i", b"I"):
+        raise _bad("a float too large")
+    return value
+
+
+def over_limit(what: str) -> OverBudget:
+    return OverBudget(f"corrupt or hostile pickle: {what}")
+
+
 def over_budget(objects: int, alloc: int) -> BadInputError:
-    return _bad(
+    return over_limit(
         f"it creates {objects} objects ({alloc >> 20} MiB): more than this pickle's size allows "
         "(a pickle bomb, or a checkpoint far larger than any real one)"
     )
@@ -139,6 +325,7 @@ class PickleVM:
         end: int | None = None,
         *,
         fast: bool = True,
+        framed: bool = True,
     ) -> None:
         # bytes or a read-only mmap: both index to ints, slice to bytes and have find()
         self.data = data
@@ -148,55 +335,104 @@ class PickleVM:
         self.end = len(data) if end is None else end
         self.budgets = budgets or Budgets.for_length(self.end - start)
         self.proto = 0
-        self._key_depths: dict[int, tuple[int, Any]] = {}
+        self._key_weights: dict[int, tuple[int, int, Any]] = {}
+        self._hashes: dict[int, Any] = {}  # hash -> the distinct key (or _SharedHash of keys) seen with it
+        self._key_work = 0
+        self._max_key_work = (1 << 22) + 16 * (self.end - start)
+        #: True: read as a BytesIO without peek() (how torch reads data.pkl); False: linearly
+        self.framed = framed
         #: False: run every opcode through the table (the reference the fast loop is tested against)
         self.fast = fast
 
     # ------------------------------------------------------------------ budget helpers
-    def check_key(self, key: Any) -> None:
-        """A dict key / set element must be hashable, hash without recursing deeper than
-        :data:`MAX_KEY_NESTING` (CPython hashes, compares and prints nested tuples recursively
-        in C) and without quadratic collisions."""
+    def check_key(self, key: Any) -> Any:
+        """The key to store for ``key`` (a dict key or set element): it must be hashable, hash
+        without recursing deeper than :data:`MAX_KEY_NESTING` (CPython hashes, compares and
+        prints nested tuples recursively in C) and share its hash with at most
+        :data:`MAX_SHARED_HASH` other distinct keys (a dict of colliding keys is quadratic: 40 000
+        of them take minutes). Past those budgets the hooks decide (:meth:`Hooks.costly_key`)."""
         kind = type(key)
-        if kind in _ATOMS:
-            if kind is int and not -_INT_HASH_LIMIT < key < _INT_HASH_LIMIT:
-                raise _bad("an integer dict key too large to hash uniquely")
-            return
+        if kind is str or kind is bytes:
+            return key  # hashes are salted per process: no file can make them collide
         if kind is tuple or kind is frozenset:
-            self._check_key_depth(key)
-            return
-        if kind in _UNHASHABLE:
+            weight = self._key_weight(key)
+            if weight < 0:
+                return self.hooks.costly_key(key, f"a dict key or set element nested more than {MAX_KEY_NESTING} deep")
+        elif kind in _ATOMS:
+            weight = 1 + (key.bit_length() >> 6 if kind is int else 0)
+        elif kind in _UNHASHABLE:
             raise _bad(f"an unhashable dict key or set element (a {kind.__name__})")
-        self.hooks.check_key(key)
+        else:
+            self.hooks.check_key(key)
+            return key
+        self._key_work += weight
+        if self._key_work > self._max_key_work:
+            return self.hooks.costly_key(key, "its dict keys take more hashing than its size allows")
+        return self._count_hash(key)
 
-    def _check_key_depth(self, key: tuple[Any, ...] | frozenset[Any]) -> None:
-        depths = self._key_depths  # id -> (depth, the key itself: kept alive so ids stay unique)
-        # iterative post-order: a key's depth is 1 + its deepest element's
-        stack: list[tuple[Any, int, bool]] = [(key, 1, False)]
+    def _count_hash(self, key: Any) -> Any:
+        h = hash(key)
+        seen = self._hashes.get(h, _NOTHING)
+        if seen is _NOTHING:
+            self._hashes[h] = key
+            return key
+        if type(seen) is not _SharedHash:
+            if seen is key or seen == key:
+                return key
+            self._hashes[h] = _SharedHash((seen, key))
+            return key
+        for other in seen:
+            if other is key or other == key:
+                return key
+        if len(seen) >= MAX_SHARED_HASH:
+            why = f"more than {MAX_SHARED_HASH} distinct dict keys share one hash (hash flooding)"
+            return self.hooks.costly_key(key, why)
+        seen.append(key)
+        return key
+
+    def _key_weight(self, key: tuple[Any, ...] | frozenset[Any]) -> int:
+        """Atoms in ``key`` (its hashing work), or -1 if it nests deeper than allowed. Both are
+        cached per tuple/frozenset, so a key built level by level (each level a key itself)
+        still has its whole depth counted."""
+        known = self._key_weights  # id -> (depth, weight, the key: kept alive so ids stay unique)
+        found = known.get(id(key))
+        if found is None:
+            self._walk_key(key)
+            found = known[id(key)]
+        return -1 if found[0] > MAX_KEY_NESTING else found[1]
+
+    def _walk_key(self, key: tuple[Any, ...] | frozenset[Any]) -> None:
+        known = self._key_weights
+        too_deep = MAX_KEY_NESTING + 1
+        stack: list[tuple[Any, int, bool]] = [(key, 1, False)]  # iterative post-order
         while stack:
             value, level, done = stack.pop()
-            if id(value) in depths:
+            if id(value) in known:
                 continue
             if done:
-                depth = 1 + max((depths[id(v)][0] for v in value if id(v) in depths), default=0)
-                depths[id(value)] = (depth, value)
+                depth, weight = 1, 1
+                for v in value:
+                    kind = type(v)
+                    if kind is tuple or kind is frozenset:
+                        inner = known[id(v)]
+                        depth, weight = max(depth, 1 + inner[0]), weight + inner[1]
+                    else:
+                        weight += 1 + (v.bit_length() >> 6 if kind is int else 0)
+                known[id(value)] = (min(depth, too_deep), weight, value)
                 continue
             if level > MAX_KEY_NESTING:
-                raise _bad(f"a dict key or set element nested more than {MAX_KEY_NESTING} deep")
+                known[id(value)] = (too_deep, 1, value)  # not walked further: refused or kept unhashed
+                continue
             stack.append((value, level, True))
             for v in value:
                 kind = type(v)
                 if kind is tuple or kind is frozenset:
-                    if id(v) not in depths:
+                    if id(v) not in known:
                         stack.append((v, level + 1, False))
                 elif kind in _UNHASHABLE:
                     raise _bad(f"an unhashable dict key or set element (holding a {kind.__name__})")
                 elif kind not in _ATOMS:
                     self.hooks.check_key(v)
-                elif kind is int and not -_INT_HASH_LIMIT < v < _INT_HASH_LIMIT:
-                    raise _bad("an integer dict key too large to hash uniquely")
-        if depths[id(key)][0] > MAX_KEY_NESTING:
-            raise _bad(f"a dict key or set element nested more than {MAX_KEY_NESTING} deep")
 
     # ------------------------------------------------------------------ the machine
     def run(self) -> Any:
@@ -228,9 +464,33 @@ class PickleVM:
 
         max_memo = budgets.max_memo
 
-        def need(pos: int, count: int) -> None:
+        # -- the stream: see "Reading the bytes" in the module docstring. ``limit`` is the end
+        # of the buffered FRAME while ``pos`` is inside one, else ``end``.
+        framed = self.framed
+        limit = end
+
+        def take(pos: int, count: int) -> int:
+            """Where a fixed-size read of ``count`` bytes at ``pos`` is taken from (``_pickle.c``'s Read)."""
+            nonlocal limit
+            if pos + count <= limit:
+                return pos
+            if pos < limit:  # the read starts in a frame and runs past its end
+                hooks.frame_crossed(pos)
+                if framed:
+                    pos = limit  # CPython: the frame's rest is dropped, the read comes from after it
+            limit = end
             if pos + count > end:
                 raise _bad("it ends early (truncated)")
+            return pos
+
+        def take_into(pos: int, count: int) -> int:
+            """BINBYTES and friends (``_pickle.c``'s ReadInto): the frame's rest, then the stream: linear."""
+            nonlocal limit
+            if pos + count > limit:
+                limit = end
+                if pos + count > end:
+                    raise _bad("it ends early (truncated)")
+            return pos
 
         def pop_mark() -> list[Any]:
             if len(marks) == 1:
@@ -251,19 +511,22 @@ class PickleVM:
             return stack.pop()
 
         def line(pos: int) -> tuple[bytes, int]:
-            stop = data.find(b"\n", pos, min(end, pos + (1 << 16)))
+            """A text opcode's line without its newline (``_pickle.c``'s Readline): a line not
+            ending inside the buffered frame is dropped there and read from after the frame."""
+            nonlocal limit
+            if pos < limit < end:
+                stop = data.find(b"\n", pos, limit)
+                if stop >= 0:
+                    return data[pos:stop], stop + 1
+                hooks.frame_crossed(pos)
+                if framed:
+                    pos = limit
+            limit = end
+            stop = data.find(b"\n", pos, end)
             if stop < 0:
-                raise _bad("a text opcode without its newline (truncated, or longer than 64 KiB)")
+                raise _bad("a text opcode without its newline (truncated)")
+            charge(0, stop - pos)
             return data[pos:stop], stop + 1
-
-        def text_int(raw: bytes) -> int:
-            digits = raw.strip().rstrip(b"L")
-            if len(digits) > budgets.max_int_digits:
-                raise _bad(f"an integer with more than {budgets.max_int_digits} digits")
-            try:
-                return int(digits)
-            except ValueError:
-                raise _bad("a malformed integer") from None
 
         def push_str(raw: Any, encoding: str = "utf-8") -> None:
             try:
@@ -274,31 +537,43 @@ class PickleVM:
             push(value)
 
         def push_bytes(pos: int, size: int) -> int:
-            need(pos, size)
+            pos = take_into(pos, size)
             charge(1, 33 + size)
             push(bytes(data[pos : pos + size]))
             return pos + size
 
         # -- protocol / framing
         def op_proto(pos: int) -> int:
-            need(pos, 1)
+            pos = take(pos, 1)
             self.proto = data[pos]
-            if self.proto > 5:
+            if self.proto > hooks.max_protocol:
                 raise _bad(f"unsupported pickle protocol {self.proto}")
             return pos + 1
 
         def op_frame(pos: int) -> int:
-            need(pos, 8)
+            nonlocal limit
+            pos = take(pos, 8)
             (size,) = unpack_Q(data, pos)
-            if size > end - pos - 8:
+            pos += 8
+            if pos + size <= limit < end:
+                return pos  # inside the buffered frame: CPython reads nothing new
+            if pos < limit < end:  # runs past the buffered frame: read from after it
+                hooks.frame_crossed(pos - 9)
+                if framed:
+                    pos = limit
+            if size > end - pos:
                 raise _bad("a frame longer than the data (truncated)")
-            return pos + 8
+            limit = pos + size
+            return pos
 
         def op_stop(pos: int) -> int:
-            if len(marks) > 1:
-                raise _bad("STOP inside a MARK")
-            if len(stack) != 1:
-                raise _bad("STOP with an empty stack" if not stack else "STOP with extra items on the stack")
+            # CPython returns the top of the stack: an open MARK or items under it do not matter
+            if len(stack) <= marks[-1]:
+                raise _bad("STOP with an empty stack")
+            if pos < limit < end:  # a frame's rest: a BytesIO reader's next pickle starts after it
+                hooks.frame_crossed(pos - 1)
+                if framed:
+                    pos = limit
             return -pos - 1
 
         # -- constants
@@ -315,92 +590,83 @@ class PickleVM:
             return pos
 
         def op_binint(pos: int) -> int:
-            need(pos, 4)
+            pos = take(pos, 4)
             push(unpack_i(data, pos)[0])
             return pos + 4
 
         def op_binint1(pos: int) -> int:
-            need(pos, 1)
+            pos = take(pos, 1)
             push(data[pos])
             return pos + 1
 
         def op_binint2(pos: int) -> int:
-            need(pos, 2)
+            pos = take(pos, 2)
             push(unpack_H(data, pos)[0])
             return pos + 2
 
         def op_int(pos: int) -> int:  # protocol 0: also True/False as "01"/"00"
             raw, pos = line(pos)
-            if raw in (b"00", b"01"):
-                push(raw == b"01")
-            else:
-                push(text_int(raw))
+            push(int_text(raw))
             return pos
 
         def op_long(pos: int) -> int:
             raw, pos = line(pos)
-            push(text_int(raw))
+            push(long_text(raw))
             return pos
 
         def op_long1(pos: int) -> int:
-            need(pos, 1)
+            pos = take(pos, 1)
             size = data[pos]
-            need(pos + 1, size)
-            push(int.from_bytes(data[pos + 1 : pos + 1 + size], "little", signed=True))
-            return pos + 1 + size
+            pos = take(pos + 1, size)
+            push(int.from_bytes(data[pos : pos + size], "little", signed=True))
+            return pos + size
 
         def op_long4(pos: int) -> int:
-            need(pos, 4)
+            pos = take(pos, 4)
             size: int
             (size,) = unpack_i(data, pos)
             if size < 0:
                 raise _bad("negative LONG4 length")
             if size > budgets.max_long_bytes:
-                raise _bad(f"an integer of more than {budgets.max_long_bytes} bytes")
-            need(pos + 4, size)
+                raise over_limit(f"an integer of more than {budgets.max_long_bytes} bytes")
+            pos = take(pos + 4, size)
             charge(1, 28 + size)
-            push(int.from_bytes(data[pos + 4 : pos + 4 + size], "little", signed=True))
-            return pos + 4 + size
+            push(int.from_bytes(data[pos : pos + size], "little", signed=True))
+            return pos + size
 
         def op_float(pos: int) -> int:
             raw, pos = line(pos)
-            if len(raw) > 64:
-                raise _bad("a malformed float")
-            try:
-                push(float(raw))
-            except ValueError:
-                raise _bad("a malformed float") from None
+            push(float_text(raw))
             return pos
 
         def op_binfloat(pos: int) -> int:
-            need(pos, 8)
+            pos = take(pos, 8)
             push(unpack_d(data, pos)[0])
             return pos + 8
 
         # -- strings and bytes
         def op_binunicode(pos: int) -> int:
-            need(pos, 4)
+            pos = take(pos, 4)
             size: int
             (size,) = unpack_I(data, pos)
-            pos += 4
-            need(pos, size)
+            pos = take(pos + 4, size)
             push_str(data[pos : pos + size])
             return pos + size
 
         def op_short_binunicode(pos: int) -> int:
-            need(pos, 1)
+            pos = take(pos, 1)
             size = data[pos]
-            need(pos + 1, size)
-            push_str(data[pos + 1 : pos + 1 + size])
-            return pos + 1 + size
+            pos = take(pos + 1, size)
+            push_str(data[pos : pos + size])
+            return pos + size
 
         def op_binunicode8(pos: int) -> int:
-            need(pos, 8)
+            pos = take(pos, 8)
             size: int
             (size,) = unpack_Q(data, pos)
-            need(pos + 8, size)
-            push_str(data[pos + 8 : pos + 8 + size])
-            return pos + 8 + size
+            pos = take(pos + 8, size)
+            push_str(data[pos : pos + size])
+            return pos + size
 
         def op_unicode(pos: int) -> int:
             raw, pos = line(pos)
@@ -424,32 +690,32 @@ class PickleVM:
             return pos
 
         def op_binstring(pos: int) -> int:
-            need(pos, 4)
+            pos = take(pos, 4)
             size: int
             (size,) = unpack_i(data, pos)
             if size < 0:
                 raise _bad("negative BINSTRING length")
-            need(pos + 4, size)
-            push_str(data[pos + 4 : pos + 4 + size])
-            return pos + 4 + size
+            pos = take(pos + 4, size)
+            push_str(data[pos : pos + size])
+            return pos + size
 
         def op_short_binstring(pos: int) -> int:
-            need(pos, 1)
+            pos = take(pos, 1)
             size = data[pos]
-            need(pos + 1, size)
-            push_str(data[pos + 1 : pos + 1 + size])
-            return pos + 1 + size
+            pos = take(pos + 1, size)
+            push_str(data[pos : pos + size])
+            return pos + size
 
         def op_binbytes(pos: int) -> int:
-            need(pos, 4)
+            pos = take(pos, 4)
             return push_bytes(pos + 4, unpack_I(data, pos)[0])
 
         def op_short_binbytes(pos: int) -> int:
-            need(pos, 1)
+            pos = take(pos, 1)
             return push_bytes(pos + 1, data[pos])
 
         def op_binbytes8(pos: int) -> int:
-            need(pos, 8)
+            pos = take(pos, 8)
             return push_bytes(pos + 8, unpack_Q(data, pos)[0])
 
         def op_bytearray8(pos: int) -> int:
@@ -458,6 +724,16 @@ class PickleVM:
             return pos
 
         # -- containers
+        def op_readonly_buffer(pos: int) -> int:
+            # CPython: memoryview(top), made read-only: bytes stay bytes, a bytearray becomes a
+            # read-only view (read here as bytes), anything else is a TypeError
+            value = top()
+            if type(value) is bytearray:
+                stack[-1] = bytes(value)
+            elif type(value) is not bytes:
+                raise _bad(f"READONLY_BUFFER on a {type(value).__name__}")
+            return pos
+
         def op_mark(pos: int) -> int:
             marks.append(len(stack))
             return pos
@@ -522,9 +798,7 @@ class PickleVM:
             return pos
 
         def op_frozenset(pos: int) -> int:
-            items = pop_mark()
-            for item in items:
-                check_key(item)
+            items = [check_key(item) for item in pop_mark()]
             charge(1, 216 + 16 * len(items))
             try:
                 push(frozenset(items))
@@ -535,10 +809,10 @@ class PickleVM:
         def op_additems(pos: int) -> int:
             items = pop_mark()
             target = top()
-            if type(target) is not set:
-                raise _bad(f"ADDITEMS on a {type(target).__name__}")
-            for item in items:
-                check_key(item)
+            if type(target) is not set:  # CPython calls the object's add(): the hooks decide
+                hooks.extend(target, items)
+                return pos
+            items = [check_key(item) for item in items]
             charge(0, 16 * len(items))
             try:
                 target.update(items)
@@ -570,7 +844,7 @@ class PickleVM:
             for i in range(0, len(items), 2):
                 key = items[i]
                 if type(key) is not str:
-                    check_key(key)
+                    key = check_key(key)
                 try:
                     target[key] = items[i + 1]
                 except TypeError:
@@ -582,7 +856,7 @@ class PickleVM:
             target = top()
             charge(0, 40)
             kind = type(target)
-            if kind is dict or kind is OrderedDict:
+            if kind is dict or kind is OrderedDict or kind is Counter:
                 set_pairs(target, [key, value])
             else:
                 hooks.set_items(target, [(key, value)])
@@ -595,12 +869,12 @@ class PickleVM:
             target = top()
             charge(0, 40 * len(items))
             kind = type(target)
-            if kind is dict or kind is OrderedDict:
+            if kind is dict or kind is OrderedDict or kind is Counter:
                 set_pairs(target, items)
             else:
                 for i in range(0, len(items), 2):
                     if type(items[i]) is not str:
-                        check_key(items[i])
+                        items[i] = check_key(items[i])
                 hooks.set_items(target, list(zip(items[::2], items[1::2])))
             return pos
 
@@ -626,7 +900,7 @@ class PickleVM:
             n = len(memo)
             if index == n:
                 if n + len(memo_sparse) >= max_memo:
-                    raise _bad(f"more than {max_memo} memo entries")
+                    raise over_limit(f"more than {max_memo} memo entries")
                 memo.append(value)
                 if memo_sparse:
                     memo_sparse.pop(index, None)
@@ -634,7 +908,7 @@ class PickleVM:
                 memo[index] = value
             elif index > n:
                 if index not in memo_sparse and n + len(memo_sparse) >= max_memo:
-                    raise _bad(f"more than {max_memo} memo entries")
+                    raise over_limit(f"more than {max_memo} memo entries")
                 memo_sparse[index] = value
             else:
                 raise _bad("a negative memo index")
@@ -648,18 +922,18 @@ class PickleVM:
                 raise _bad(f"memo entry {index} is used before it is set")
 
         def op_binput(pos: int) -> int:
-            need(pos, 1)
+            pos = take(pos, 1)
             put(data[pos])
             return pos + 1
 
         def op_long_binput(pos: int) -> int:
-            need(pos, 4)
+            pos = take(pos, 4)
             put(unpack_I(data, pos)[0])
             return pos + 4
 
         def op_put(pos: int) -> int:
             raw, pos = line(pos)
-            put(text_int(raw))
+            put(index_text(raw))
             return pos
 
         def op_memoize(pos: int) -> int:
@@ -667,25 +941,38 @@ class PickleVM:
             return pos
 
         def op_binget(pos: int) -> int:
-            need(pos, 1)
+            pos = take(pos, 1)
             get(data[pos])
             return pos + 1
 
         def op_long_binget(pos: int) -> int:
-            need(pos, 4)
+            pos = take(pos, 4)
             get(unpack_I(data, pos)[0])
             return pos + 4
 
         def op_get(pos: int) -> int:
             raw, pos = line(pos)
-            get(text_int(raw))
+            get(index_text(raw))
             return pos
 
         # -- the doors to code: all through the hooks
+        def call_args(args: Any, what: str) -> tuple[Any, ...]:
+            # torch's weights-only unpickler calls func(*args): a list works there (CPython refuses)
+            if type(args) is list and hooks.list_arguments:
+                return tuple(args)
+            raise _bad(f"{what} arguments are not a tuple")
+
         def global_name(module: Any, name: Any) -> Any:
             if type(module) is not str or type(name) is not str:
                 raise _bad("STACK_GLOBAL with a name that is not a string")
-            module = RENAMED_MODULES.get(module, module)
+            if module == "torch.tensor":  # torch's own find_class, before CPython's
+                module = "torch._tensor"
+            if self.proto < 3 or hooks.python2_names_always:  # CPython: fix_imports, protocols 0-2 only
+                renamed = NAME_MAPPING.get((module, name))
+                if renamed is not None:
+                    module, name = renamed
+                else:
+                    module = IMPORT_MAPPING.get(module, module)
             charge(1, 64)
             return hooks.find_global(module, name)
 
@@ -708,7 +995,7 @@ class PickleVM:
             args = pop()
             func = top()
             if type(args) is not tuple:
-                raise _bad("REDUCE arguments are not a tuple")
+                args = call_args(args, "REDUCE")
             charge(1, 64)
             stack[-1] = hooks.call(func, args)
             return pos
@@ -717,7 +1004,7 @@ class PickleVM:
             args = pop()
             cls = top()
             if type(args) is not tuple:
-                raise _bad("NEWOBJ arguments are not a tuple")
+                args = call_args(args, "NEWOBJ")
             charge(1, 64)
             stack[-1] = hooks.new_object(cls, args, None)
             return pos
@@ -805,6 +1092,7 @@ class PickleVM:
             b"C": op_short_binbytes,
             b"\x8e": op_binbytes8,
             b"\x96": op_bytearray8,
+            b"\x98": op_readonly_buffer,
             b"(": op_mark,
             b")": op_empty_tuple,
             b"t": op_tuple,
@@ -861,8 +1149,9 @@ class PickleVM:
             op = data[pos]
             pos += 1
             if op == 114:  # LONG_BINPUT
-                if pos + 4 > end:
-                    raise _bad("it ends early (truncated)")
+                if pos + 4 > limit:
+                    pos = op_long_binput(pos)
+                    continue
                 index = unpack_I(data, pos)[0]
                 if index == len(memo) and not memo_sparse and index < max_memo and len(stack) > marks[-1]:
                     memo.append(stack[-1])
@@ -870,8 +1159,9 @@ class PickleVM:
                     put(index)
                 pos += 4
             elif op == 104:  # BINGET
-                if pos >= end:
-                    raise _bad("it ends early (truncated)")
+                if pos >= limit:
+                    pos = op_binget(pos)
+                    continue
                 index = data[pos]
                 if index < len(memo):
                     push(memo[index])
@@ -879,8 +1169,9 @@ class PickleVM:
                     get(index)
                 pos += 1
             elif op == 75:  # BININT1
-                if pos >= end:
-                    raise _bad("it ends early (truncated)")
+                if pos >= limit:
+                    pos = op_binint1(pos)
+                    continue
                 push(data[pos])
                 pos += 1
             elif op == 40:  # MARK
@@ -901,7 +1192,7 @@ class PickleVM:
                     raise _bad("stack underflow")
                 args = stack.pop()
                 if type(args) is not tuple:
-                    raise _bad("REDUCE arguments are not a tuple")
+                    args = call_args(args, "REDUCE")
                 objects += 1
                 alloc += 64
                 if objects > max_objects or alloc > max_alloc:
@@ -918,12 +1209,11 @@ class PickleVM:
             elif op == 41:  # EMPTY_TUPLE
                 push(())
             elif op == 88:  # BINUNICODE
-                if pos + 4 > end:
-                    raise _bad("it ends early (truncated)")
+                if pos + 4 > limit or pos + 4 + unpack_I(data, pos)[0] > limit:
+                    pos = op_binunicode(pos)
+                    continue
                 size = unpack_I(data, pos)[0]
                 pos += 4
-                if pos + size > end:
-                    raise _bad("it ends early (truncated)")
                 try:
                     value = str(data[pos : pos + size], "utf-8", "surrogatepass")
                 except UnicodeDecodeError:

@@ -676,12 +676,14 @@ def test_key_depth_cache_address_reuse_small(base_zip: Path, tmp_path: Path) -> 
 def test_keys_have_their_own_smaller_depth_limit(base_zip: Path, tmp_path: Path, depth: int) -> None:
     """Dict keys nest at most 100 deep (MAX_KEY_NESTING): CPython hashes, compares and repr()s a
     nested tuple recursively in C, so a 999-deep key -- within the 1000 limit for values -- made
-    inspect and diff exit 5. At 100 every command handles it; deeper is exit 3 at read time."""
+    inspect and diff exit 5. At 100 every command handles it; deeper is exit 3 at read time --
+    but scan reads on as CPython does (the key is kept unhashed), so a payload after it is seen."""
     src = with_data_pkl(base_zip, key_of(u("x") + b"\x85" * (depth - 1)), tmp_path / "deep.pth")
     if depth > 100:
-        for args in (("inspect", src), ("strip-module", src, tmp_path / "o.pth"), ("scan", src)):
+        for args in (("inspect", src), ("strip-module", src, tmp_path / "o.pth")):
             result = ck(*args)
             assert result.returncode == 3 and "nested more than 100 deep" in (result.stdout + result.stderr), args
+        assert ck("scan", src).returncode == 0
         return
     assert ck("strip-module", src, tmp_path / "o.pth").returncode == 0
     assert ck("verify", src).returncode == 0

@@ -143,8 +143,9 @@ def test_nesting_beyond_the_limit_is_refused_without_a_crash(deep_runs: dict, na
     folder, results = deep_runs["nesting", name]
     for result in results:
         assert_no_signal(result)
-        if result.args[0] == "scan":
-            assert result.returncode in (0, 3), result.stdout  # deep but nothing dangerous
+        if result.args[0] == "scan":  # deep but nothing dangerous -- or too big to read to the end,
+            # which is never called clean (CPython reads on: a frozenset chain caches its hashes)
+            assert result.returncode in (0, 3) or "<not read to the end" in result.stdout, result.stdout
             continue
         assert_refused(result, "deep", out=folder / "o.pth")
 
@@ -162,6 +163,9 @@ def test_key_depth_cache_cannot_be_fooled_by_address_reuse(deep_runs: dict) -> N
     _, results = deep_runs["id-reuse"]
     for result in results:
         assert_no_signal(result)
+        if result.args[0] == "scan":  # scan reads on as CPython does: the key is kept unhashed
+            assert result.returncode in (0, 3), result.stdout
+            continue
         assert result.returncode == 3 and "deep" in result.stdout + result.stderr, result.args
 
 
@@ -224,8 +228,8 @@ def bomb_runs(process_runs: dict[str, list[CliResult]]) -> dict[str, CliResult]:
 @pytest.mark.parametrize("name", list(BOMBS))
 def test_bomb_is_refused_fast_and_small(bomb_runs: dict[str, CliResult], name: str) -> None:
     result = bomb_runs[name]
-    if name == "a million sparse memo entries" and result.returncode == 0:
-        assert not result.stderr
+    if name in ("a million sparse memo entries", "2 million DUPs") and result.returncode == 0:
+        assert not result.stderr  # bounded by its size; STOP over extra items is what CPython reads
     else:
         assert_refused(result)
     assert result.seconds < 10, result.seconds

@@ -71,6 +71,24 @@ CASES: dict[str, bytes] = {
     "not_utf8": _raw(b'{"a\xff":' + A + b"}", bytes(4)),
     "nested_too_deep": _st(A[:-1] + b',"x":' + b"[" * 200 + b"]" * 200 + b"}", bytes(4), wrap=True),
     "valid_nested_100": _st(A[:-1] + b',"x":' + b"[" * 100 + b"]" * 100 + b"}", bytes(4), wrap=True),
+    # numbers serde_json cannot hold ("number out of range"), where the library ignores the value
+    "float_beyond_double": _st(A[:-1] + b',"x":1e400}', bytes(4), wrap=True),
+    "negative_float_beyond_double": _st(A[:-1] + b',"x":-1E400}', bytes(4), wrap=True),
+    "huge_exponent": _st(A[:-1] + b',"x":1e99999999999999999999}', bytes(4), wrap=True),
+    "float_beyond_double_in_list": _st(A[:-1] + b',"x":[0,{"y":1e309}]}', bytes(4), wrap=True),
+    "long_mantissa_beyond_double": _st(A[:-1] + b',"x":' + b"9" * 310 + b".5}", bytes(4), wrap=True),
+    "integer_beyond_double": _st(A[:-1] + b',"x":' + b"1" * 400 + b"}", bytes(4), wrap=True),
+    "integer_of_5000_digits": _st(A[:-1] + b',"x":' + b"1" * 5000 + b"}", bytes(4), wrap=True),
+    "valid_integer_beyond_u64": _st(A[:-1] + b',"x":-' + b"9" * 30 + b"}", bytes(4), wrap=True),
+    "valid_integer_of_308_digits": _st(A[:-1] + b',"x":' + b"1" + b"0" * 307 + b"}", bytes(4), wrap=True),
+    "valid_float_near_limits": _st(A[:-1] + b',"x":[1e308,1e-400,0e400,1.' + b"1" * 400 + b"]}", bytes(4), wrap=True),
+    "shape_beyond_u64": _st({"a": _f32(0, 4, [2**64 + 1])}, bytes(4)),
+    "offset_beyond_u64": _st({"a": _f32(0, 2**64 + 4)}, bytes(4)),
+    "lone_surrogate": _st(A[:-1] + b',"x":"\\ud800"}', bytes(4), wrap=True),
+    "valid_surrogate_pair": _st(A[:-1] + b',"x":"\\ud83d\\ude00"}', bytes(4), wrap=True),
+    "control_character": _st(A[:-1] + b',"x":"a\x01b"}', bytes(4), wrap=True),
+    "trailing_text": _raw(b'{"a":' + A + b"}xyz    ", bytes(4)),
+    "utf8_bom": _raw(b'\xef\xbb\xbf{"a":' + A + b"}     ", bytes(4)),
     "header_beyond_file": struct.pack("<Q", 1000) + b"{}",
     "header_over_100MB": struct.pack("<Q", 200_000_000) + b"{}" + b" " * 6,
     "zero_length_header": _raw(b""),
@@ -82,6 +100,7 @@ CASES: dict[str, bytes] = {
 STRICTER = {
     "duplicate_key": _raw(b'{"a":' + A + b',"a":' + A + b"}    ", bytes(4)),
     "duplicate_metadata_key": _raw(b'{"__metadata__":{"k":"1","k":"2"},"a":' + A + b"}      ", bytes(4)),
+    "duplicate_key_in_an_ignored_field": _st(A[:-1] + b',"x":{"k":1,"k":2}}', bytes(4), wrap=True),
 }
 #: not read yet (README): the library loads them, verify may refuse them, never the reverse
 NOT_YET = {
