@@ -24,6 +24,7 @@ def _torchrun() -> list[str]:
     return [found]
 
 
+@pytest.mark.distributed  # torchrun and two ranks importing torch: 11-17 s, its own CI step (-m distributed)
 def test_torchrun_split_writes_the_same_folder_as_one_process(tmp_path: Path) -> None:
     gen = torch.Generator().manual_seed(0)
     sd = {f"module.layer{i}.weight": torch.randn(32, 32, generator=gen) for i in range(12)}
