@@ -367,3 +367,126 @@ def test_failed_ranged_reads_are_retried_then_exit_3(
         assert "Traceback" not in result.stderr and not (tmp_path / "never.safetensors").exists()
     finally:
         server.stop()
+
+
+# =========================================================================== with issue 22's checks
+# file:// URLs are read through the same ranged reader as s3:// (no server needed, no descriptor)
+
+
+def _crc_broken(src: Path, dest: Path, suffix: str) -> Path:
+    """``src`` with the CRC of its record ending ``suffix`` flipped, in its local header and its
+    directory entry (torch never checks it; ckptfix checks every record it copies)."""
+    import struct
+    import zipfile
+
+    data = bytearray(src.read_bytes())
+    with zipfile.ZipFile(src) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(suffix))
+    bad = info.CRC ^ 0x5A5A5A5A
+    struct.pack_into("<I", data, info.header_offset + 14, bad)
+    at = data.index(struct.pack("<I", info.CRC), data.index(b"PK\x01\x02"))  # its directory entry
+    struct.pack_into("<I", data, at, bad)
+    dest.write_bytes(data)
+    return dest
+
+
+@pytest.mark.parametrize("record", ["data/0", "data/1"])  # small (one read) and big (streamed in parts)
+def test_a_remote_record_whose_crc_is_wrong_is_refused(tmp_path: Path, record: str) -> None:
+    torch.save({"module.small": torch.ones(3), "module.big": torch.arange(40000.0)}, tmp_path / "in.pth")
+    bad = _crc_broken(tmp_path / "in.pth", tmp_path / "bad.pth", record)
+    out = tmp_path / "out.pth"
+    result = invoke_cli("convert", bad.as_uri(), out, "--format", "pth", "--strip-prefix", "module.")
+    assert result.returncode == 3 and "CRC32" in result.stderr, result.stderr
+    assert not out.exists()
+    good = invoke_cli("convert", (tmp_path / "in.pth").as_uri(), out, "--format", "pth", "--strip-prefix", "module.")
+    assert good.returncode == 0, good.stderr
+    assert_values(torch.load(out, weights_only=True), {"small": torch.ones(3), "big": torch.arange(40000.0)})
+
+
+def test_a_remote_file_saved_without_crcs_converts_as_the_local_one(tmp_path: Path) -> None:
+    """CRC 0 (``set_crc32_options(False)``) stays 0 for a streamed remote record, as for a local
+    copy: the two outputs are the same bytes."""
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"module.big": torch.arange(40000.0), "module.small": torch.ones(3)}, tmp_path / "in.pth")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    for name, source in (("local.pth", tmp_path / "in.pth"), ("remote.pth", (tmp_path / "in.pth").as_uri())):
+        result = invoke_cli("convert", source, tmp_path / name, "--format", "pth", "--strip-prefix", "module.")
+        assert result.returncode == 0, result.stderr
+    assert (tmp_path / "local.pth").read_bytes() == (tmp_path / "remote.pth").read_bytes()
+
+
+def test_an_output_url_overlapping_the_input_is_refused(tmp_path: Path) -> None:
+    """The overlap check compares URLs: a file:// URL is the local file it names, a remote object
+    its URL (it has no real path); nothing is read or written."""
+    import fsspec
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "in.pth")
+    data = (tmp_path / "in.pth").read_bytes()
+    result = invoke_cli("convert", tmp_path / "in.pth", (tmp_path / "in.pth").as_uri(), "--format", "pth", "--force")
+    assert result.returncode == 2 and "overwrite" in result.stderr, result.stderr
+    memory = fsspec.filesystem("memory")
+    memory.pipe("/r25-overlap/in.pth", data)
+    result = invoke_cli("convert", "memory://r25-overlap/in.pth", "memory://r25-overlap/in.pth", "--force")
+    assert result.returncode == 2 and "overwrite" in result.stderr, result.stderr
+    assert memory.cat("/r25-overlap/in.pth") == data == (tmp_path / "in.pth").read_bytes()
+    result = invoke_cli("convert", "memory://r25-overlap/in.pth", "memory://r25-overlap/out.pth")
+    assert result.returncode == 0, result.stderr  # another object beside it is fine
+
+
+def test_a_remote_tar_era_file_is_scanned_as_a_local_one(tmp_path: Path) -> None:
+    """scan reads a remote file torch would take for a tar (sniff_file) and follows its members."""
+    import io
+    import pickle
+    import tarfile
+
+    from hostile import system_call
+
+    members = {
+        "storages": pickle.dumps(0, 2) + pickle.dumps([], 2),
+        "tensors": pickle.dumps(0, 2),
+        "pickle": system_call(tmp_path / "marker"),
+    }
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, blob in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+    (tmp_path / "old.pth").write_bytes(buf.getvalue())
+    here = json.loads(invoke_cli("scan", tmp_path / "old.pth", "--json").stdout)["files"][0]
+    there = json.loads(invoke_cli("scan", (tmp_path / "old.pth").as_uri(), "--json").stdout)["files"][0]
+    assert here["format"] == "torch-tar" and here["dangerous"] == ["os.system"], here  # in the pickle member
+    for key in ("format", "globals", "problems"):
+        assert there[key] == here[key], key
+
+
+def test_a_remote_scan_reads_every_pickle_record_as_a_local_one(tmp_path: Path) -> None:
+    """scan reads every record named .pkl (any case, any folder); a metadata-only remote read
+    skips the headers of tensor records (``*/data/*``) but never a pickle's among them."""
+    import zipfile
+
+    from hostile import system_call
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "in.pth")
+    with zipfile.ZipFile(tmp_path / "in.pth", "a") as z:
+        z.writestr("in/data/EXTRA.PKL", system_call(tmp_path / "marker"))
+    here = json.loads(invoke_cli("scan", tmp_path / "in.pth", "--json").stdout)["files"][0]
+    there = json.loads(invoke_cli("scan", (tmp_path / "in.pth").as_uri(), "--json").stdout)["files"][0]
+    assert here["dangerous"] == ["os.system"], here
+    for key in ("format", "globals", "dangerous"):
+        assert there[key] == here[key], key
+
+
+def test_a_remote_deepspeed_folder_is_a_clear_local_only_error(tmp_path: Path) -> None:
+    """DeepSpeed folders (issue 24) are read from local disk only: one line, exit 2; scan says so."""
+    from conftest import FIXTURES
+
+    url = (FIXTURES / "deepspeed" / "z0_fp32_w2").as_uri()
+    for command in (("inspect", url), ("convert", url, tmp_path / "out.safetensors")):
+        result = invoke_cli(*command)
+        assert result.returncode == 2 and "local disk only" in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []
+    result = invoke_cli("scan", url)
+    assert result.returncode == 3 and "local disk only" in result.stdout + result.stderr
