@@ -35,7 +35,12 @@ expect() {
         exit 1
     fi
 }
-NEEDS_TORCH="ckptfix: error: needs torch: pip install 'ckptfix[torch]'"
+# the hint names the install this machine needs (the CPU build where no NVIDIA driver is found)
+NEEDS_TORCH="ckptfix: error: $(python -c 'from ckptfix.errors import NEEDS_TORCH; print(NEEDS_TORCH)')"
+case "$NEEDS_TORCH" in
+    "ckptfix: error: needs torch: pip install "*) ;;
+    *) echo "smoke: unexpected torch hint: $NEEDS_TORCH" >&2; exit 1 ;;
+esac
 needs_torch() {
     echo "+ $* (needs torch)"
     set +e
@@ -96,7 +101,9 @@ import ckptfix
 try:
     ckptfix.load("weights.safetensors")
 except ckptfix.NeedsTorchError as exc:
-    assert exc.exit_code == 2 and str(exc) == "needs torch: pip install 'ckptfix[torch]'", exc
+    from ckptfix.errors import NEEDS_TORCH
+
+    assert exc.exit_code == 2 and str(exc) == NEEDS_TORCH and NEEDS_TORCH.startswith("needs torch: pip install "), exc
 else:
     raise SystemExit("smoke: ckptfix.load worked without torch")
 PY

@@ -24,6 +24,7 @@ __version__ = "0.1.0"
 # The public names are imported on first use (PEP 562), so `ckptfix --help` and the CLI's
 # fast paths do not pay for modules a command does not need.
 _EXPORTS = {
+    "LoadIntoError": "api",
     "LoadIntoReport": "api",
     "load": "api",
     "load_into": "api",
@@ -55,7 +56,7 @@ _EXPORTS = {
 if TYPE_CHECKING:
     # What a type checker sees: the same names from the same modules as _EXPORTS (a test keeps
     # the two in step), so ``ckptfix.load`` has load's signature rather than __getattr__'s object.
-    from .api import LoadIntoReport, load, load_into
+    from .api import LoadIntoError, LoadIntoReport, load, load_into
     from .errors import (
         BadInputError,
         CannotWriteError,
@@ -92,6 +93,7 @@ __all__ = [
     "CkptfixError",
     "ConvertOptions",
     "ExitCode",
+    "LoadIntoError",
     "LoadIntoReport",
     "NeedsTorchError",
     "Report",

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import UnsafeInputError, UsageError
+from .errors import BadInputError, CheckFailedError, UnsafeInputError, UsageError
 from .formats.checkpoint import Checkpoint, read_checkpoint
 from .model.needs import need_torch
 from .model.paths import format_path, get_at
@@ -35,6 +35,23 @@ if TYPE_CHECKING:
     from torch.serialization import MAP_LOCATION
 
 
+def _torch_load(path: str | Path, shown: str, **kwargs: Any) -> Any:
+    """``torch.load`` of a file ckptfix has read and checked, its failures as one
+    :class:`~ckptfix.BadInputError` naming ``shown`` (the user's file): an API that vets files
+    does not let torch's ``UnpicklingError``/``RuntimeError`` through as if it had not."""
+    need_torch()
+    import torch
+
+    try:
+        return torch.load(path, **kwargs)
+    except Exception as exc:  # UnpicklingError, RuntimeError, ValueError, EOFError ... whatever torch raises
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise BadInputError(
+            f"{shown}: torch refused what ckptfix read from it: {first[:200]}",
+            hint="ckptfix reads this file (convert it, or inspect it); torch.load does not",
+        ) from exc
+
+
 def _materialize(ckpt: Checkpoint, root: Tree, map_location: MAP_LOCATION, mmap: bool) -> Any:
     need_torch()
     import torch
@@ -43,14 +60,14 @@ def _materialize(ckpt: Checkpoint, root: Tree, map_location: MAP_LOCATION, mmap:
         with tempfile.TemporaryDirectory(prefix="ckptfix-load-") as tmp:
             path = Path(tmp) / "tree.pth"
             torch.save(root, path)
-            return torch.load(path, map_location=map_location, weights_only=False)
+            return _torch_load(path, ckpt.path, map_location=map_location, weights_only=False)
     if root is ckpt.root and ckpt.archive is not None and ckpt.archive.path == ckpt.path:
-        return torch.load(ckpt.path, map_location=map_location, weights_only=True, mmap=mmap)
+        return _torch_load(ckpt.path, ckpt.path, map_location=map_location, weights_only=True, mmap=mmap)
     with tempfile.TemporaryDirectory(prefix="ckptfix-load-") as tmp:
         path = Path(tmp) / "tree.pth"
         with open(path, "wb") as out:
             ckpt.write(root, out)
-        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+        return _torch_load(path, ckpt.path, map_location=map_location, weights_only=True, mmap=mmap)
 
 
 def _read(
@@ -127,14 +144,28 @@ class LoadIntoReport:
 
     source: str
     state_dict: str
+    #: the wrapper prefixes stripped from the file's keys, outermost first
     stripped: list[str] = field(default_factory=list)
-    added: str = ""
+    #: the prefixes added for the model (one, for a wrapped model; none for a bare one)
+    added: list[str] = field(default_factory=list)
     matched: int = 0
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
     map_location: str = ""
     #: keys left out because their shape differs from the model's (``skip_mismatch=True``)
     skipped: list[str] = field(default_factory=list)
+    #: keys whose shape differs from the model's: {"key", "checkpoint", "model"} shapes
+    shape_mismatches: list[dict[str, Any]] = field(default_factory=list)
+
+
+class LoadIntoError(CheckFailedError):
+    """:func:`load_into` could not load the checkpoint into the model (shapes that differ, keys
+    missing or unexpected with ``strict=True``); ``report`` says what matched and what did not,
+    and the model is left as torch's ``load_state_dict`` left it."""
+
+    def __init__(self, message: str, report: LoadIntoReport) -> None:
+        super().__init__(message)
+        self.report = report
 
 
 def load_into(
@@ -191,15 +222,28 @@ def load_into(
         root = filter_tree(root, ["".join(f"[{c}]" if c in "*?[" else c for c in k) for k in skipped], ())[0]
     _refuse_opaque(ckpt, root, sanitize, select or format_path(plan.state_dict) or None)
     state_dict = _materialize(ckpt, root, map_location, mmap=False)
-    result = model.load_state_dict(state_dict, strict=strict)
-    return LoadIntoReport(
+    report = LoadIntoReport(
         source=str(path),
         state_dict=format_path(plan.state_dict) or "(top level)",
         stripped=list(plan.strips),
-        added=plan.add,
+        added=[plan.add] if plan.add else [],
         matched=plan.matched,
-        missing=list(result.missing_keys),
-        unexpected=list(result.unexpected_keys),
         map_location=str(map_location),
         skipped=skipped,
+        shape_mismatches=[
+            {"key": m["key"], "checkpoint": list(m["checkpoint"]), "model": list(m["reference"])}
+            for m in plan.shape_mismatches
+            if m["key"] not in skipped
+        ],
     )
+    try:
+        result = model.load_state_dict(state_dict, strict=strict)
+    except RuntimeError as exc:  # torch's own error: shapes that differ, or keys with strict=True
+        report.missing, report.unexpected = list(plan.missing), list(plan.unexpected)
+        first = str(exc).strip().splitlines()
+        raise LoadIntoError(
+            f"{path}: cannot load into {type(model).__name__}: {'; '.join(line.strip() for line in first[1:4])}",
+            report,
+        ) from exc
+    report.missing, report.unexpected = list(result.missing_keys), list(result.unexpected_keys)
+    return report

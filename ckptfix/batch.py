@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import BadInputError, CannotWriteError, CkptfixError, ExitCode, UsageError, one_line
+from .errors import BadInputError, CannotWriteError, CkptfixError, ExitCode, UsageError, naming_file, one_line
 from .fileio.remote import as_path
 from .formats.detect import CHECKPOINT_SUFFIXES, FILE_FORMATS
 from .formats.sharded import INDEX_NAMES, find_index
@@ -186,6 +186,7 @@ def process_one(
         if backup_path is not None and not report.written:
             backup_path.unlink(missing_ok=True)
     except CkptfixError as exc:
+        exc = naming_file(exc, in_path)  # every error line names its file
         result.message, result.exit_code = str(exc), exc.exit_code
         result.error = {"type": type(exc).__name__, "message": one_line(exc.message), "hint": exc.hint}
     except OSError as exc:
@@ -226,6 +227,31 @@ def _size(path: Path) -> int:
     return path.stat().st_size if path.exists() else 0
 
 
+class InOrder:
+    """Hands results to ``on_result`` in input order, whatever order they finish in: a file's
+    line (or its error) never comes before those of the files listed before it."""
+
+    def __init__(self, on_result: Callable[[FileResult], None] | None) -> None:
+        self.on_result = on_result
+        self.waiting: dict[int, FileResult] = {}
+        self.next = 0
+
+    def add(self, index: int, result: FileResult) -> None:
+        self.waiting[index] = result
+        while self.next in self.waiting:
+            self._emit(self.waiting.pop(self.next))
+            self.next += 1
+
+    def flush(self) -> None:
+        """The rest, in order, gaps skipped (the files that never ran)."""
+        for index in sorted(self.waiting):
+            self._emit(self.waiting.pop(index))
+
+    def _emit(self, result: FileResult) -> None:
+        if self.on_result is not None:
+            self.on_result(result)
+
+
 def run_batch(
     command: str,
     jobs_list: Sequence[tuple[str, str]],
@@ -258,6 +284,7 @@ def run_batch(
         # (the usual IN OUT command, where start-up is most of the time on a CoW file system) never needs
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
+        in_order = InOrder(on_result)
         with ProcessPoolExecutor(max_workers=jobs) as pool:
             pending: dict[Future[FileResult], int] = {}
             queue = list(enumerate(jobs_list))
@@ -270,10 +297,10 @@ def run_batch(
                 for future in done:
                     index = pending.pop(future)
                     results[index] = future.result()
-                    if on_result:
-                        on_result(results[index])
+                    in_order.add(index, results[index])
                     if results[index].status == "failed" and not continue_on_error:
                         stop = True
+            in_order.flush()  # stopped early: what finished after a gap, still in input order
             report.stopped_early = stop and len(results) < len(jobs_list)
     report.files = [results[i] for i in sorted(results)]
     report.seconds = time.perf_counter() - started

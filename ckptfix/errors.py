@@ -6,8 +6,13 @@ a documented code instead of a traceback. Library users catch :class:`CkptfixErr
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from enum import IntEnum
+from functools import wraps
+from typing import Any, TypeVar
 
 
 class ExitCode(IntEnum):
@@ -54,14 +59,32 @@ class UsageError(CkptfixError):
     exit_code = ExitCode.USAGE
 
 
+#: the CPU build of torch: a few hundred MB, where the default Linux wheel pulls GBs of CUDA libraries
+TORCH_CPU_INSTALL = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+
+
+def torch_install_hint(platform: str = sys.platform, nvidia_driver: bool | None = None) -> str:
+    """The command that installs the torch this machine needs: on Linux or Windows without an
+    NVIDIA driver, the CPU build (``pip install 'ckptfix[torch]'`` would pull the CUDA one);
+    elsewhere (a GPU, macOS, whose wheels hold no CUDA) the ``[torch]`` extra."""
+    if nvidia_driver is None:
+        nvidia_driver = os.path.exists("/proc/driver/nvidia") or os.path.exists(
+            os.path.join(os.environ.get("SYSTEMROOT", "C:\\Windows"), "System32", "nvidia-smi.exe")
+        )
+    if platform.startswith(("linux", "win")) and not nvidia_driver:
+        return f"{TORCH_CPU_INSTALL} (the CPU build; or pip install 'ckptfix[torch]' for the CUDA one)"
+    return "pip install 'ckptfix[torch]'"
+
+
 #: what every feature that runs through torch says when torch is not installed
-NEEDS_TORCH = "needs torch: pip install 'ckptfix[torch]'"
+NEEDS_TORCH = f"needs torch: {torch_install_hint()}"
 
 
 class NeedsTorchError(UsageError):
     """Something that runs through torch was asked for (``--unsafe-load``, a tar-era file, DCP,
     ``fit --model``, ``load``/``load_into``) and torch is not installed (exit 2). The core install
-    (``pip install ckptfix``) has no torch; ``pip install 'ckptfix[torch]'`` adds it."""
+    (``pip install ckptfix``) has no torch; the message says how to add the one this machine
+    needs (:func:`torch_install_hint`)."""
 
     def __init__(self) -> None:
         super().__init__(NEEDS_TORCH)
@@ -127,6 +150,8 @@ class UnsafeInputError(BadInputError):
         writing: bool = False,
         kept_along: Sequence[str] = (),
         api: bool = False,
+        drop: Sequence[str] = (),
+        drop_with_sanitize: bool = False,
     ) -> None:
         self.global_names = [names] if isinstance(names, str) else list(names)
         self.shown = list(shown) if shown is not None else list(self.global_names)
@@ -141,6 +166,8 @@ class UnsafeInputError(BadInputError):
         self.allow_options = list(allow_options)
         self.kept_along = list(kept_along)
         self.api = api
+        self.drop = list(drop)
+        self.drop_with_sanitize = drop_with_sanitize
         spell = _API_SPELLING if api else _CLI_SPELLING
         where = f"{path}: " if path else ""
         ways = []
@@ -159,6 +186,13 @@ class UnsafeInputError(BadInputError):
             ways.append(f"to keep {whom}, without running anything: {keep}")
         if sanitizable and not self.hostile:
             ways.append(f"to turn them into plain data: {spell['sanitize']}")
+        if self.drop and not self.hostile and not api:
+            import shlex
+
+            drops = " ".join(f"--drop {shlex.quote(p)}" for p in self.drop)
+            ways.append(
+                f"to leave out what no rule turns into plain data: {'--sanitize ' if drop_with_sanitize else ''}{drops}"
+            )
         if select and not self.hostile:
             ways.append(f"to {spell['weights']} only: {spell['select'].format(select)}")
         if not self.hostile:
@@ -210,7 +244,15 @@ class UnsafeInputError(BadInputError):
             writing=self.writing,
             kept_along=self.kept_along,
             api=api,
+            drop=self.drop,
+            drop_with_sanitize=self.drop_with_sanitize,
         )
+
+
+class InputMismatchError(BadInputError):
+    """What the command asks for does not fit this input: ``--select`` names no entry of it, it
+    holds nothing safetensors can store, no state dict... (exit 3: a problem with one input, which
+    a batch reports for that file, not a usage error of the whole command line)."""
 
 
 class CheckFailedError(CkptfixError):
@@ -223,3 +265,43 @@ class CannotWriteError(CkptfixError):
     """The output cannot be written: exists, same as input, no space, no permission (exit 4)."""
 
     exit_code = ExitCode.CANNOT_WRITE
+
+
+def naming_file(exc: CkptfixError, path: str | None) -> CkptfixError:
+    """``exc`` with its message naming the input ``path`` (unless it names it already), so every
+    error line says which file it is about. A usage error (the command line itself), an output
+    that cannot be written (it names the output) and a missing torch are left as they are."""
+    if path is None or type(exc) is UsageError or isinstance(exc, (NeedsTorchError, CannotWriteError)):
+        return exc
+    if isinstance(exc, UnsafeInputError):
+        return exc if exc.path else exc.at(path)
+    if path not in exc.message:
+        exc.message = f"{path}: {exc.message}"
+        exc.args = (exc.message,)
+    return exc
+
+
+@contextmanager
+def about_input(path: str | None) -> Iterator[None]:
+    """Errors raised inside name the input ``path`` (see :func:`naming_file`)."""
+    try:
+        yield
+    except CkptfixError as exc:
+        named = naming_file(exc, path)
+        if named is exc:
+            raise
+        raise named from None
+
+
+_Call = TypeVar("_Call", bound=Callable[..., Any])
+
+
+def names_input(func: _Call) -> _Call:
+    """A library entry point whose first argument is the input path: its errors name that file."""
+
+    @wraps(func)
+    def run(path: Any, *args: Any, **kwargs: Any) -> Any:
+        with about_input(str(path)):
+            return func(path, *args, **kwargs)
+
+    return run  # type: ignore[return-value]

@@ -23,8 +23,17 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .analysis.inspect import describe_tree, summarize
-from .errors import BadInputError, CannotWriteError, CheckFailedError, UnsafeInputError, UsageError
+from .analysis.inspect import describe_tree, holding, not_a_mapping_fix, summarize
+from .errors import (
+    BadInputError,
+    CannotWriteError,
+    CheckFailedError,
+    InputMismatchError,
+    UnsafeInputError,
+    UsageError,
+    about_input,
+    names_input,
+)
 from .fileio.atomic import atomic_output, check_destination
 from .fileio.extents import shared_bytes, shared_bytes_of
 from .fileio.ranges import FileRange, OpenFiles, OutputStream
@@ -48,7 +57,7 @@ from .formats.checkpoint import (
     Checkpoint,
     read_checkpoint,
 )
-from .formats.detect import FILE_FORMATS, OUTPUT_FORMATS, PTH_SUFFIXES
+from .formats.detect import CHECKPOINT_SUFFIXES, FILE_FORMATS, OUTPUT_FORMATS, PTH_SUFFIXES, check_input
 from .formats.safetensors import (
     check_torch_expand_budget,
     default_expand_budget,
@@ -60,15 +69,24 @@ from .formats.sharded import Split, write_sharded
 from .model.needs import need_torch
 from .model.paths import format_path
 from .model.paths import select as select_path
-from .model.refs import is_tensor_like
-from .model.statedicts import EMA_ENTRIES, ema_prefix, find_state_dicts, looks_like_state_dict, split_ema
+from .model.refs import StorageRef, TensorRef, is_meta_tensor, is_tensor_like
+from .model.statedicts import (
+    EMA_ENTRIES,
+    PURE_WRAPPER_PREFIXES,
+    ema_prefix,
+    find_state_dicts,
+    holds_tensors_by_name,
+    looks_like_state_dict,
+    split_ema,
+    wrapper_chain,
+)
 from .model.walk import iter_tensors, substitute, walk
 from .pickling.names import check_global_patterns
 from .pickling.vm import collector_paused
 from .transforms.devices import parse_map_location, remap_devices
 from .transforms.foreign import check_output, has_foreign
-from .transforms.prefix import add_prefix, normalize_prefix, parse_rule, rename_keys, strip_prefix
-from .transforms.select import filter_tree, prune_patterns
+from .transforms.prefix import AUTO, add_prefix, normalize_prefix, parse_rule, rename_keys, strip_prefix, wrapper_fix
+from .transforms.select import filter_tree, literal_glob, prune_patterns, shell_word
 
 if TYPE_CHECKING:
     from .analysis.diff import DiffReport
@@ -112,6 +130,8 @@ class ConvertOptions:
     #: (``2GB``, ``5GiB`` or bytes); None: 16x the input's size, at least 1 GiB
     max_expand: str | int | None = None
     keep_metadata: bool = False
+    #: a checkpoint that is one tensor (or, with --sanitize, one numpy array): store it under this name
+    tensor_name: str | None = None
     dry_run: bool = False
     force: bool = False
     in_place: bool = False
@@ -263,11 +283,14 @@ def flat_state_dict(root: Any, original: Any, keep_metadata: bool) -> tuple[dict
     """The ``{name: tensor}`` mapping safetensors needs, plus metadata kept by --keep-metadata.
 
     Anything that is neither a tensor nor (with --keep-metadata) a small plain value is an
-    error that lists what the checkpoint holds and where its state dicts are: data is never
+    error that names every such entry and the options that leave it out (``--drop PATH``),
+    or, where the tensors are further down, the ``--select`` that takes them: data is never
     dropped silently.
     """
     if not isinstance(root, Mapping):
-        raise UsageError(f"safetensors needs a mapping of names to tensors, not a {type(root).__name__}")
+        raise InputMismatchError(
+            f"safetensors holds named tensors, but this holds {holding(root)}", hint=not_a_mapping_fix(root)
+        )
     tensors = {k: v for k, v in root.items() if is_tensor_like(v)}
     others = {k: v for k, v in root.items() if k not in tensors}
     metadata: dict[str, str] = {}
@@ -279,18 +302,32 @@ def flat_state_dict(root: Any, original: Any, keep_metadata: bool) -> tuple[dict
                 if text is not None and isinstance(key, str):
                     metadata.setdefault(key, text)
         others = {k: v for k, v in others.items() if k not in metadata}
-    if others or not tensors:
+    candidates = [format_path(p) for p, _ in find_state_dicts(root) if p]
+    if candidates and not tensors:
         layout = "; ".join(
             f"{e['path']}: {e['kind']}" + (f" ({e['tensors']} tensors)" if "tensors" in e else "")
-            for e in describe_tree(root)[:10]
+            for e in describe_tree(root, 10)
         )
-        candidates = [format_path(p) for p, _ in find_state_dicts(root) if p]
-        hint = (
-            f"choose one with --select, e.g. --select {candidates[0]}"
-            if candidates
-            else ("keep small values as safetensors metadata with --keep-metadata, or write a .pth file")
+        raise InputMismatchError(
+            f"safetensors holds one flat mapping of names to tensors, but this holds: {layout}",
+            hint=f"choose the weights with --select, e.g. --select {candidates[0]}",
         )
-        raise UsageError(f"safetensors holds one flat mapping of names to tensors, but this holds: {layout}; {hint}")
+    if others or not tensors:
+        names = [format_path((k,)) for k in others]
+        listed = ", ".join(f"{n} ({holding(others[k])})" for n, k in zip(names[:20], others))
+        more = f" and {len(names) - 20} more" if len(names) > 20 else ""
+        drops = " ".join(f"--drop {shell_word(literal_glob(n))}" for n in names[:20])
+        if not tensors:
+            raise InputMismatchError(
+                f"safetensors holds named tensors, but there are none here; this holds {listed}{more}",
+                hint="write a .pth file, or --select the part that holds the weights",
+            )
+        raise InputMismatchError(
+            f"safetensors holds only tensors, but {len(names)} entries beside the {len(tensors)} tensors are not: "
+            f"{listed}{more}",
+            hint=f"leave them out with {drops}, keep small values as metadata with --keep-metadata, "
+            "or write a .pth file",
+        )
     return tensors, metadata
 
 
@@ -299,7 +336,6 @@ def verify_output(temp: Path, planned: Any, file_format: str, report: Report) ->
     shapes and every tensor's bytes (and, for .pth, device tags and which tensors share storage)."""
     from .analysis.diff import diff_trees
     from .analysis.diff import render as render_diff
-    from .model.walk import iter_storages
 
     started = time.perf_counter()
     written = read_checkpoint(temp)
@@ -308,11 +344,11 @@ def verify_output(temp: Path, planned: Any, file_format: str, report: Report) ->
     if not result.equal:
         problems.append(render_diff(result).splitlines()[0])
     if file_format == "pth":
-        planned_tags = sorted(s.location for s in iter_storages(planned))
-        written_tags = sorted(s.location for s in iter_storages(written.root))
+        planned_tags, planned_sharing = _storage_layout(planned)
+        written_tags, written_sharing = _storage_layout(written.root)
         if planned_tags != written_tags:
             problems.append(f"device tags {sorted(set(written_tags))} instead of {sorted(set(planned_tags))}")
-        if _sharing(planned) != _sharing(written.root):
+        if planned_sharing != written_sharing:
             problems.append("tensors that should share a storage do not (or the reverse)")
     report.verify_seconds = round(time.perf_counter() - started, 4)
     if problems:
@@ -322,11 +358,20 @@ def verify_output(temp: Path, planned: Any, file_format: str, report: Report) ->
         )
 
 
-def _sharing(root: Any) -> set[frozenset[str]]:
-    groups: dict[int, set[str]] = {}
-    for path, tensor in iter_tensors(root):
-        groups.setdefault(id(tensor.storage), set()).add(format_path(path))
-    return {frozenset(g) for g in groups.values() if len(g) > 1}
+def _storage_layout(root: Any) -> tuple[list[str], set[frozenset[tuple[Any, ...]]]]:
+    """In one walk: the device tags of the distinct storages the tree uses (through tensors or
+    directly), and the groups of tensor paths that share a storage. Paths stay tuples of keys
+    (formatting a million paths of one memoized tensor cost more than the rest of --verify)."""
+    storages: dict[int, StorageRef] = {}
+    groups: dict[int, set[tuple[Any, ...]]] = {}
+    for path, value in walk(root):
+        if isinstance(value, TensorRef):
+            storages[id(value.storage)] = value.storage
+            groups.setdefault(id(value.storage), set()).add(path)
+        elif isinstance(value, StorageRef):
+            storages[id(value)] = value
+    tags = sorted(s.location for s in storages.values())
+    return tags, {frozenset(g) for g in groups.values() if len(g) > 1}
 
 
 def model_or_ema(root: Any, ema: bool) -> tuple[Any, tuple[Any, ...], list[str]]:
@@ -348,13 +393,25 @@ def model_or_ema(root: Any, ema: bool) -> tuple[Any, tuple[Any, ...], list[str]]
             replacements[id(state_dict)] = part
             notes.append(note)
     if ema and not replacements:
-        raise UsageError(
+        raise InputMismatchError(
             "--ema: no EMA copy here (no state_dict_ema/model_ema/ema entry, no model_ema./ema. keys "
             "beside the model's)"
         )
     if id(root) in replacements:
         return replacements[id(root)], (), notes
     return (substitute(root, replacements) if replacements else root), (), notes
+
+
+def _strip_words(prefix: str) -> tuple[str, str, str]:
+    """How a strip step is reported: its label, the verb of a change, why it changed nothing."""
+    if prefix == AUTO:
+        wrappers = ", ".join(PURE_WRAPPER_PREFIXES)
+        return (
+            "strip wrapper prefixes",
+            "stripped wrapper prefixes on",
+            f"no wrapper prefix ({wrappers}) is on every key",
+        )
+    return f"strip {prefix!r}", f"stripped {prefix!r} on", f"no key starts with {prefix!r}"
 
 
 def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out_format: str | None = None) -> Any:
@@ -374,6 +431,14 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out
         kinds = ", ".join(sorted({s["global"] for s in cleaned.replaced}))
         done = (f"sanitized {len(cleaned.replaced)} objects ({kinds})",) if cleaned.replaced else ()
         steps.append(Step("--sanitize", done, "nothing to sanitize"))
+    if opts.tensor_name is not None:
+        if not is_tensor_like(root):
+            raise InputMismatchError(f"--tensor-name {opts.tensor_name}: this holds {holding(root)}, not one tensor")
+        root = {opts.tensor_name: root}
+        steps.append(Step(f"--tensor-name {opts.tensor_name}", (f"named the tensor {opts.tensor_name!r}",), ""))
+    keys = opts.keys
+    if opts.select and not keys and holds_tensors_by_name(root) and not find_state_dicts(root):
+        keys = ("",)  # what --select names is the state dict, whatever else it holds beside the tensors
     drop = list(opts.drop) + (prune_patterns(root) if opts.prune else [])
     if drop or opts.keep:
         root, selection = filter_tree(root, drop, opts.keep)
@@ -389,10 +454,8 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out
         steps.append(Step("prune" if opts.prune else "--drop/--keep", done, why))
     prefix_steps: list[tuple[str, str, str, Callable[[Any], Any]]] = [
         (
-            f"strip {normalize_prefix(p)!r}",
-            f"stripped {normalize_prefix(p)!r} on",
-            f"no key starts with {normalize_prefix(p)!r}",
-            partial(strip_prefix, prefix=p, keys=opts.keys),
+            *_strip_words(normalize_prefix(p)),
+            partial(strip_prefix, prefix=p, keys=keys),
         )
         for p in opts.strip_prefixes
     ]
@@ -403,7 +466,7 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out
                 f"add {added!r}",
                 f"added {added!r} on",
                 f"every key already starts with {added!r}",
-                partial(add_prefix, prefix=added, keys=opts.keys),
+                partial(add_prefix, prefix=added, keys=keys),
             )
         )
     if opts.rename:
@@ -412,7 +475,7 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out
                 "rename by rules",
                 "renamed",
                 "no key matches the rename rules",
-                lambda r: rename_keys(r, opts.rename, opts.keys),
+                lambda r: rename_keys(r, opts.rename, keys),
             )
         )
     for label, verb, why, step in prefix_steps:
@@ -430,17 +493,23 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out
         steps.append(Step(f"--map-location {opts.map_location}", (), why))
     elif opts.map_location:
         if not ckpt.lazy:
-            raise UsageError(f"--map-location cannot be applied to a {ckpt.format} file read through torch")
+            raise InputMismatchError(f"--map-location cannot be applied to a {ckpt.format} file read through torch")
+        meta = sum(1 for _, value in walk(root, leaves=True) if is_meta_tensor(value))
+        if meta:
+            raise InputMismatchError(
+                f"--map-location {opts.map_location}: {meta} tensors are on the meta device, with no data to move",
+                hint="a meta tensor has only a shape: save the model again after its weights are materialised",
+            )
         root, report.device_moves = remap_devices(root, opts.map_location)
         done = tuple(f"moved {n} storages {move}" for move, n in report.device_moves.items())
         why = f"no device tag changes under --map-location {opts.map_location}"
         steps.append(Step(f"--map-location {opts.map_location}", done, why))
     if opts.dtype:
         if not ckpt.lazy:
-            raise UsageError(f"--dtype cannot be applied to a {ckpt.format} file read through torch")
+            raise InputMismatchError(f"--dtype cannot be applied to a {ckpt.format} file read through torch")
         from .transforms.cast import cast_floats
 
-        root, cast = cast_floats(root, opts.dtype, opts.dtype_keep, opts.keys)
+        root, cast = cast_floats(root, opts.dtype, opts.dtype_keep, keys)
         report.cast = asdict(cast)
         done = ()
         if cast.tensors:
@@ -456,6 +525,7 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out
     return root
 
 
+@names_input
 @collector_paused()
 @consistent_reads
 def convert(
@@ -496,6 +566,7 @@ def convert(
         raise UsageError(_UNDER_TORCHRUN)
     if is_url(out_path) and (opts.in_place or kind == "dcp"):
         raise UsageError(f"{out_path}: a URL output takes a .pth/.safetensors name or a folder of shards")
+    check_input(in_path)  # a missing input is reported as such, before anything about OUT
     if not opts.dry_run and kind == "file" and not is_url(out_path):
         check_destination(in_path, out_path, overwrite=opts.force, in_place=opts.in_place)
     if not opts.dry_run and not opts.force and is_url(out_path):
@@ -541,6 +612,13 @@ def convert(
         report.notes += found.notes()
     if opts.require_change and not report.changed:
         why = _nothing_to_do(ckpt, report)
+        fix = wrapper_fix(root, opts.keys) if opts.strip_prefixes and not opts.add_prefix else None
+        if fix is not None:  # e.g. torch.compile's _orig_mod. where module. was asked for
+            target = "--in-place" if opts.in_place else out_path
+            report.notes.append(
+                f"{in_path}: the keys carry {fix.wrappers}; strip with: "
+                f"ckptfix {command} {in_path} {target} {fix.options}"
+            )
         report.unchanged = True
         if opts.strict:
             raise CheckFailedError(f"{why}; nothing written")
@@ -569,8 +647,13 @@ def convert(
                     progress=progress,
                 ),
             )
-        report.message = f"{why}; wrote {out_path} unchanged"
-        report.notes.append(f"{why}: {out_path} is the input unchanged")
+        if report.output_format != report.input_format:  # a conversion is written, not "unchanged"
+            report.unchanged = False
+            report.message = f"{why}; wrote {out_path} as {report.output_format} (a format conversion)"
+            report.notes.append(f"{why}: {out_path} holds the input's content as {report.output_format}")
+        else:
+            report.message = f"{why}; wrote {out_path} unchanged"
+            report.notes.append(f"{why}: {out_path} is the input unchanged")
         report.seconds = time.perf_counter() - started
         return report
     _write_to(
@@ -767,7 +850,7 @@ def _nothing_to_do(ckpt: Checkpoint, report: Report) -> str:
     """Why there is nothing to change: every requested step's reason (each changed nothing)."""
     renames = [s for s in report.steps if s.requested.startswith(("strip ", "add ", "rename "))]
     if renames and not report.state_dicts:
-        layout = ", ".join(e["path"] for e in describe_tree(ckpt.root)[:8])
+        layout = ", ".join(e["path"] for e in describe_tree(ckpt.root, 8))
         return f"{report.input}: found no state dict to change (layout: {layout})"
     why = "; ".join(s.unchanged for s in report.steps) or "no change was asked for"
     return f"{report.input}: {why}"
@@ -793,7 +876,7 @@ def _write(
         inherited = {k: v for k, v in ckpt.metadata.items() if isinstance(v, str) and k not in flat}
         metadata = {**inherited, **metadata}
         if not ckpt.lazy and kind == "sharded":
-            raise UsageError(f"a {ckpt.format} file read through torch can only be written as a single file")
+            raise InputMismatchError(f"a {ckpt.format} file read through torch can only be written as a single file")
         if ckpt.lazy:
             # fails early on tensors safetensors cannot hold, and on a write beyond the budget
             plan = plan_safetensors(flat, metadata, max_data_bytes=budget)
@@ -933,6 +1016,7 @@ def write_checkpoint(
     return out_path.stat().st_size
 
 
+@names_input
 @collector_paused()
 @consistent_reads
 def inspect_checkpoint(
@@ -990,11 +1074,24 @@ def diff_checkpoints(
         )
         b = read_checkpoint(b_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals, inert_unknown=inert)
     scratch = Report("diff", str(a_path), None, a.format, b.format, dry_run=True)
-    root_a = apply_transforms(a, opts, scratch)
-    root_b = select_path(b.root, select_b, flag="--select-b")[1] if select_b else b.root
-    return diff_trees(root_a, root_b, a_name=str(a_path), b_name=str(b_path), rtol=rtol, atol=atol, keys_only=keys_only)
+    with about_input(str(a_path)):
+        root_a = apply_transforms(a, opts, scratch)
+    with about_input(str(b_path)):
+        root_b = select_path(b.root, select_b, flag="--select-b")[1] if select_b else b.root
+    budget = expand_budget(opts.max_expand, a.file_size + b.file_size)
+    return diff_trees(
+        root_a,
+        root_b,
+        a_name=str(a_path),
+        b_name=str(b_path),
+        rtol=rtol,
+        atol=atol,
+        keys_only=keys_only,
+        expand_budget=budget,
+    )
 
 
+@names_input
 @collector_paused()
 @consistent_reads
 def fit_checkpoint(
@@ -1062,7 +1159,7 @@ def fit_checkpoint(
         ref = read_checkpoint(reference, unsafe_load=user.unsafe_load, inert_unknown=True)
         found = find_state_dicts(ref.root)
         if not found:
-            raise UsageError(f"{reference}: no state dict found in the reference")
+            raise InputMismatchError(f"{reference}: no state dict found in the reference")
         ref_shapes = shapes_of(max(found, key=lambda item: len(item[1]))[1])
     check_global_patterns(user.allow_globals)
     # unknown classes read as inert records: convert() below checks what OUT carries
@@ -1082,7 +1179,7 @@ def fit_checkpoint(
     drop: list[str] = []
     if allow_partial:
         bad = set(plan.unexpected) | {m["key"] for m in plan.shape_mismatches}
-        drop = ["".join(f"[{c}]" if c in "*?[" else c for c in plan.renamed[k]) for k in sorted(bad)]
+        drop = [literal_glob(plan.renamed[k]) for k in sorted(bad)]
     if plan.add and user.add_prefix:
         raise UsageError(f"the fit adds {plan.add!r} already; --add-prefix {user.add_prefix!r} would add a second")
     opts = replace(
@@ -1112,6 +1209,24 @@ def _merged(legacy: ConvertOptions, options: ConvertOptions | None) -> ConvertOp
     return replace(options, **changes)
 
 
+#: what publish cuts off a file name: checkpoint extensions only, so the dots of a version
+#: (``net_0.3.0_e29.pth.tar``) stay in the name; longest first
+_CHECKPOINT_EXTENSIONS = tuple(
+    sorted(
+        {".pth.tar", ".pt.tar", ".ckpt.tar", *(f"{s}.index.json" for s in CHECKPOINT_SUFFIXES), *CHECKPOINT_SUFFIXES},
+        key=len,
+        reverse=True,
+    )
+)
+
+
+def checkpoint_stem(name: str) -> str:
+    """``name`` without its checkpoint extension(s): ``net_0.3.0_e29.pth.tar`` -> ``net_0.3.0_e29``,
+    ``model.safetensors.index.json`` -> ``model``; other dots are part of the name."""
+    ext = next((e for e in _CHECKPOINT_EXTENSIONS if name.lower().endswith(e) and len(name) > len(e)), "")
+    return name[: len(name) - len(ext)]
+
+
 @dataclass
 class PublishResult:
     path: str
@@ -1120,6 +1235,7 @@ class PublishResult:
     report: Report
 
 
+@names_input
 @collector_paused()
 @consistent_reads
 def publish(
@@ -1147,9 +1263,6 @@ def publish(
     import hashlib
 
     _local_output(out_dir, "publish")
-
-    from .transforms.fit import wrapper_chain
-
     legacy = ConvertOptions(
         out_format=out_format, unsafe_load=unsafe_load, allow_globals=allow_globals, max_expand=max_expand, ema=ema
     )
@@ -1174,16 +1287,16 @@ def publish(
     tree = select_path(ckpt.root, user.select)[1] if user.select else ckpt.root
     found = find_state_dicts(tree)
     if not found:
-        raise UsageError(f"{in_path}: no state dict to publish")
+        raise InputMismatchError(f"{in_path}: no state dict to publish")
     path, state_dict = max(found, key=lambda item: len(item[1]))
     if user.ema and not ema_prefix(state_dict) and isinstance(tree, Mapping):
         entry = next((e for e in EMA_ENTRIES if e in tree and looks_like_state_dict(tree[e])), None)
         if entry is None:
-            raise UsageError(f"{in_path}: --ema, but there is no EMA copy of the weights")
+            raise InputMismatchError(f"{in_path}: --ema, but there is no EMA copy of the weights")
         path, state_dict = (entry,), tree[entry]
     part, _ = split_ema(state_dict, user.ema)
     chain = wrapper_chain([k for k in part if isinstance(k, str)])
-    stem = name or Path(str(in_path).rstrip("/")).name.split(".")[0]
+    stem = name or checkpoint_stem(Path(str(in_path).rstrip("/")).name)
     ext = ".safetensors" if fmt == "safetensors" else ".pth"
     try:
         if not user.dry_run:

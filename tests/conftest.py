@@ -138,29 +138,48 @@ class CliResult:
     #: run_cli_batch only: the command's own wall time, the process's peak RSS after it, and
     #: whether ``torch`` was in ``sys.modules`` after it
     seconds: float = 0.0
+    #: run_cli_batch only: the CPU time the command used (user + system, this process): what a
+    #: test may bound, where wall time depends on how busy the machine is
+    cpu_seconds: float = 0.0
     maxrss_mib: int | None = None
     torch_imported: bool | None = None
+    #: invoke_cli only: stdout as bytes (a checkpoint written to OUT -)
+    stdout_bytes: bytes = b""
 
 
 class DeadlineExceeded(BaseException):
     """Raised in a command that runs too long (a BaseException: ckptfix's error handling cannot swallow it)."""
 
 
+#: a blocked call uses no CPU: it is caught by wall time, this many times the CPU budget (at
+#: least a minute), so a busy machine (other jobs on the cores) never fails a test
+WALL_FACTOR = 20
+
+
 @contextlib.contextmanager
 def deadline(seconds: float, what: str = "the command") -> Iterator[None]:
-    """Interrupt in-process work that takes longer than ``seconds``: a hang fails, it does not block.
-    SIGALRM interrupts blocking system calls (opening a FIFO) and Python loops alike."""
+    """Interrupt in-process work that uses more than ``seconds`` of CPU time (work, not the wall
+    clock: a loaded machine stretches wall time, not work), or that blocks for
+    max(60, ``WALL_FACTOR`` x ``seconds``) seconds of wall time (opening a FIFO uses no CPU).
+    SIGPROF and SIGALRM interrupt Python loops and blocking system calls alike."""
 
-    def expire(signum: int, frame: Any) -> None:
-        raise DeadlineExceeded(f"{what} still running after {seconds} s")
+    def spent(signum: int, frame: Any) -> None:
+        raise DeadlineExceeded(f"{what} still running after {seconds} s of CPU time")
 
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+    def blocked(signum: int, frame: Any) -> None:
+        raise DeadlineExceeded(f"{what} still running (blocked) after {wall} s")
+
+    wall = max(60.0, WALL_FACTOR * seconds)
+    previous = signal.signal(signal.SIGPROF, spent), signal.signal(signal.SIGALRM, blocked)
+    signal.setitimer(signal.ITIMER_PROF, seconds)
+    signal.setitimer(signal.ITIMER_REAL, wall)
     try:
         yield
     finally:
+        signal.setitimer(signal.ITIMER_PROF, 0)
         signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+        signal.signal(signal.SIGPROF, previous[0])
+        signal.signal(signal.SIGALRM, previous[1])
 
 
 def _outside_the_environment(module: Any) -> bool:
@@ -182,6 +201,7 @@ def invoke_cli(
     cwd: str | Path = ROOT,
     umask: int | None = None,
     sys_path_0: str | Path | None = None,
+    stdin: bytes | None = None,
 ) -> CliResult:
     """``ckptfix ARGS`` in-process: the console script's own ``ckptfix.cli.main`` (which maps every
     exception to one stderr line and an exit code, then calls ``sys.exit``) under click's
@@ -193,7 +213,9 @@ def invoke_cli(
     under Python's default filters; afterwards the cwd, umask, ``sys.path``, signal handlers and
     environment are restored and modules imported from outside Python and ckptfix (``fit --model``)
     are forgotten. ``sys_path_0``: what ``sys.path[0]`` is during the run (``python -m`` puts the
-    current folder there). ``timeout``: seconds before the run is interrupted as a hang.
+    current folder there). ``timeout``: seconds of CPU time before the run is interrupted as a
+    hang (a blocked run: see :func:`deadline`).
+    ``stdin``: what the command reads from standard input.
     """
     _require_tier(
         "invoke_cli (the CLI in-process)",
@@ -217,7 +239,7 @@ def invoke_cli(
         # stdout is not a terminal: click wraps help at COLUMNS, else shutil's fallback of 80 columns
         # (CliRunner would force 80, where a process piped to another wraps at 78)
         columns = {} if os.environ.get("COLUMNS") else {"COLUMNS": "80"}
-        with runner.isolation(env={**columns, **(env or {})}) as streams, warnings.catch_warnings():
+        with runner.isolation(input=stdin, env={**columns, **(env or {})}) as streams, warnings.catch_warnings():
             out, err = streams[0], streams[1]  # click >= 8.2: (stdout, stderr, mixed); 8.1: (stdout, stderr)
             click.formatting.FORCED_WIDTH = None  # restored by the isolation
             warnings.showwarning = warnings._showwarning_orig  # type: ignore[attr-defined]
@@ -235,7 +257,8 @@ def invoke_cli(
             finally:
                 sys.stdout.flush()
                 sys.stderr.flush()
-            stdout, stderr = out.getvalue().decode("utf-8", "replace"), err.getvalue().decode("utf-8", "replace")
+            raw_stdout = out.getvalue()
+            stdout, stderr = raw_stdout.decode("utf-8", "replace"), err.getvalue().decode("utf-8", "replace")
     finally:
         os.chdir(saved_cwd)
         sys.path[:] = saved_path
@@ -251,7 +274,7 @@ def invoke_cli(
     if not isinstance(code, int):  # what the interpreter does with sys.exit("text")
         stderr += f"{code}\n"
         code = 1
-    return CliResult(argv, code, stdout, stderr)
+    return CliResult(argv, code, stdout, stderr, stdout_bytes=raw_stdout)
 
 
 def run_cli(
@@ -294,7 +317,7 @@ timeout, isolate_torch = float(sys.argv[3]), sys.argv[4] == "1"
 with open(sys.argv[2], "a") as results:
     for args in jobs:
         out, err = io.StringIO(), io.StringIO()
-        code, started = None, time.perf_counter()
+        code, started, cpu_started = None, time.perf_counter(), time.process_time()
         signal.setitimer(signal.ITIMER_REAL, timeout)
         try:
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
@@ -315,6 +338,7 @@ with open(sys.argv[2], "a") as results:
             "stdout": out.getvalue(),
             "stderr": err.getvalue(),
             "seconds": time.perf_counter() - started,
+            "cpu_seconds": time.process_time() - cpu_started,
             "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
             "torch_imported": "torch" in sys.modules,
         }

@@ -11,6 +11,7 @@ import os
 import pickle
 import pickletools
 import struct
+import tarfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -192,6 +193,50 @@ def legacy_file(header: bytes, tree: bytes, storages: list[tuple[str, int, bytes
 def data_pkl(path: Path) -> bytes:
     with zipfile.ZipFile(path) as z:
         return z.read(next(n for n in z.namelist() if n.endswith("/data.pkl")))
+
+
+# =========================================================================== tar-era files (torch < 0.4)
+
+
+def tar_of(members: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buf.getvalue()
+
+
+def pkl(obj_code: bytes) -> bytes:
+    return b"\x80\x02" + obj_code + b"."
+
+
+FLOAT_ARGS = pkl(b"(X\x01\x00\x00\x000X\x03\x00\x00\x00cpuctorch\nFloatStorage\nt")
+TENSOR_ARGS = pkl(b"(X\x01\x00\x00\x001X\x01\x00\x00\x000ctorch\nFloatTensor\nt")
+
+
+def tar_era(marker: Path, where: str) -> dict[str, bytes]:
+    """The three members torch's tar reader unpickles, with a payload in one place: the ``pickle``
+    member, the storage views (after one storage's raw bytes, which look like a pickle and are
+    not one to torch), a tensor record (after another one's raw shape) or a storage count;
+    ``framed``: the views after a storage record pickled in a FRAME longer than its pickle."""
+    evil = system_call(marker)
+    raw = b"cos\nsystem\n"  # 11 raw bytes torch never unpickles
+    args = FLOAT_ARGS
+    if where == "framed":  # a FRAME that runs 8 bytes past the STOP: torch reads on after them
+        body = FLOAT_ARGS[2:] + struct.pack("<q", 0)  # a linear reader's "0 elements"
+        args = b"\x80\x04\x95" + struct.pack("<Q", len(body)) + body
+    storages = pickle.dumps(1, 2) + args + struct.pack("<q", 3) + raw.ljust(12, b"\0")
+    storages += evil if where in ("views", "framed") else pickle.dumps([], 2)
+    tensor = TENSOR_ARGS + struct.pack("<ii", 2, 0) + struct.pack("<5q", 3, 1, 1, 1, 0)
+    tensors = pickle.dumps(2, 2) + tensor + (evil if where == "tensor" else tensor)
+    members = {
+        "storages": evil if where == "count" else storages,
+        "tensors": pickle.dumps(0, 2) if where == "count" else tensors,
+        "pickle": evil if where == "pickle" else pickle.dumps({"w": 1}, 2),
+    }
+    return members
 
 
 # =========================================================================== running ckptfix

@@ -202,10 +202,27 @@ def _scrub(value: Any) -> Any:
     return value
 
 
+def _unshared(value: Any) -> Any:
+    """The tree with every tensor copied: torch.save refuses two tensors viewing one storage under
+    two dtypes, which torch.load builds from a file whose storage key is named by two classes."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, dict):
+        return type(value)((k, _unshared(v)) for k, v in value.items())
+    if type(value) in (list, tuple):
+        return type(value)(_unshared(v) for v in value)
+    return value
+
+
 def _saved(tree: Any) -> bytes | str:
     buffer = io.BytesIO()
     try:
         torch.save(tree, buffer)
+    except RuntimeError as exc:
+        if "as different types" not in str(exc):
+            return f"cannot send the tree back: {_error(exc)}"
+        buffer = io.BytesIO()  # values and dtypes sent; that sharing is lost
+        torch.save(_unshared(tree), buffer)
     except Exception as exc:
         return f"cannot send the tree back: {_error(exc)}"
     return buffer.getvalue()

@@ -12,12 +12,12 @@ holds everywhere (NaN equal to NaN). Memory: two tensors at a time.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ..fileio.ranges import OpenFiles, read_all
-from ..model.data import tensor_c_bytes
+from ..model.data import tensor_c_chunks
 from ..model.dtypes import DTYPE_ITEMSIZE
 from ..model.paths import Path, format_path
 from ..model.refs import OpaqueObject, Reduce, StorageRef, TensorRef, is_tensor_like, is_torch_tensor
@@ -41,6 +41,9 @@ class DiffReport:
     mismatched: list[dict[str, Any]] = field(default_factory=list)
     different: list[dict[str, Any]] = field(default_factory=list)
     values_differ: list[dict[str, Any]] = field(default_factory=list)
+    #: tensors of the same shape stored in another dtype ({"path", "a", "b"}): their values are
+    #: compared (in float64) and count as equal within --rtol/--atol; the change itself is no failure
+    dtype_changed: list[dict[str, Any]] = field(default_factory=list)
     hint: str = ""
 
     def to_dict(self) -> dict[str, Any]:
@@ -110,7 +113,15 @@ def _measure(a: bytes, b: bytes, dtype: str, shape: list[int], rtol: float, atol
             "max_rel_diff": None,
             "within_tolerance": count == 0,
         }
-    is_complex = fa.dtype.kind == "c"
+    return {**_compare_values(fa, fb, rtol, atol), "bit_differing_elements": int(bit_different.sum())}
+
+
+def _compare_values(fa: Any, fb: Any, rtol: float, atol: float) -> dict[str, Any]:
+    """How far apart two decoded tensors (float64 or complex128 arrays of one length) are."""
+    import numpy as np
+
+    numel = int(fa.size)
+    is_complex = fa.dtype.kind == "c" or fb.dtype.kind == "c"
     # parts: (n, 2) real/imaginary for complex, (n, 1) otherwise
     pa = np.stack([fa.real, fa.imag], axis=1) if is_complex else fa.reshape(-1, 1)
     pb = np.stack([fb.real, fb.imag], axis=1) if is_complex else fb.reshape(-1, 1)
@@ -131,7 +142,6 @@ def _measure(a: bytes, b: bytes, dtype: str, shape: list[int], rtol: float, atol
             close = same
     return {
         "differing_elements": int((~close).sum()),
-        "bit_differing_elements": int(bit_different.sum()),
         "numel": numel,
         "max_abs_diff": max_abs if finite.all() else float("inf"),
         "max_rel_diff": max_rel if finite.all() else float("inf"),
@@ -152,10 +162,18 @@ def diff_trees(
     rtol: float = 0.0,
     atol: float = 0.0,
     keys_only: bool = False,
+    expand_budget: int | None = None,
 ) -> DiffReport:
     """Compare two checkpoint trees (lazy or real tensors), reading one tensor pair at a time;
-    with ``keys_only``, no tensor byte is read (tensors compare by dtype and shape)."""
+    with ``keys_only``, no tensor byte is read (tensors compare by dtype and shape).
+
+    ``expand_budget`` bounds the bytes compared element by element (views of different layouts,
+    or whose storages differ between elements); None: unbounded."""
     report = DiffReport(a_name, b_name)
+    budget = _Budget(expand_budget)
+    #: outcomes of tensor pairs already compared, by the two objects: a pickle that holds one
+    #: tensor under a million paths (memoized) costs one comparison, not a million
+    seen: dict[tuple[int, int], dict[str, Any] | None] = {}
     a, b = flatten(a_root), flatten(b_root)
     report.only_in_a = [k for k in a if k not in b]
     report.only_in_b = [k for k in b if k not in a]
@@ -167,7 +185,7 @@ def diff_trees(
             left_tensor = isinstance(left, TensorRef) or is_torch_tensor(left)
             right_tensor = isinstance(right, TensorRef) or is_torch_tensor(right)
             if left_tensor and right_tensor:
-                _compare_tensor(report, path, left, right, None if keys_only else files, rtol, atol)
+                _compare_tensor(report, path, left, right, None if keys_only else files, rtol, atol, budget, seen)
             elif type(left) is StorageRef and type(right) is StorageRef:
                 _compare_storage(report, path, left, right, None if keys_only else files)
             elif left_tensor or right_tensor:
@@ -201,27 +219,243 @@ def _plain_equal(left: Any, right: Any) -> bool:
         return False
 
 
+#: the most tensor bytes diff expands by default beyond what the files store: views are
+#: compared element by element (a stride-0 view of 4 stored bytes can be a terabyte), so that
+#: work is bounded like safetensors output's (``default_expand_budget`` of both inputs)
+DIFF_EXPAND_NAME = "diff's expansion budget (16x the inputs' size, at least 1 GiB)"
+
+
+@dataclass
+class _Budget:
+    """Bytes diff may still compare element by element; None: unbounded (verify, which compares
+    what was just written, already bounded by the writer's own budget)."""
+
+    left: int | None
+
+    def spend(self, path: str, t: Any) -> None:
+        if self.left is None:
+            return
+        size = _nbytes(t)
+        if size > self.left:
+            from ..errors import BadInputError
+
+            raise BadInputError(
+                f"tensor {path!r}: comparing it element by element ({_dtype_of(t)} {list(t.shape)[:8]!s:.80}) "
+                f"would read more than {DIFF_EXPAND_NAME}",
+                hint="a view that expands its storage (stride 0) is compared in full; compare the files' storages "
+                "by writing both as .pth, or drop the tensor (--drop)",
+            )
+        self.left -= size
+
+
+def _nbytes(t: Any) -> int:
+    return int(t.nbytes) if isinstance(t, TensorRef) else int(t.numel() * t.element_size())
+
+
+def _paired(left: Iterator[bytes], right: Iterator[bytes]) -> Iterator[tuple[bytes, bytes]]:
+    """The two byte streams cut at the same places (each piece a whole number of elements:
+    both sides' pieces are). Bytes, not memoryviews: comparing bytes is a memcmp, comparing
+    memoryviews goes element by element."""
+    a, b, at_a, at_b = b"", b"", 0, 0
+    while True:
+        if at_a == len(a):
+            a, at_a = next(left, b""), 0
+        if at_b == len(b):
+            b, at_b = next(right, b""), 0
+        if not a or not b:
+            if a or b:
+                raise RuntimeError("two tensors of one shape and dtype gave different byte counts")
+            return
+        n = min(len(a) - at_a, len(b) - at_b)
+        whole_a, whole_b = at_a == 0 and n == len(a), at_b == 0 and n == len(b)
+        yield (a if whole_a else a[at_a : at_a + n]), (b if whole_b else b[at_b : at_b + n])
+        at_a, at_b = at_a + n, at_b + n
+
+
+def _same_storage_span(left: TensorRef, right: TensorRef, files: OpenFiles) -> bool:
+    """True when two views of one layout read equal storage bytes over their whole span: then
+    every element is equal, without expanding the views (a stride-0 view of a terabyte is a few
+    stored bytes). False says nothing (bytes between the elements may differ)."""
+    from ..model.data import storage_span_chunks
+
+    if left.stride != right.stride or left.numel == 0:
+        return False
+    span_a, span_b = storage_span_chunks(left, files), storage_span_chunks(right, files)
+    if span_a is None or span_b is None:
+        return False
+    return all(a == b for a, b in _paired(span_a, span_b))
+
+
+def _without_common_broadcast(left: TensorRef, right: TensorRef) -> tuple[TensorRef, TensorRef, int]:
+    """The two views with every dimension both repeat (stride 0 on both sides) cut to one index,
+    and how many times each remaining element stands for: equal and measured alike, and an
+    expanded view of a terabyte costs what its storage holds."""
+    from dataclasses import replace
+
+    shape_a, shape_b, repeat = list(left.shape), list(right.shape), 1
+    for d, (sa, sb) in enumerate(zip(left.stride, right.stride)):
+        if sa == 0 and sb == 0 and shape_a[d] > 1:
+            repeat *= shape_a[d]
+            shape_a[d] = shape_b[d] = 1
+    if repeat == 1:
+        return left, right, 1
+    return replace(left, shape=tuple(shape_a)), replace(right, shape=tuple(shape_b)), repeat
+
+
 def _compare_tensor(
-    report: DiffReport, path: str, left: Any, right: Any, files: OpenFiles | None, rtol: float, atol: float
+    report: DiffReport,
+    path: str,
+    left: Any,
+    right: Any,
+    files: OpenFiles | None,
+    rtol: float,
+    atol: float,
+    budget: _Budget,
+    seen: dict[tuple[int, int], dict[str, Any] | None],
 ) -> None:
-    """``files`` None: dtype and shape only (--keys-only)."""
+    """Compare two tensors a piece at a time (memory: a few chunks whatever their size); a pair
+    compared before (``seen``) is counted with its earlier outcome. ``files`` None: dtype and
+    shape only (--keys-only)."""
     report.tensors_compared += 1
+    pair = (id(left), id(right))
+    if pair in seen:
+        outcome = seen[pair]
+        if outcome is None:
+            report.tensors_equal += 1
+        elif "differing_elements" in outcome:
+            report.different.append({**outcome, "path": path})
+        else:
+            report.mismatched.append({**outcome, "path": path})
+        return
+    before = (len(report.different), len(report.mismatched))
+    _compare_new_pair(report, path, left, right, files, rtol, atol, budget)
+    if len(report.different) > before[0]:
+        seen[pair] = report.different[-1]
+    elif len(report.mismatched) > before[1]:
+        seen[pair] = report.mismatched[-1]
+    else:
+        seen[pair] = None
+
+
+def _compare_new_pair(
+    report: DiffReport,
+    path: str,
+    left: Any,
+    right: Any,
+    files: OpenFiles | None,
+    rtol: float,
+    atol: float,
+    budget: _Budget,
+) -> None:
     dtype_a, dtype_b = _dtype_of(left), _dtype_of(right)
     shape_a, shape_b = _shape_of(left), _shape_of(right)
+    if files is not None and shape_a == shape_b and dtype_a != dtype_b:
+        _compare_across_dtypes(report, path, left, right, files, rtol, atol)
+        return
     if dtype_a != dtype_b or shape_a != shape_b:
         report.mismatched.append({"path": path, "a": f"{dtype_a} {shape_a}", "b": f"{dtype_b} {shape_b}"})
         return
-    if files is None:
+    if files is None:  # --keys-only: dtype and shape match, no byte is read
         return
-    bytes_a, bytes_b = tensor_c_bytes(left, files), tensor_c_bytes(right, files)
-    if bytes_a == bytes_b:
+    repeat = 1
+    if isinstance(left, TensorRef) and isinstance(right, TensorRef):
+        if _same_storage_span(left, right, files):
+            report.tensors_equal += 1
+            return
+        left, right, repeat = _without_common_broadcast(left, right)
+    budget.spend(path, left)
+    total: dict[str, Any] | None = None
+    numel = 0
+    itemsize = DTYPE_ITEMSIZE[dtype_a]
+    for piece_a, piece_b in _paired(tensor_c_chunks(left, files), tensor_c_chunks(right, files)):
+        count = len(piece_a) // itemsize
+        numel += count
+        if piece_a == piece_b:
+            continue
+        measured = _measure(piece_a, piece_b, dtype_a, [count], rtol, atol)
+        total = measured if total is None else _merge(total, measured)
+    if total is None or total["within_tolerance"]:  # equal, within rtol/atol, or only NaN payloads differ
         report.tensors_equal += 1
         return
-    measured = _measure(bytes_a, bytes_b, dtype_a, shape_a, rtol, atol)
-    if measured["within_tolerance"]:  # within rtol/atol, or only NaN payloads differ
+    total["numel"] = numel * repeat
+    for key in ("differing_elements", "bit_differing_elements"):
+        total[key] *= repeat
+    report.different.append({"path": path, "dtype": dtype_a, "shape": shape_a, **total})
+
+
+def _merge(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """Two pieces' measures as one tensor's."""
+    merged = {k: total[k] + more[k] for k in ("differing_elements", "bit_differing_elements", "numel")}
+    for key in ("max_abs_diff", "max_rel_diff"):
+        values = [v for v in (total[key], more[key]) if v is not None]
+        merged[key] = max(values) if values else None
+    merged["within_tolerance"] = total["within_tolerance"] and more["within_tolerance"]
+    return merged
+
+
+def _compare_across_dtypes(
+    report: DiffReport, path: str, left: Any, right: Any, files: OpenFiles, rtol: float, atol: float
+) -> None:
+    """Same shape, another dtype (a float32 checkpoint and its float16 export): the values are
+    compared in float64 (exact for every dtype that has arithmetic), the dtype change is
+    reported, and ``rtol``/``atol`` decide whether the values count as equal."""
+    from ..model.numeric import decode_wide
+
+    dtype_a, dtype_b = _dtype_of(left), _dtype_of(right)
+    probe_a, probe_b = decode_wide(b"", dtype_a), decode_wide(b"", dtype_b)
+    if probe_a is None or probe_b is None or (probe_a.dtype.kind == "c") != (probe_b.dtype.kind == "c"):
+        report.mismatched.append(  # bits, packed or complex against real: no values to compare
+            {"path": path, "a": f"{dtype_a} {_shape_of(left)}", "b": f"{dtype_b} {_shape_of(right)}"}
+        )
+        return
+    report.dtype_changed.append({"path": path, "a": dtype_a, "b": dtype_b})
+    measured: dict[str, Any] | None = None
+    for raw_a, raw_b in _element_aligned(left, right, files, DTYPE_ITEMSIZE[dtype_a], DTYPE_ITEMSIZE[dtype_b]):
+        more = _compare_values(decode_wide(raw_a, dtype_a), decode_wide(raw_b, dtype_b), rtol, atol)
+        measured = more if measured is None else _merge_values(measured, more)
+    if measured is None:  # no elements
+        measured = _compare_values(probe_a, probe_b, rtol, atol)
+    if measured["within_tolerance"]:
         report.tensors_equal += 1
         return
-    report.different.append({"path": path, "dtype": dtype_a, "shape": shape_a, **measured})
+    entry = {"path": path, "dtype": f"{dtype_a} vs {dtype_b}", "shape": _shape_of(left), **measured}
+    report.different.append({**entry, "bit_differing_elements": None})  # no common bit layout
+
+
+def _element_aligned(
+    left: Any, right: Any, files: OpenFiles, size_a: int, size_b: int
+) -> Iterator[tuple[bytes, bytes]]:
+    """Two tensors' C-order bytes as pairs of pieces holding the same elements: memory stays at a
+    few gather chunks however large the tensors (their dtypes, so their byte sizes, differ)."""
+    pieces_a, pieces_b = tensor_c_chunks(left, files), tensor_c_chunks(right, files)
+    held_a, held_b = bytearray(), bytearray()
+    while True:
+        count = min(len(held_a) // size_a, len(held_b) // size_b)
+        if count:
+            yield bytes(held_a[: count * size_a]), bytes(held_b[: count * size_b])
+            del held_a[: count * size_a], held_b[: count * size_b]
+            continue
+        if len(held_a) // size_a <= len(held_b) // size_b:
+            piece = next(pieces_a, None)
+            if piece is None:
+                return
+            held_a += piece
+        else:
+            piece = next(pieces_b, None)
+            if piece is None:
+                return
+            held_b += piece
+
+
+def _merge_values(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]:
+    """Two pieces' :func:`_compare_values` as one tensor's."""
+    return {
+        "differing_elements": total["differing_elements"] + more["differing_elements"],
+        "numel": total["numel"] + more["numel"],
+        "max_abs_diff": max(total["max_abs_diff"], more["max_abs_diff"]),
+        "max_rel_diff": max(total["max_rel_diff"], more["max_rel_diff"]),
+        "within_tolerance": total["within_tolerance"] and more["within_tolerance"],
+    }
 
 
 def _compare_storage(
@@ -244,6 +478,12 @@ def render(report: DiffReport) -> str:
     lines = []
     if report.equal and report.hint == KEYS_ONLY_HINT:
         return f"equal keys: {report.tensors_compared} tensors match in dtype and shape, every other value matches"
+    if report.dtype_changed:
+        changes: dict[tuple[str, str], int] = {}
+        for change in report.dtype_changed:
+            changes[(change["a"], change["b"])] = changes.get((change["a"], change["b"]), 0) + 1
+        listed = ", ".join(f"{n} {a} -> {b}" for (a, b), n in changes.items())
+        lines.append(f"dtypes differ (values compared across them): {listed}")
     if report.equal:
         lines.append(f"equal: {report.tensors_compared} tensors and every other value match")
         return "\n".join(lines)

@@ -12,13 +12,23 @@ from ..fileio.sizes import format_size
 from ..fileio.urls import is_url
 from ..formats.checkpoint import Checkpoint
 from ..model.paths import Path, format_path
-from ..model.refs import Global, Reduce, TensorRef, is_tensor_like, is_torch_tensor
+from ..model.refs import (
+    Global,
+    OpaqueObject,
+    Reduce,
+    TensorRef,
+    is_meta_tensor,
+    is_tensor_like,
+    is_torch_tensor,
+    meta_shape,
+)
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts, is_optimizer_state, looks_like_state_dict
 from ..model.walk import iter_tensors, walk
 from ..transforms.foreign import unallowed_globals
 
-#: how many entries and how deep the "layout" part of the report goes
-_MAX_TREE_LINES = 60
+#: how many layout entries the text report shows (``--full``: all; ``--json`` always has all)
+MAX_TREE_LINES = 60
+#: how deep the "layout" part of the report goes (deeper containers are one summarised entry)
 _MAX_DEPTH = 4
 
 
@@ -57,9 +67,50 @@ def _tensor_line(value: Any) -> str:
         return f"{kind} {value.dtype} {list(value.shape)} on {value.device}"
     if is_torch_tensor(value):
         return f"tensor {str(value.dtype).replace('torch.', '')} {list(value.shape)} on {value.device}"
+    if isinstance(value, Reduce) and is_meta_tensor(value):
+        dtype, shape = meta_shape(value)
+        return f"tensor {dtype} {shape} on meta (no data)"
     if isinstance(value, Reduce):
         return f"{value.func.name.lstrip('_')} (kept as is)"
     return "tensor"
+
+
+#: what an object of these globals is, in words (the last part of its class name otherwise)
+_OBJECT_WORDS = {
+    "numpy.core.multiarray._reconstruct": "a numpy array",
+    "numpy._core.multiarray._reconstruct": "a numpy array",
+    "numpy.core.multiarray.scalar": "a numpy scalar",
+    "numpy._core.multiarray.scalar": "a numpy scalar",
+    "argparse.Namespace": "an argparse.Namespace (command-line arguments)",
+}
+
+
+def holding(value: Any) -> str:
+    """What ``value`` is, in the words ``inspect`` uses: "a tensor float32 [3, 4] on cpu",
+    "a numpy array", "an argparse.Namespace ...", "a dict of 2 entries", "an int (3)"."""
+    if is_tensor_like(value):
+        return f"a {_tensor_line(value)}"
+    if isinstance(value, (OpaqueObject, Reduce)):
+        name = value.name if isinstance(value, OpaqueObject) else value.func.full
+        return _OBJECT_WORDS.get(name, f"a {name} object")
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} of {len(value)} entries"
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {len(value)} items"
+    kind = type(value).__name__
+    return f"{'an' if kind[:1] in 'aeiou' else 'a'} {kind} ({_scalar_text(value)})"
+
+
+def not_a_mapping_fix(value: Any) -> str:
+    """What to do when a checkpoint is one value, not names to tensors, and safetensors is asked for."""
+    if is_tensor_like(value):
+        return "store it under a name with --tensor-name KEY (KEY: the name, such as weight), or write a .pth file"
+    if isinstance(value, (OpaqueObject, Reduce)) and "array" in holding(value):
+        return (
+            "turn it into a tensor and name it: --sanitize --tensor-name KEY (KEY: the name, such as weight), "
+            "or write a .pth file"
+        )
+    return "write a .pth file (--sanitize makes it plain data that loads with weights_only=True)"
 
 
 def _scalar_text(value: Any) -> str:
@@ -86,11 +137,15 @@ def _tensor_stats(value: Any) -> tuple[int, dict[str, int]]:
         elif is_torch_tensor(leaf):
             counts[str(leaf.device)] += 1
             n += 1
+        elif is_meta_tensor(leaf):
+            counts["meta"] += 1
+            n += 1
     return n, dict(counts.most_common())
 
 
-def describe_tree(root: Any) -> list[dict[str, Any]]:
-    """One entry per interesting node: state dicts, optimizer states, tensors, plain values.
+def describe_tree(root: Any, limit: int | None = None) -> list[dict[str, Any]]:
+    """One entry per interesting node: state dicts, optimizer states, tensors, plain values;
+    the first ``limit`` of them (all with None).
 
     The walk goes at most ``_MAX_DEPTH`` levels down; deeper containers are summarised.
     """
@@ -98,12 +153,12 @@ def describe_tree(root: Any) -> list[dict[str, Any]]:
 
     def describe(path: Path, value: Any) -> bool:
         """Add the entry for ``value``; True when the walk should go into its children."""
-        if len(entries) >= _MAX_TREE_LINES:
+        if limit is not None and len(entries) >= limit:
             return False
         where = format_path(path) or "(top level)"
         if looks_like_state_dict(value):
             n, devices = _tensor_stats(value)
-            entries.append({"path": where, "kind": "state dict", "tensors": len(value), "devices": devices})
+            entries.append({"path": where, "kind": "state dict", "tensors": n, "devices": devices})
         elif is_optimizer_state(value):
             n, devices = _tensor_stats(value)
             entries.append({"path": where, "kind": "optimizer state", "tensors": n, "devices": devices})
@@ -147,12 +202,17 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         devices[tensor.device] += 1
         storages[id(tensor.storage)] = tensor.storage
         users.setdefault(id(tensor.storage), []).append(path)  # formatted only if shared
-    if not ckpt.lazy:
-        for _, value in walk(ckpt.root, leaves=True):
-            if is_torch_tensor(value):
-                tensors += 1
-                dtypes[str(value.dtype).replace("torch.", "")] += 1
-                devices[str(value.device)] += 1
+    meta = 0  # tensors saved from the meta device: counted, but they have no data
+    for _, value in walk(ckpt.root, leaves=True):
+        if isinstance(value, Reduce) and is_meta_tensor(value):
+            meta += 1
+            dtypes[meta_shape(value)[0]] += 1
+            devices["meta"] += 1
+        elif not ckpt.lazy and is_torch_tensor(value):
+            tensors += 1
+            dtypes[str(value.dtype).replace("torch.", "")] += 1
+            devices[str(value.device)] += 1
+    tensors += meta
     state_dicts = []
     for path, sd in find_state_dicts(ckpt.root):
         keys = [k for k in sd if isinstance(k, str)]
@@ -177,6 +237,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         "format": ckpt.format,
         "input_bytes": ckpt.file_size,
         "tensors": tensors,
+        "meta_tensors": meta,
         "storages": len(storages),
         "tensor_bytes": sum(s.nbytes for s in storages.values()),
         "dtypes": dict(dtypes.most_common()),
@@ -188,7 +249,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         "unallowed_globals": unallowed,
         "shared_bytes": None if is_url(ckpt.path) else shared_bytes_of(_files_of(ckpt.path)),
         "notes": list(ckpt.notes),
-        "warnings": _warnings(devices) + _unallowed_warning(unallowed),
+        "warnings": _warnings(devices) + _meta_warning(meta) + _unallowed_warning(unallowed),
         **({"deepspeed": _deepspeed(ckpt)} if ckpt.deepspeed is not None else {}),
     }
 
@@ -243,6 +304,19 @@ _DIAGNOSIS = {
 }
 
 
+def meta_problem(count: int) -> str:
+    """What a file with tensors on the ``meta`` device is: shapes without data."""
+    return (
+        f"{count} tensor{'s are' if count > 1 else ' is'} on the meta device and "
+        f"hold{'' if count > 1 else 's'} no data (saved from a model built on meta): nothing can load "
+        "weights from this file; save it again after the model's weights are materialised"
+    )
+
+
+def _meta_warning(count: int) -> list[str]:
+    return [meta_problem(count)] if count else []
+
+
 def _warnings(devices: Counter[str]) -> list[str]:
     if len(devices) <= 1:
         return []
@@ -253,21 +327,24 @@ def _warnings(devices: Counter[str]) -> list[str]:
     ]
 
 
-def render(summary: dict[str, Any]) -> str:
-    """The human-readable ``inspect`` report."""
+def render(summary: dict[str, Any], full: bool = False) -> str:
+    """The human-readable ``inspect`` report: the layout's first :data:`MAX_TREE_LINES` entries
+    and how many more there are (``full``: every entry)."""
     lines = [f"{summary['input']}: {summary['diagnosis']}, {format_size(summary['input_bytes'])}"]
     if summary.get("shared_bytes"):  # a reflinked copy: its blocks are another file's too
         lines[0] += f" ({format_size(summary['shared_bytes'])} in blocks shared with another file)"
     lines.append(
         f"tensors: {summary['tensors']} in {summary['storages']} storages, "
         f"{format_size(summary['tensor_bytes'])} of tensor data"
+        + (f"; {summary['meta_tensors']} on meta, with no data" if summary.get("meta_tensors") else "")
     )
     if summary["dtypes"]:
         lines.append("dtypes: " + ", ".join(f"{k} x{v}" for k, v in summary["dtypes"].items()))
     if summary["devices"]:
         lines.append("devices: " + ", ".join(f"{k} x{v}" for k, v in summary["devices"].items()))
     lines.append("layout:")
-    for entry in summary["tree"]:
+    shown = summary["tree"] if full else summary["tree"][:MAX_TREE_LINES]
+    for entry in shown:
         detail = entry.get("value")
         if detail is None:
             detail = f"{entry['tensors']} tensors" + (f", {entry['items']} items" if "items" in entry else "")
@@ -279,6 +356,10 @@ def render(summary: dict[str, Any]) -> str:
             f"  {entry['path']}: {entry['kind']}: {detail}"
             if entry["kind"] not in ("tensor",)
             else f"  {entry['path']}: {detail}"
+        )
+    if len(shown) < len(summary["tree"]):
+        lines.append(
+            f"  … {len(summary['tree']) - len(shown)} more entries (--full shows every one; --json has them all)"
         )
     for sd in summary["state_dicts"]:
         where = sd["path"] or "(top level)"

@@ -41,13 +41,11 @@ from ..formats.dcp import METADATA_NAME, dcp_items, is_dcp_folder
 from ..formats.deepspeed import is_deepspeed_folder
 from ..formats.detect import checkpoint_like, open_input, sniff_file
 from ..formats.sharded import find_index, other_checkpoints, read_index
-from ..formats.tarera import TarMember, open_tar, tar_layout
+from ..formats.tarera import record_tar
 from ..formats.torchzip import MAX_PICKLE_BYTES, check_record_names
-from ..model.dtypes import DTYPE_ITEMSIZE, STORAGE_DTYPE
 from ..pickling.globals import canonical_name, danger, plain_data
 from ..pickling.reader import PYTHON_GLOBALS, TORCH_GLOBALS
-from ..pickling.recording import RecordingHooks, Symbol, record_globals
-from ..pickling.vm import PickleVM
+from ..pickling.recording import record_globals
 
 
 @dataclass
@@ -319,106 +317,9 @@ def _whole(f: BinaryIO, size: int, kind: str) -> contextlib.AbstractContextManag
     return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
 
-class _CannotFollow(Exception):
-    """torch's next read depends on a value ckptfix cannot know without running the pickle."""
-
-
-def _one_pickle(data: bytes | mmap.mmap, pos: int, end: int, where: str, found: list[Found]) -> tuple[Any, int]:
-    """Run one pickle of a tar member as torch's ``pickle_module.load(f)`` would; returns its value
-    (symbols for globals and calls) and where the next read starts."""
-    recorded: list[tuple[str, str]] = []
-    vm = PickleVM(data, RecordingHooks(where, recorded, _plain), start=pos, end=end)
-    try:
-        value = vm.run()
-    finally:
-        found += [Found(canonical_name(name), *_verdict(name, at)) for name, at in recorded]
-    return value, _after_frames(data, pos, vm.pos, end)
-
-
-def _after_frames(data: bytes | mmap.mmap, start: int, stop: int, end: int) -> int:
-    """Where torch's next raw read starts after a pickle that ran from ``start`` to ``stop``:
-    the tar members are read from an unbuffered file (no ``peek()``), from which CPython's C
-    unpickler reads each FRAME whole, so a STOP inside a frame leaves the file at the frame's
-    end, not after the STOP. Frames follow one another from the PROTO on."""
-    pos = start + 2 if data[start : start + 1] == b"\x80" else start
-    while pos + 9 <= end and data[pos] == _FRAME_OPCODE:
-        frame_end = pos + 9 + int.from_bytes(data[pos + 1 : pos + 9], "little")
-        if stop <= frame_end:
-            return max(stop, frame_end)
-        pos = frame_end
-    return stop
-
-
-_FRAME_OPCODE = 0x95
-
-
-def _storage_itemsize(args: Any) -> int:
-    """torch reads ``key, location, storage_type = args`` and takes the element size from the
-    storage class's *name* (any module): ``torch.serialization.StorageType``."""
-    if type(args) is tuple and len(args) == 3 and type(args[2]) is Symbol and args[2].kind == "global":
-        dtype = STORAGE_DTYPE.get(args[2].name.rsplit(".", 1)[-1])
-        if dtype is not None and dtype in DTYPE_ITEMSIZE and args[2].name.rsplit(".", 1)[-1] != "UntypedStorage":
-            return DTYPE_ITEMSIZE[dtype]
-    raise _CannotFollow("a storage record that does not name a storage class")
-
-
-def _raw(data: bytes | mmap.mmap, pos: int, size: int, end: int) -> int:
-    if pos + size > end:
-        raise EOFError
-    return pos + size
-
-
-def _scan_tar_member(data: bytes | mmap.mmap, member: TarMember, found: list[Found]) -> None:
-    """Every pickle torch's ``legacy_load`` unpickles from one member, following the raw records
-    between them exactly as torch reads them (storage sizes, tensor shapes)."""
-    where = f"tar member {member.name}"
-    pos, end = member.start, member.end
-    count, pos = _one_pickle(data, pos, end, where, found)
-    if member.name == "pickle":
-        return
-    if type(count) is not int:
-        raise _CannotFollow(f"its {member.name} count is {type(count).__name__}, not an int")
-    for _ in range(count):
-        if pos >= end:
-            raise EOFError  # torch's next pickle.load ends in EOFError: nothing more is unpickled
-        args, pos = _one_pickle(data, pos, end, where, found)
-        if member.name == "storages":
-            itemsize = _storage_itemsize(args)
-            numel = int.from_bytes(data[pos : _raw(data, pos, 8, end)], "little", signed=True)
-            pos = _raw(data, pos + 8, numel * itemsize, end) if numel >= 0 else end + 1
-            if pos > end:
-                raise EOFError
-        else:  # tensors: int32 ndim, 4 bytes, ndim sizes, ndim strides, the offset (int64s)
-            ndim = int.from_bytes(data[pos : _raw(data, pos, 4, end)], "little", signed=True)
-            if ndim < 0:
-                raise EOFError  # struct.unpack of a negative count fails: torch stops
-            pos = _raw(data, pos, 8 + 16 * ndim + 8, end)
-    if member.name == "storages":
-        _one_pickle(data, pos, end, where, found)  # the storage views
-
-
 def _scan_tar(f: Any, data: bytes | mmap.mmap, size: int, found: list[Found]) -> str:
-    """Scan what torch's tar reader unpickles (see :mod:`ckptfix.formats.tarera`); returns the
-    error that keeps the file from being called clean (a tar-era file is never read safely)."""
-    tar = open_tar(f)
-    if tar is None:  # sniffed as tar a moment ago: the file changed
-        return "the file changed while being scanned"
-    layout = tar_layout(tar, size)
-    error = "tar-era torch file: torch reads it only with weights_only=False (its members were scanned)"
-    for member in layout.members:
-        try:
-            _scan_tar_member(data, member, found)
-        except EOFError:
-            return error  # torch stops with an error there: nothing further is unpickled
-        except _CannotFollow as exc:
-            return f"tar member {member.name}: cannot follow torch's reading ({exc}); treat it as unsafe"
-        except BadInputError as exc:
-            return f"tar member {member.name}: {exc}"
-    if layout.problem:
-        return f"{layout.problem}; treat it as unsafe"
-    if layout.fallback:
-        # torch catches the TarError and reads the file from its start as legacy pickles
-        more, bad = scan_pickles(data, "pickles (torch's fallback after a tar error)", headerless=True)
-        found += more
-        return error + (f"; {bad}" if bad else "")
-    return error + (f" ({layout.stop})" if layout.stop else "")
+    """Scan what torch's tar reader unpickles (:func:`ckptfix.formats.tarera.record_tar`); returns
+    the error that keeps the file from being called clean (a tar-era file is never read safely)."""
+    recorded, error = record_tar(f, data, size)
+    found += [Found(canonical_name(name), *_verdict(name, at)) for name, at in recorded]
+    return error

@@ -13,6 +13,7 @@ as expected.
 from __future__ import annotations
 
 import os
+import shlex
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,12 +32,14 @@ from ..formats.detect import FORMAT_NAME_ALIASES, FORMAT_NAMES
 from ..formats.sharded import find_index, other_checkpoints
 from ..model.dtypes import CAST_ALIASES, CASTABLE
 from ..model.paths import format_path
-from ..model.refs import TensorRef
+from ..model.refs import TensorRef, is_meta_tensor
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts
-from ..model.walk import iter_storages, iter_tensors
+from ..model.walk import iter_storages, iter_tensors, walk
+from ..pickling.reader import foreign_globals
 from ..transforms.devices import normalize_device
-from ..transforms.foreign import unallowed_globals
+from ..transforms.foreign import unallowed_globals, ways_out
 from ..transforms.prefix import normalize_prefix
+from .inspect import meta_problem
 
 
 @dataclass
@@ -77,7 +80,7 @@ class Expectations:
 
     def __post_init__(self) -> None:  # a bad expectation is a usage error before any file is read
         if self.device is not None:
-            normalize_device(self.device)
+            normalize_device(self.device, flag="--expect-device")
         if self.dtype is not None and CAST_ALIASES.get(self.dtype, self.dtype) not in CASTABLE:
             raise UsageError(f"--expect-dtype {self.dtype}: choose one of {', '.join([*CASTABLE, *CAST_ALIASES])}")
         if self.format is not None and FORMAT_NAME_ALIASES.get(self.format, self.format) not in FORMAT_NAMES:
@@ -89,14 +92,21 @@ class Expectations:
 
 
 def _unallowed_classes(ckpt: Checkpoint) -> list[str]:
+    """The classes torch.load(weights_only=True) refuses, with fixes that work (tried here)."""
     names = list(unallowed_globals(ckpt))
     if not names:
         return []
-    state_dicts = [format_path(p) for p, _ in find_state_dicts(ckpt.root) if p]
-    weights = f"; --select {state_dicts[0]} (the weights only)" if state_dicts else ""
+    state_dicts = [p for p, sd in find_state_dicts(ckpt.root) if p and not foreign_globals(sd).unallowed]
+    weights = f"; --select {shlex.quote(format_path(state_dicts[0]))} (the weights only)" if state_dicts else ""
+    ways = ways_out(ckpt.root)
+    if ways.sanitizable:
+        fix = "--sanitize (plain data)"
+    else:
+        drops = " ".join(f"--drop {shlex.quote(p)}" for p in ways.drop)
+        fix = f"{'--sanitize ' if ways.converts_some else ''}{drops} (what no rule turns into plain data left out)"
     return [
         f"holds classes outside the allow-list, which torch.load(weights_only=True) refuses: "
-        f"{group_by_module(names)}; fix: ckptfix convert IN OUT --sanitize (plain data){weights}"
+        f"{group_by_module(names)}; fix: ckptfix convert IN OUT {fix}{weights}"
     ]
 
 
@@ -151,6 +161,9 @@ def verify_path(
                         pass
                 except (CkptfixError, OSError) as exc:
                     result.problems.append(f"storage {storage.key}: {exc}")
+    meta = sum(1 for _, value in walk(ckpt.root, leaves=True) if is_meta_tensor(value))
+    if meta:
+        result.problems.append(meta_problem(meta))
     _check_expectations(ckpt, result, expect)
     _verify_other_files(Path(path), result)
     result.ok = not result.problems
@@ -200,8 +213,13 @@ def _check_expectations(ckpt: Checkpoint, result: VerifyResult, expect: Expectat
                 )
     if expect.device is not None:
         device = normalize_device(expect.device)
-        others = sorted({s.location for s in iter_storages(root)} - {device})
-        if others:
+        locations = {s.location for s in iter_storages(root)}
+        if any(is_meta_tensor(value) for _, value in walk(root, leaves=True)):
+            locations.add("meta")  # data-less tensors have no storage, but a device all the same
+        others = sorted(locations - {device})
+        if "meta" in others:  # no data to move: no remap makes them real (the problem above says so)
+            problems.append(f"tensors on meta (no data), expected all on {device}")
+        elif others:
             problems.append(
                 f"storages on {', '.join(others)}, expected all on {device}; "
                 f"fix: ckptfix remap IN OUT --map-location {device}"

@@ -16,7 +16,7 @@ import click
 
 from ..errors import CkptfixError, ExitCode, one_line
 from .commands import WRITE_COMMANDS, WriteCommand, cli
-from .render import json_exception
+from .render import allow_colour, json_exception, say
 
 __all__ = ["WRITE_COMMANDS", "WriteCommand", "cli", "main"]
 
@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     command = next((a for a in args if not a.startswith("-")), None)
     command = command if command in cli.commands else None
     signal.signal(signal.SIGTERM, _on_sigterm)
+    allow_colour(not as_json)
     try:
         code = cli.main(args=args, prog_name="ckptfix", standalone_mode=False)
     except click.exceptions.Abort:
@@ -48,7 +49,7 @@ def main(argv: list[str] | None = None) -> None:
     except CkptfixError as exc:
         if debug:
             traceback.print_exc()
-        click.echo(f"ckptfix: error: {exc}", err=True)
+        say(f"ckptfix: error: {exc}", err=True)
         code = exc.exit_code
         if as_json:
             json_exception(command, exc, code)

@@ -10,8 +10,9 @@ and are written out below. No command holds logic: it parses, calls the library,
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,8 +25,21 @@ from ..errors import ExitCode, UsageError
 from ..formats.detect import FORMAT_NAME_ALIASES, FORMAT_NAMES
 from ..model.dtypes import CAST_ALIASES, CASTABLE
 from . import render
-from .options import BATCH_OPTIONS, DEEPSPEED, IN_OUT, INPUTS, PIPELINE, PREFIX, REMOTE, Decorator, allow_global, apply
+from .options import (
+    BATCH_OPTIONS,
+    DEEPSPEED,
+    IN_OUT,
+    INPUTS,
+    PIPELINE,
+    PREFIX,
+    REMOTE,
+    Decorator,
+    allow_global,
+    apply,
+    pipeline_for,
+)
 from .render import emit_json, printable, say
+from .stdio import STREAM, stdio_paths
 
 if TYPE_CHECKING:  # the pipeline (and all it reads with) is imported when a command runs, not for --help
     from ..pipeline import ConvertOptions
@@ -122,6 +136,7 @@ WRITE_COMMANDS = (
     The output format follows OUT: .safetensors; .pth/.pt/.bin/.ckpt/.tar are torch's zip
     format; a folder (ending in /) or --max-shard-size writes shards plus an *.index.json.
     IN may be a .pth (any torch zip), legacy torch file, .safetensors, shard index or folder.
+    IN - reads standard input; OUT - writes standard output (with --format).
     Tensor bytes stream from file to file; tied weights are stored once in safetensors and
     restored when converting back.
 
@@ -154,13 +169,17 @@ WRITE_COMMANDS = (
 
     Fixes "Missing key(s) ... Unexpected key(s) ... module.xxx" when a checkpoint saved from
     nn.DataParallel / DistributedDataParallel is loaded into the bare model. Repeated
-    prefixes are stripped too (module.module.x -> x). Optimizer state is never renamed.
-    Tensor bytes are copied, not loaded; torch is not imported for zip checkpoints.
-    Same as `convert --strip-prefix module.`, but writes nothing when no key has the prefix.
+    prefixes are stripped too (module.module.x -> x). --prefix auto strips every wrapper
+    prefix all keys share (module., torch.compile's _orig_mod., Fabric's _forward_module.),
+    nested in any order. Optimizer state is never renamed. Tensor bytes are copied, not
+    loaded; torch is not imported for zip checkpoints. Same as `convert --strip-prefix
+    module.`, except when no key has the prefix: then OUT is the input unchanged (exit 0;
+    exit 1 with --strict) and a wrapper prefix the keys do carry is named, with the command.
 
     \b
     Examples:
       ckptfix strip-module ddp.pth bare.pth
+      ckptfix strip-module compiled.pth bare.pth --prefix auto
       ckptfix strip-module compiled.pth bare.pth --prefix _orig_mod.
       ckptfix strip-module train.ckpt fixed.ckpt --key state_dict --dry-run
       ckptfix strip-module ddp.pth bare.safetensors --map-location cpu
@@ -241,6 +260,16 @@ def _write_command(spec: WriteCommand) -> click.Command:
     """Build the click command for one row: INPUTS, the row's own options, then PIPELINE."""
 
     def run(paths: tuple[str, ...], as_json: bool, **kw: Any) -> int:
+        if len(paths) == 2 and STREAM in paths and not kw.get("output_dir") and not kw.get("in_place"):
+            if paths[1] == STREAM and as_json:
+                raise UsageError("--json prints on standard output, which OUT - fills with the checkpoint")
+            with stdio_paths(paths[0], paths[1], kw.get("out_format")) as (real_in, real_out):
+                # the report goes to stderr when stdout carries the checkpoint
+                with contextlib.redirect_stdout(sys.stderr) if paths[1] == STREAM else contextlib.nullcontext():
+                    code = run_write(spec, (str(real_in), str(real_out)), as_json, kw)
+                if code != ExitCode.OK and real_out is not None:
+                    Path(real_out).unlink(missing_ok=True)  # nothing goes down the pipe
+                return code
         return run_write(spec, paths, as_json, kw)
 
     run.__doc__ = spec.help
@@ -299,6 +328,8 @@ def run_write(spec: WriteCommand, paths: tuple[str, ...], as_json: bool, kw: dic
 
     def on_result(result: Any) -> None:
         if result.status == "failed":
+            if bar is not None or progress is not None:
+                render.clear_progress_line()
             say(f"ckptfix: error: {result.message}", err=True)
         elif not single and bar is None and not (as_json or quiet):
             say(render.batch_line(result), err=True)
@@ -387,7 +418,7 @@ WRITING_COMMANDS = (*(spec.name for spec in WRITE_COMMANDS), "fit", "publish")
     is_flag=True,
     help="Write even when keys stay missing/unexpected (those and wrong-shaped keys are left out).",
 )
-@PIPELINE
+@pipeline_for("fit")
 def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
     """Make a checkpoint's state dict match a model's keys, and write just that state dict.
 
@@ -490,6 +521,19 @@ def diff_command(
     return code
 
 
+@contextlib.contextmanager
+def _one_or_stdin(paths: tuple[str, ...], recursive: bool) -> Iterator[list[str]]:
+    """The files a checking command reads: PATH... expanded, or standard input for a lone ``-``
+    (copied to a private temporary file first: checkpoints are read by offset)."""
+    from ..batch import expand_inputs
+
+    if paths == (STREAM,):
+        with stdio_paths(STREAM, None, None) as (real, _):
+            yield [str(real)]
+        return
+    yield [str(p) for p, _ in expand_inputs(paths, recursive)]
+
+
 @cli.command("verify", context_settings=CONTEXT)
 @click.argument("paths", nargs=-1, required=True, metavar="PATH...", type=click.Path())
 @click.option(
@@ -546,11 +590,11 @@ def verify(
     \b
     Examples:
       ckptfix verify checkpoints/ --recursive
+      curl -sL https://example.com/model.pth | ckptfix verify -
       ckptfix verify release/*.safetensors --expect-no-prefix --expect-device cpu --json
       ckptfix verify model.safetensors --expect-format safetensors --expect-dtype bfloat16 --expect-metadata format=pt
     """
     from ..analysis.verify import Expectations, verify_path
-    from ..batch import expand_inputs
 
     if expect_no_prefix and expect_prefix not in (None, "none"):
         raise UsageError("give --expect-no-prefix or --expect-prefix PREFIX, not both")
@@ -562,7 +606,10 @@ def verify(
         keys=expect_keys,
         metadata=expect_metadata,
     )
-    results = [verify_path(p, expect) for p, _ in expand_inputs(paths, recursive)]
+    with _one_or_stdin(paths, recursive) as inputs:
+        results = [verify_path(p, expect) for p in inputs]
+    if paths == (STREAM,):
+        results[0].input = "<stdin>"
     failed = [r for r in results if not r.ok]
     code = ExitCode.CHECK_FAILED if failed else ExitCode.OK
     if as_json:
@@ -577,7 +624,7 @@ def verify(
 @click.argument("in_path", metavar="IN", type=click.Path())
 @click.argument("out_dir", metavar="OUTDIR", type=click.Path(file_okay=False))
 @click.option("--name", help="File name stem (default: IN's name without extensions).")
-@PIPELINE
+@pipeline_for("publish")
 def publish_command(in_path: str, out_dir: str, as_json: bool, **kw: Any) -> int:
     """Release preset: weights only, wrapper prefixes stripped, on cpu, named by content hash.
 
@@ -624,13 +671,16 @@ def scan(paths: tuple[str, ...], recursive: bool, as_json: bool, strict: bool) -
     \b
     Examples:
       ckptfix scan downloaded.pth
+      curl -sL https://example.com/model.pth | ckptfix scan -
       ckptfix scan models/ --recursive --json
       ckptfix scan release/ --recursive --strict
     """
     from ..analysis.scan import scan_path
-    from ..batch import expand_inputs
 
-    results = [scan_path(p) for p, _ in expand_inputs(paths, recursive)]
+    with _one_or_stdin(paths, recursive) as inputs:
+        results = [scan_path(p) for p in inputs]
+    if paths == (STREAM,):
+        results[0].path = "<stdin>"
     if any(r.dangerous or (strict and r.unknown) for r in results):
         code = ExitCode.CHECK_FAILED
     else:
@@ -648,6 +698,7 @@ def scan(paths: tuple[str, ...], recursive: bool, as_json: bool, strict: bool) -
 @click.option(
     "--unsafe-load", is_flag=True, help="For TRUSTED files only: fall back to torch.load(weights_only=False)."
 )
+@click.option("--full", is_flag=True, help="Show every layout entry (the text report shows the first 60).")
 @allow_global("Read objects of this global (dotted name, * ? [...] globs) as opaque records, never imported or run.")
 @REMOTE
 @DEEPSPEED
@@ -655,6 +706,7 @@ def inspect_command(
     path: str,
     as_json: bool,
     unsafe_load: bool,
+    full: bool,
     allow_globals: tuple[str, ...],
     tag: str | None = None,
     weights: str | None = None,
@@ -663,20 +715,27 @@ def inspect_command(
 
     Shows the format, where the state dicts are and which prefixes their keys share,
     other values (epoch, optimizer state), tensor count and bytes, dtypes, device tags,
-    tensors sharing storage, and every global the pickle references.
+    tensors sharing storage, and every global the pickle references. PATH - reads
+    standard input.
 
     \b
     Examples:
       ckptfix inspect model.pth
+      curl -sL https://example.com/model.pth | ckptfix inspect -
       ckptfix inspect model.pth --json | jq .devices
       ckptfix inspect ds_run/ --json | jq .deepspeed
     """
     from ..analysis.inspect import render
     from ..pipeline import inspect_checkpoint
 
-    summary = inspect_checkpoint(path, unsafe_load=unsafe_load, allow_globals=allow_globals, tag=tag, weights=weights)
+    with stdio_paths(path, None, None) as (real, _):  # "-": standard input
+        summary = inspect_checkpoint(
+            str(real), unsafe_load=unsafe_load, allow_globals=allow_globals, tag=tag, weights=weights
+        )
+    summary["input"] = "<stdin>" if path == STREAM else summary["input"]
     if as_json:
         emit_json("inspect", ExitCode.OK, summary)
     else:
-        click.echo(render(printable(summary)))
+        for line in render(printable(summary), full=full).splitlines():
+            say(line)  # its warning lines in colour on a terminal
     return ExitCode.OK

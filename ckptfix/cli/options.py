@@ -218,6 +218,12 @@ PIPELINE_OPTIONS: list[Decorator] = [
         is_flag=True,
         help="safetensors: keep small plain values (epoch, config) as __metadata__ strings.",
     ),
+    click.option(
+        "--tensor-name",
+        metavar="KEY",
+        help="The checkpoint is one tensor (a numpy array, with --sanitize): store it under the name KEY, "
+        "as safetensors needs.",
+    ),
     click.option("--dry-run", is_flag=True, help="Say what would change; write nothing."),
     click.option("--force", is_flag=True, help="Overwrite OUT if it exists."),
     click.option("--in-place", is_flag=True, help="Replace IN atomically (no OUT); implies --verify."),
@@ -276,13 +282,28 @@ def option_names(options: Decorator) -> list[str]:
     return [param.name for param in getattr(options(probe), "__click_params__", []) if param.name]
 
 
+#: the pipeline options a command that writes one new file (fit, publish) cannot honour: its help
+#: does not offer them, so every option a help lists is one the command takes
+REFUSED_BY = {
+    "fit": ("max_shard_size",),
+    "publish": ("max_shard_size", "in_place"),
+}
+
+
+def pipeline_for(command: str) -> Decorator:
+    """PIPELINE without the options ``command`` refuses (:data:`REFUSED_BY`)."""
+    refused = REFUSED_BY.get(command, ())
+    return apply([o for o in PIPELINE_OPTIONS if not set(option_names(o)) & set(refused)])
+
+
 PREFIX = apply(
     [
         click.option(
             "--prefix",
             default="module.",
             show_default=True,
-            help="The key prefix (a module name; a trailing dot is added if missing).",
+            help="The key prefix (a module name; a trailing dot is added if missing). strip-module: 'auto' "
+            "strips every wrapper prefix all keys share (module., _orig_mod., _forward_module.).",
         ),
         click.option("--strict", is_flag=True, help="Exit 1 when there is nothing to change."),
     ]

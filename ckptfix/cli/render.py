@@ -36,7 +36,7 @@ def emit_json(command: str | None, exit_code: int, data: dict[str, Any]) -> None
         "exit_code": int(exit_code),
     }
     document.update((k, v) for k, v in data.items() if k not in document)
-    click.echo(json.dumps(document, indent=2, default=str))
+    click.echo(_named(json.dumps(document, indent=2, default=str)))
 
 
 def json_error(command: str | None, exit_code: int, message: str, kind: str = "Error", hint: str | None = None) -> None:
@@ -65,9 +65,62 @@ def printable(data: Any) -> Any:
     return data
 
 
+#: temporary files standing for a stream, and what output calls them (``<stdin>``, ``<stdout>``)
+STREAM_NAMES: dict[str, str] = {}
+
+
+def _named(text: str) -> str:
+    for real, shown in STREAM_NAMES.items():
+        text = text.replace(real, shown)
+    return text
+
+
+#: False while a --json run prints: its human lines (stderr) stay plain too
+_colour_allowed = True
+#: what each status word is shown in on a terminal
+_COLOURS = {
+    "FAIL": "red",
+    "DANGEROUS": "red",
+    "ERROR": "red",
+    "error:": "red",
+    "UNKNOWN": "yellow",
+    "warning:": "yellow",
+    "ok": "green",
+}
+
+
+def allow_colour(allowed: bool) -> None:
+    """``--json`` runs turn colour off for the whole run (main() decides, before the command)."""
+    global _colour_allowed
+    _colour_allowed = allowed
+
+
+def use_colour(stream: Any) -> bool:
+    """Colour only where it helps: a terminal, ``NO_COLOR`` unset or empty (no-color.org), and
+    not a --json run; never in pipes, files or CI logs."""
+    isatty = getattr(stream, "isatty", None)
+    return _colour_allowed and not os.environ.get("NO_COLOR") and bool(isatty and isatty())
+
+
 def say(line: str, err: bool = False) -> None:
-    """Print one line of human output, with anything non-printable in it escaped."""
-    click.echo(one_line(line), err=err)
+    """Print one line of human output, with anything non-printable in it escaped; its leading
+    status word (FAIL, DANGEROUS, warning: ...) in colour on a terminal."""
+    text = _named(one_line(line))
+    word, space, rest = text.partition(" ")
+    if word == "ckptfix:" and rest.startswith("error:"):  # "ckptfix: error: ..."
+        word, space, rest = f"{word} error:", " ", rest[len("error:") :].lstrip(" ")
+    colour = _COLOURS.get(word.removeprefix("ckptfix: "))
+    if colour and space and use_colour(sys.stderr if err else sys.stdout):
+        text = click.style(word, fg=colour, bold=True) + space + rest
+    click.echo(text, err=err)
+
+
+def clear_progress_line() -> None:
+    """Erase the progress bar's line on a terminal, so the next line printed (an error) starts
+    at column 0 instead of sharing the bar's line."""
+    if sys.stderr.isatty():
+        sys.stderr.write("\r\x1b[2K")
+        sys.stderr.flush()
 
 
 def no_close(ok: bool) -> None:

@@ -17,7 +17,6 @@ therefore place big ranges at an output offset congruent to their source offset 
 from __future__ import annotations
 
 import io
-import mmap
 import os
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -152,6 +151,8 @@ class WindowedReader:
         return self._read_at(size, self._base + offset)
 
     def read(self, offset: int, size: int) -> bytes:
+        if size <= 0:
+            return b""
         at = offset - self._start
         if at >= 0 and at + size <= len(self._buffer):
             return self._buffer[at : at + size]
@@ -218,7 +219,6 @@ class OpenFiles:
 
     def __init__(self) -> None:
         self._files: dict[str, BinaryIO] = {}
-        self._maps: dict[str, mmap.mmap] = {}
         self._windows: dict[str, WindowedReader] = {}
         self._stack = ExitStack()
         self._worker: ThreadPoolExecutor | None = None
@@ -250,13 +250,6 @@ class OpenFiles:
             f = self.file(path)
             if isinstance(f, RangeSource):
                 f.plan(ranges)
-
-    def map(self, path: str) -> mmap.mmap:
-        m = self._maps.get(path)
-        if m is None:
-            m = self._maps[path] = mmap.mmap(self.file(path).fileno(), 0, access=mmap.ACCESS_READ)
-            self._stack.callback(m.close)
-        return m
 
     def small_read(self, path: str, offset: int, size: int) -> bytes:
         """A few bytes of ``path`` (a small tensor record), through a read window per file
@@ -336,6 +329,8 @@ class OutputStream:
         a worker thread while the kernel copies, so a CRC costs no more wall time than the copy
         it rides along; for streamed bytes (a remote object's included), the CRC of what was
         written."""
+        if source.size == 0:  # nothing to read, wherever it claims to be
+            return 0 if want_crc else None
         if is_plain_range(source):
             return self._copy_plain(source, files, want_crc)
         if isinstance(source, JoinedSource) and not want_crc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import stat
 from collections.abc import Callable, Mapping, Sequence
@@ -14,6 +15,8 @@ from ..fileio.remote import RemotePath, as_path
 from ..fileio.urls import is_url
 from ..model.needs import need_torch
 from ..model.refs import Tree
+from ..pickling.globals import danger
+from ..pickling.reader import display_name
 from .dcp import is_dcp_folder, read_dcp, read_dcp_safely
 from .deepspeed import DeepSpeedInfo, is_deepspeed_folder, read_deepspeed
 from .detect import check_input, open_input, sniff_file
@@ -21,6 +24,7 @@ from .legacy import load_with_torch, save_with_torch
 from .legacy_pickle import read_legacy
 from .safetensors import read_safetensors
 from .sharded import find_index, merge_shards, read_index
+from .tarera import record_tar
 from .torchzip import TorchZipArchive, read_torch_zip, write_torch_zip
 
 FORMAT_TORCH_ZIP = "torch-zip"
@@ -112,9 +116,12 @@ def read_checkpoint(
                 root, archive = read_torch_zip(
                     path, f, file_size, globals_seen, allow_globals, inert_unknown=inert_unknown
                 )
-            except UnsafeInputError:
+            except UnsafeInputError as exc:
                 if not unsafe_load:
                     raise
+                _refuse_hostile(
+                    path, exc, lambda: read_torch_zip(path, f, file_size, set(), allow_globals, inert_unknown=True)
+                )
                 return _read_with_torch(path, FORMAT_TORCH_ZIP, file_size, unsafe=True)
             return Checkpoint(path, FORMAT_TORCH_ZIP, root, file_size, globals_seen, archive, archive.notes())
         if what.kind == "safetensors":
@@ -130,9 +137,12 @@ def read_checkpoint(
             globals_seen = set()
             try:
                 root = read_legacy(path, f, file_size, globals_seen, allow_globals, inert_unknown=inert_unknown)
-            except UnsafeInputError:
+            except UnsafeInputError as exc:
                 if not unsafe_load:
                     raise
+                _refuse_hostile(
+                    path, exc, lambda: read_legacy(path, f, file_size, set(), allow_globals, inert_unknown=True)
+                )
                 return _read_with_torch(path, FORMAT_TORCH_LEGACY, file_size, unsafe=True)
             return Checkpoint(path, FORMAT_TORCH_LEGACY, root, file_size, globals_seen)
     if what.kind == "tar":
@@ -150,8 +160,53 @@ def read_checkpoint(
                 f"{path}: a tar-era torch checkpoint; ckptfix reads this format from local files only",
                 hint="download it first, e.g. fsspec's `fs.get`, then run ckptfix on the copy",
             )
+        _refuse_hostile_tar(path)
         return _read_with_torch(path, FORMAT_TORCH_TAR, file_size, unsafe=True)
     raise BadInputError(f"{path}: {what.description}")
+
+
+def _refuse_hostile_tar(path: str) -> None:
+    """:func:`_refuse_hostile` for the tar format, which has no safe reader: every pickle torch's
+    tar reader would run is followed by the recording VM first (as ``scan`` does), and a file
+    naming a code-running global -- or one whose reads cannot be followed without running it --
+    is refused before torch is called."""
+    f, size = open_input(path)
+    with f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        found, error = record_tar(f, data, size)
+    reasons = {}
+    for name, _ in found:
+        reason = "it changes or calls something the reader built" if name.startswith("<") else danger(name)
+        if reason is not None:
+            reasons[name] = reason
+    if reasons:
+        shown = [display_name(*name.rsplit(".", 1)) if "." in name else name for name in reasons]
+        raise UnsafeInputError(list(reasons), path, shown=shown, hostile=list(reasons), reasons=reasons)
+    if "treat it as unsafe" in error:
+        raise BadInputError(
+            f"{path}: {error}", hint="--unsafe-load hands torch only files whose pickles ckptfix can follow"
+        )
+
+
+def _refuse_hostile(path: str, refused: UnsafeInputError, read_inert: Callable[[], object]) -> None:
+    """Refuse, before torch is called, a file ``--unsafe-load`` would hand to
+    ``torch.load(weights_only=False)`` when it is more than merely unusual.
+
+    The fallback is for files that hold a class outside the allow-list (a config), never for
+    hostile ones: a file that calls ``os.system`` is an attack whoever trusts it. The reader
+    stops at the first name it refuses, so unless that one already runs code, the file is read
+    again with every harmless unknown global as an inert record (``read_inert``): that read goes
+    through every pickle torch would run, stops at a dangerous global, and checks every storage
+    and extent against the file -- a file whose storage claims a terabyte the file does not hold
+    would have torch allocate it before reading a byte (``UntypedStorage(2**40)``), so it is
+    refused here as it is without ``--unsafe-load``.
+    """
+    if not refused.hostile:
+        try:
+            read_inert()
+        except UnsafeInputError as again:
+            refused = again
+    if refused.hostile:
+        raise refused.at(path) from None
 
 
 def _read_folder(folder: Path, unsafe_load: bool, allow_globals: Sequence[str], inert_unknown: bool) -> Checkpoint:
@@ -165,9 +220,10 @@ def _read_folder(folder: Path, unsafe_load: bool, allow_globals: Sequence[str], 
         globals_seen: set[str] = set()
         try:
             root = read_dcp_safely(folder, globals_seen, allow_globals, inert_unknown=inert_unknown)
-        except UnsafeInputError:
+        except UnsafeInputError as exc:
             if not unsafe_load:
                 raise
+            _refuse_hostile(str(folder), exc, lambda: read_dcp_safely(folder, set(), allow_globals, inert_unknown=True))
             note = "DCP folder read through torch.distributed.checkpoint (--unsafe-load); tensors are in memory"
             return Checkpoint(str(folder), FORMAT_DCP, read_dcp(folder), size, notes=[note], lazy=False)
         return Checkpoint(str(folder), FORMAT_DCP, root, size, globals_seen)

@@ -74,8 +74,12 @@ def compact_storages(root: Tree) -> tuple[Tree, int]:
         else:
             start_b = min(t.storage_offset for t in used) * itemsize
             end_b = max(t.storage_offset + _extent(t) for t in used) * itemsize
+        # the cut keeps whole elements of both the tensors' dtype and the storage's type: a
+        # float32 view of part of a double keeps that whole double (rounding the end down
+        # would leave a record torch refuses, or no element at all)
         unit = math.lcm(itemsize, storage.itemsize)
         start_b -= start_b % unit
+        end_b = min(end_b + -end_b % storage.itemsize, storage.nbytes)
         if start_b == 0 and end_b >= storage.nbytes:
             continue
         source = _slice_source(storage.source, start_b, end_b - start_b)

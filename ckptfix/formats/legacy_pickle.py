@@ -84,6 +84,11 @@ def _read(
         root = roots.get(key)
         if root is None:
             root = roots[key] = make_storage(storage_type, key, location, numel, None)
+        elif root.numel == 0 and view is None:
+            # as torch: the first use decides the type and size, but an empty first one is not
+            # kept -- each later use gets a new empty storage of its own type (torch checks its
+            # data pointer, which is null for an empty storage)
+            return make_storage(storage_type, key, location, 0, FileRange(path, 0, 0))
         if view is None:
             return root
         if not (

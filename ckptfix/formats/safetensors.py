@@ -33,11 +33,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeAlias
 
-from ..errors import BadInputError, UsageError
+from ..errors import BadInputError, InputMismatchError
 from ..fileio import strictjson
 from ..fileio.ranges import BLOCK, SMALL_COPY, FileRange, JoinedSource, OpenFiles, OutputStream, is_plain_range
 from ..fileio.urls import is_url
-from ..model.data import is_c_contiguous, tensor_c_bytes
+from ..model.data import is_c_contiguous, storage_swap_unit, tensor_c_chunks
 from ..model.dtypes import DTYPE_ITEMSIZE, DTYPE_TO_SAFETENSORS, SAFETENSORS_DTYPES, SAFETENSORS_PACKED
 from ..model.needs import need_torch
 from ..model.refs import Reduce, TensorRef, is_torch_tensor, tensor_from_range
@@ -221,7 +221,9 @@ def _plain_span(t: TensorRef) -> tuple[str, int] | None:
     """(file, offset) where ``t``'s bytes already are exactly as safetensors stores them
     (little-endian, C order, uncompressed), or None when they must be gathered."""
     source = t.storage.source
-    if t.storage.byteorder == "big" or not is_plain_range(source) or not is_c_contiguous(t.shape, t.stride):
+    if t.numel == 0 and is_plain_range(source):
+        return source.path, source.offset  # no bytes: its offset may be anything (2**62), never read
+    if storage_swap_unit(t.storage) or not is_plain_range(source) or not is_c_contiguous(t.shape, t.stride):
         return None
     return source.path, source.offset + t.storage_offset * DTYPE_ITEMSIZE[t.dtype]
 
@@ -392,7 +394,7 @@ def plan_safetensors(
     groups: dict[_ViewKey, list[str]] = {}
     for name, value in state_dict.items():
         if not isinstance(name, str):
-            raise UsageError(f"safetensors needs string keys; found key {name!r}")
+            raise InputMismatchError(f"safetensors needs string keys; found key {name!r}")
         if isinstance(value, Reduce):
             kind = _TENSOR_KINDS.get(value.func.full, f"{value.func.full} tensor")
             raise BadInputError(
@@ -400,7 +402,9 @@ def plan_safetensors(
                 hint="drop it (--drop), or write a .pth file, which carries it as it is",
             )
         if not isinstance(value, TensorRef):
-            raise UsageError(f"{name!r} is a {type(value).__name__}, not a tensor; safetensors holds only tensors")
+            raise InputMismatchError(
+                f"{name!r} is a {type(value).__name__}, not a tensor; safetensors holds only tensors"
+            )
         if value.dtype not in DTYPE_TO_SAFETENSORS:
             raise BadInputError(
                 f"tensor {name!r} has dtype {value.dtype}"
@@ -492,7 +496,8 @@ def write_safetensors(
                 if joined is not None:  # ranges of several files (a ZeRO partition's slices): each by the kernel
                     stream.copy(joined, files)
                 elif span is None:
-                    stream.write(tensor_c_bytes(t, files))
+                    for piece in tensor_c_chunks(t, files):
+                        stream.write(piece)
                 else:  # file to file, in the kernel; the stream merges tensors that lie back to back
                     stream.copy(FileRange(span[0], span[1], t.nbytes), files)
                 if progress:
@@ -535,7 +540,7 @@ def _unchanged_file(plan: SafetensorsPlan, files: OpenFiles) -> FileRange | None
 def _torch_kept(state_dict: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     """Real tensors to write, each view once: (name -> tensor, alias -> kept name)."""
     if not all(is_torch_tensor(v) for v in state_dict.values()):
-        raise UsageError("safetensors holds only tensors; select a state dict with --select")
+        raise InputMismatchError("safetensors holds only tensors; select a state dict with --select")
     seen: dict[tuple[Any, ...], str] = {}
     kept: dict[str, Any] = {}
     aliases: dict[str, str] = {}

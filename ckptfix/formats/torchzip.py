@@ -215,12 +215,13 @@ def read_torch_zip(
         if record is None:
             raise BadInputError(f"{path}: storage {key!r} is referenced but its record data/{key} is missing")
         storage = make_storage(storage_type, key, location, numel, record.source(path, base), order)
-        if record.size < storage.nbytes:
+        if record.size != storage.nbytes:  # torch.load: "record size ... does not match expected size"
             raise BadInputError(
                 f"{path}: storage data/{key} holds {record.size} bytes but the checkpoint "
-                f"declares {storage.nbytes}: the file is truncated or corrupt"
+                f"declares {storage.nbytes}: the file is truncated or corrupt (torch refuses it too)"
             )
-        storages[key] = storage
+        if storage.nbytes:  # as torch's loaded_storages: the first use decides, unless it is empty
+            storages[key] = storage
         return storage
 
     try:

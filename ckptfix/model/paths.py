@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeAlias
 
-from ..errors import UsageError
+from ..errors import InputMismatchError
 from .refs import Tree
 
 #: a place in a tree: the keys and indices from the root down ("" -- the root -- is ``()``)
@@ -73,5 +73,5 @@ def select(root: Any, dotted: str, *, flag: str = "--select") -> tuple[Path, Any
             top = ", ".join(keys) + (", ..." if len(root) > 12 else "") if keys else "nothing (it is empty)"
         else:
             top = f"a {type(root).__name__}, not a mapping"
-        raise UsageError(f"{flag} {dotted}: no such entry; the top level holds: {top}")
+        raise InputMismatchError(f"{flag} {dotted}: no such entry; the top level holds: {top}")
     return path, get_at(root, path)

@@ -254,3 +254,22 @@ def is_tensor_like(value: Any) -> bool:
         name = value.func.full
         return name.startswith("torch._utils._rebuild") or name == "torch._tensor._rebuild_from_type_v2"
     return is_torch_tensor(value)
+
+
+#: how torch pickles a tensor on the ``meta`` device: dtype, shape and stride, and no data at all
+META_REBUILD = "torch._utils._rebuild_meta_tensor_no_storage"
+
+
+def is_meta_tensor(value: Any) -> bool:
+    """A tensor saved from the ``meta`` device (a model built with ``device="meta"``): it has a
+    shape and a dtype but no data, so nothing can load weights from it."""
+    if isinstance(value, Reduce):
+        return value.func.full == META_REBUILD
+    return is_torch_tensor(value) and bool(getattr(value, "is_meta", False))
+
+
+def meta_shape(value: Reduce) -> tuple[str, list[int]]:
+    """The dtype name and shape a meta tensor's rebuild call records."""
+    dtype, shape = (value.args + (None, ()))[:2]
+    name = getattr(dtype, "name", None) or str(dtype).replace("torch.", "")
+    return name, [int(n) for n in shape] if isinstance(shape, (tuple, list)) else []

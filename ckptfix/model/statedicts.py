@@ -3,7 +3,7 @@ wrapper prefixes (``module.``, ``_orig_mod.``, ``model.``) people meet on their 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard
 
 from .paths import Path
@@ -16,22 +16,47 @@ def is_optimizer_state(value: Any) -> bool:
     return isinstance(value, Mapping) and "state" in value and "param_groups" in value
 
 
-def looks_like_state_dict(value: Any) -> TypeGuard[Mapping[str, Any]]:
-    """A ``Module.state_dict()``-shaped mapping: string keys, every value a tensor.
+#: a state dict may carry this many entries that are not tensors (a module's extra state, a
+#: probabilistic library's ``..._param_store`` dict), as long as its tensors are keyed by dotted
+#: module paths: it is still what ``load_state_dict`` is given
+MAX_NON_TENSOR_ENTRIES = 4
 
-    Values under keys ending in ``_extra_state`` may be anything (``get_extra_state``).
+
+def looks_like_state_dict(value: Any) -> TypeGuard[Mapping[str, Any]]:
+    """A ``Module.state_dict()``-shaped mapping: string keys, the values tensors.
+
+    Values under keys ending in ``_extra_state`` may be anything (``get_extra_state``); beside
+    tensors keyed by dotted names (``fc.weight``) up to :data:`MAX_NON_TENSOR_ENTRIES` other
+    values may be too (fewer than the tensors). Optimizer states' inner dicts (``exp_avg``...)
+    have undotted keys: they are state-dict-like only when every value is a tensor.
     """
     if not isinstance(value, Mapping) or not value:
         return False
-    has_tensor = False
+    tensors = dotted = others = 0
     for key, item in value.items():
         if not isinstance(key, str):
             return False
         if is_tensor_like(item):
-            has_tensor = True
+            tensors += 1
+            dotted += "." in key
         elif not key.endswith("_extra_state"):
-            return False
-    return has_tensor
+            others += 1
+            if others > MAX_NON_TENSOR_ENTRIES:
+                return False
+    if not tensors:
+        return False
+    return not others or (dotted == tensors and others < tensors)
+
+
+def holds_tensors_by_name(value: Any) -> TypeGuard[Mapping[str, Any]]:
+    """A string-keyed mapping holding at least one tensor: what a state dict is taken to be
+    where the user names it (``--select PATH``, ``--key PATH``), whatever else it holds."""
+    return (
+        isinstance(value, Mapping)
+        and bool(value)
+        and all(isinstance(k, str) for k in value)
+        and any(is_tensor_like(v) for v in value.values())
+    )
 
 
 def find_state_dicts(root: Tree) -> list[tuple[Path, Mapping[str, Any]]]:
@@ -58,6 +83,29 @@ def find_state_dicts(root: Tree) -> list[tuple[Path, Mapping[str, Any]]]:
 
 
 WRAPPER_PREFIXES = ("module.", "_orig_mod.", "model.", "_forward_module.")
+#: the wrappers that add a prefix and nothing else (DataParallel/DDP, torch.compile, Lightning
+#: Fabric): ``--prefix auto`` strips these; ``model.`` is a real attribute of a LightningModule
+PURE_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.")
+#: who adds each wrapper prefix, for hints
+WRAPPER_ORIGINS = {
+    "module.": "nn.DataParallel / DistributedDataParallel",
+    "_orig_mod.": "torch.compile",
+    "_forward_module.": "Lightning Fabric",
+    "model.": "a LightningModule's model attribute",
+}
+
+
+def wrapper_chain(keys: Sequence[str], wrappers: Sequence[str] = WRAPPER_PREFIXES) -> list[str]:
+    """The wrapper prefixes every key starts with, outermost first (``_orig_mod.module.``)."""
+    chain: list[str] = []
+    rest = list(keys)
+    while rest:
+        wrapper = next((w for w in wrappers if all(k.startswith(w) for k in rest)), None)
+        if wrapper is None:
+            break
+        chain.append(wrapper)
+        rest = [k[len(wrapper) :] for k in rest]
+    return chain
 
 
 #: where training code keeps an EMA copy of the weights beside the model, in timm's order of

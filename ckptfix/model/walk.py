@@ -212,13 +212,21 @@ def check_extents(root: Tree, where: str = "") -> None:
                 _check_storage(value, prefix)
                 checked.add(id(value))
             continue
-        if not isinstance(value, TensorRef):
-            continue
+        if type(value) is not TensorRef or id(value) in checked:
+            continue  # one tensor object reached by many paths (memoized) is checked once
+        checked.add(id(value))
         storage = value.storage
         if id(storage) not in checked:
             _check_storage(storage, prefix)
             checked.add(id(storage))
         itemsize = DTYPE_ITEMSIZE[value.dtype]
+        if not all(-_INT64_LIMIT <= v < _INT64_LIMIT for v in (value.storage_offset, *value.shape, *value.stride)):
+            # torch reads each as a C int64 ("Overflow when unpacking long long"); an empty tensor
+            # at offset 2**62 is fine and is written as it is
+            raise BadInputError(
+                f"{prefix}corrupt tensor record at {format_path(path) or '(top level)'}: its storage offset, "
+                "sizes or strides do not fit in 64 bits (torch refuses this file too)"
+            )
         numel = 1
         for n in value.shape:
             numel *= n

@@ -21,7 +21,7 @@ from typing import Any
 
 from ..errors import BadInputError, UsageError
 from ..fileio.ranges import ComputedSource, OpenFiles, read_all
-from ..model.data import swap_unit_for
+from ..model.data import storage_swap_unit
 from ..model.dtypes import CAST_ALIASES, CASTABLE, DTYPE_ITEMSIZE, DTYPE_STORAGE
 from ..model.paths import format_path
 from ..model.refs import Global, StorageRef, TensorRef
@@ -47,8 +47,8 @@ def _cast_bytes(storage: StorageRef, target: str, files: OpenFiles) -> bytes:
     if storage.source is None:
         raise BadInputError(f"storage {storage.key!r:.40} has no source bytes to cast")
     raw = read_all(storage.source, files)
-    if storage.byteorder == "big" and storage.itemsize > 1:
-        unit = swap_unit_for(storage.dtype)
+    unit = storage_swap_unit(storage)  # as torch: by the storage's own type
+    if unit:
         raw = np.frombuffer(raw, dtype=np.uint8).reshape(-1, unit)[:, ::-1].tobytes()
     if not raw:
         return b""

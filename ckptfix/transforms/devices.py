@@ -20,12 +20,16 @@ _DEVICE = re.compile(r"^(cpu|meta|mps|cuda|xpu|hpu|npu|mtia|xla|privateuseone)(:
 _INDEXED = ("cuda", "xpu", "hpu", "npu", "mtia", "xla", "privateuseone")
 
 
-def normalize_device(text: str) -> str:
-    """A device string as torch tags storages; a bare ``cuda`` means ``cuda:0``."""
+def normalize_device(text: str, flag: str = "--map-location") -> str:
+    """A device string as torch tags storages; a bare ``cuda`` means ``cuda:0``. ``flag``: the
+    option it came from, for the error."""
     text = text.strip()
     match = _DEVICE.match(text)
     if not match:
-        raise UsageError(f"invalid device {text!r} in --map-location: {_suggest(text)}")
+        suggestion = _suggest(text)
+        if flag != "--map-location":
+            suggestion = suggestion.replace(" or FROM=TO pairs such as cuda:1=cuda:0", "")
+        raise UsageError(f"invalid device {text!r} in {flag}: {suggestion}")
     kind, index = match.group(1), match.group(3)
     if index is None and kind in _INDEXED:
         return f"{kind}:0"

@@ -22,11 +22,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import UsageError
+from ..errors import InputMismatchError, UsageError
 from ..model.needs import need_torch
 from ..model.paths import Path, format_path
 from ..model.refs import TensorRef, Tree, is_torch_tensor
-from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts
+from ..model.statedicts import find_state_dicts, wrapper_chain
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -131,19 +131,6 @@ def _import_path(folders: Sequence[str]) -> Iterator[None]:
         sys.path[:] = saved
 
 
-def wrapper_chain(keys: Sequence[str]) -> list[str]:
-    """The wrapper prefixes every key starts with, outermost first (``_orig_mod.module.``)."""
-    chain: list[str] = []
-    rest = list(keys)
-    while rest:
-        wrapper = next((w for w in WRAPPER_PREFIXES if all(k.startswith(w) for k in rest)), None)
-        if wrapper is None:
-            break
-        chain.append(wrapper)
-        rest = [k[len(wrapper) :] for k in rest]
-    return chain
-
-
 def _common_segments(keys: Sequence[str], depth: int) -> str | None:
     firsts = {".".join(k.split(".")[:depth]) + "." for k in keys if k.count(".") >= depth}
     return firsts.pop() if len(firsts) == 1 and all(k.count(".") >= depth for k in keys) else None
@@ -228,12 +215,12 @@ def best_fit(root: Tree, reference: Shapes, select: Path | None = None, select_v
     """Choose the state dict in ``root`` (or the selected one) that fits ``reference`` best."""
     candidates = [(select, select_value)] if select is not None else find_state_dicts(root)
     if not candidates:
-        raise UsageError("found no state dict in the checkpoint; name one with --select")
+        raise InputMismatchError("found no state dict in the checkpoint; name one with --select")
     plans = [
         plan_fit(path, shapes_of(sd), reference, getattr(sd, "_metadata", None))
         for path, sd in candidates
         if isinstance(sd, Mapping)
     ]
     if not plans:
-        raise UsageError("the selected entry is not a mapping of names to tensors")
+        raise InputMismatchError("the selected entry is not a mapping of names to tensors")
     return max(plans, key=lambda p: (p.matched, -len(p.unexpected)))

@@ -113,19 +113,52 @@ def _top(path: Path) -> str:
     return format_path(path[:1]) or "(top level)"
 
 
+@dataclass
+class WaysOut:
+    """What works on a part holding classes outside the allow-list: ``sanitizable`` when
+    ``--sanitize`` turns every one into plain data; else ``drop``, the ``--drop`` patterns of the
+    entries it leaves (top-most first), and ``converts_some`` when it turns the others."""
+
+    sanitizable: bool
+    drop: list[str] = field(default_factory=list)
+    converts_some: bool = False
+
+
+#: entries listed for --drop at most (a suggestion, not an inventory)
+_MAX_DROPS = 8
+
+
+def ways_out(part: Any, sanitized: bool = False) -> WaysOut:
+    """Try ``--sanitize`` on ``part`` (unless it is ``sanitized`` already) and say what works:
+    every fix a command suggests must be one that runs."""
+    from .sanitize import sanitize
+    from .select import literal_glob
+
+    before = foreign_globals(part).unallowed
+    try:
+        left = before if sanitized else foreign_globals(sanitize(part)[0], paths_per_name=_MAX_DROPS).unallowed
+    except CkptfixError:  # a trial only: what it cannot convert means "no"
+        left = foreign_globals(part, paths_per_name=_MAX_DROPS).unallowed
+    if not left:
+        return WaysOut(sanitizable=True)
+    if sanitized:
+        left = foreign_globals(part, paths_per_name=_MAX_DROPS).unallowed
+    entries: list[Path] = []
+    for paths in left.values():
+        for path in paths:
+            cut = next((i for i, k in enumerate(path) if type(k) not in (str, int) or str(k).startswith("__")), None)
+            entries.append(tuple(path[:cut]))
+    tops = sorted({p for p in entries if p and not any(q != p and p[: len(q)] == q for q in entries if q)})
+    drop = [literal_glob(format_path(p)) for p in tops[:_MAX_DROPS]]
+    return WaysOut(sanitizable=False, drop=drop, converts_some=not sanitized and set(left) != set(before))
+
+
 def _refusal(
     whole: Any, output: Any, found: ForeignGlobals, sanitize_requested: bool, select_given: bool
 ) -> UnsafeInputError:
     names = list(found.unallowed)
     shown = [display_name(*name.rsplit(".", 1)) for name in names]
-    sanitizable = False
-    if not sanitize_requested:
-        from .sanitize import sanitize
-
-        try:
-            sanitizable = not foreign_globals(sanitize(output)[0]).unallowed
-        except CkptfixError:  # a trial only: what it cannot convert means "no"
-            sanitizable = False
+    ways = ways_out(output, sanitized=sanitize_requested)
     select = None
     if not select_given:
         for path, state_dict in find_state_dicts(whole):
@@ -135,7 +168,9 @@ def _refusal(
     return UnsafeInputError(
         names,
         shown=shown,
-        sanitizable=sanitizable,
+        sanitizable=ways.sanitizable and not sanitize_requested,
+        drop=ways.drop,
+        drop_with_sanitize=ways.converts_some or sanitize_requested,
         allow_options=allow_options(names),
         kept_along=kept_along(names),
         select=select,

@@ -15,10 +15,16 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeAlias
 
-from ..errors import CheckFailedError, UsageError
+from ..errors import CheckFailedError, InputMismatchError, UsageError
 from ..model.paths import Path, format_path, select
-from ..model.refs import Tree, is_tensor_like
-from ..model.statedicts import find_state_dicts
+from ..model.refs import Tree
+from ..model.statedicts import (
+    PURE_WRAPPER_PREFIXES,
+    WRAPPER_ORIGINS,
+    find_state_dicts,
+    holds_tensors_by_name,
+    wrapper_chain,
+)
 from ..model.walk import copy_mapping, substitute
 
 #: a state dict as the transforms see it: string keys (what ``find_state_dicts`` finds), any values
@@ -51,8 +57,15 @@ class TransformResult:
         return sum(len(c.renamed) for c in self.changes)
 
 
+#: ``--prefix auto``: every pure wrapper prefix (:data:`PURE_WRAPPER_PREFIXES`), any nesting
+AUTO = "auto"
+
+
 def normalize_prefix(prefix: str) -> str:
-    """Prefixes name modules, so they end with a dot: ``module`` means ``module.``."""
+    """Prefixes name modules, so they end with a dot: ``module`` means ``module.``.
+    ``auto`` stays as it is: it names the pure wrapper prefixes, not one module."""
+    if prefix == AUTO:
+        return prefix
     if not prefix or prefix.strip(".") == "":
         raise UsageError(f"invalid prefix {prefix!r}: give a module name such as 'module.'")
     return prefix if prefix.endswith(".") else prefix + "."
@@ -69,18 +82,9 @@ def select_state_dicts(root: Tree, keys: Sequence[str] = ()) -> list[tuple[Path,
     selected: list[tuple[Path, StateDict]] = []
     for dotted in keys:
         path, target = select(root, dotted, flag="--key")
-        found: list[tuple[Path, StateDict]]
-        if (
-            isinstance(target, Mapping)
-            and target
-            and all(isinstance(k, str) for k in target)
-            and any(is_tensor_like(v) for v in target.values())
-        ):
-            found = [((), target)]
-        else:
-            found = find_state_dicts(target)
+        found = [((), target)] if holds_tensors_by_name(target) else find_state_dicts(target)
         if not found:
-            raise UsageError(f"--key {dotted}: there is no state dict there")
+            raise InputMismatchError(f"--key {dotted}: there is no state dict there")
         selected.extend((path + sub, sd) for sub, sd in found)
     return selected
 
@@ -129,6 +133,25 @@ def _strip_one(state_dict: StateDict, prefix: str) -> tuple[StateDict, Renames]:
             _strip_metadata_pass(metadata, prefix)
     renamed = [(old, new) for old, new in zip(originals, current) if old != new]
     return (_rekeyed(state_dict, current, metadata), renamed) if renamed else (state_dict, [])
+
+
+def _strip_wrappers(state_dict: StateDict) -> tuple[StateDict, Renames]:
+    """``--prefix auto``: strip the pure wrapper prefixes every key shares, outermost first, in
+    whatever order they nest (``_orig_mod.module.x``, ``module._orig_mod.x``, ``module.module.x``).
+    A prefix only some keys carry is a real submodule's name, and stays."""
+    keys = list(state_dict.keys())
+    chain = wrapper_chain(keys, PURE_WRAPPER_PREFIXES)
+    if not chain:
+        return state_dict, []
+    cut = sum(len(p) for p in chain)
+    current = [k[cut:] for k in keys]
+    _check_collisions(keys, current, "".join(chain), "stripping")
+    metadata = getattr(state_dict, "_metadata", None)
+    metadata = type(metadata)(metadata) if isinstance(metadata, dict) else None
+    if metadata is not None:
+        for prefix in chain:  # the reference's renaming, one wrapper at a time
+            _strip_metadata_pass(metadata, prefix)
+    return _rekeyed(state_dict, current, metadata), list(zip(keys, current))
 
 
 def _add_one(state_dict: StateDict, prefix: str) -> tuple[StateDict, Renames]:
@@ -190,7 +213,9 @@ def _rename_one(state_dict: StateDict, rules: Sequence[tuple[re.Pattern[str], st
             try:
                 key = pattern.sub(replacement, key)
             except (re.error, IndexError) as exc:
-                raise UsageError(f"rename rule {pattern.pattern!r}=>{replacement!r} fails on {key!r}: {exc}") from exc
+                raise InputMismatchError(
+                    f"rename rule {pattern.pattern!r}=>{replacement!r} fails on {key!r}: {exc}"
+                ) from exc
         return key
 
     originals = list(state_dict.keys())
@@ -229,13 +254,45 @@ def strip_prefix(root: Tree, prefix: str = "module.", keys: Sequence[str] = ()) 
         result.changes[0].renamed[:1]   # [('module.fc.weight', 'fc.weight')]
 
     ``keys`` restricts the change to the state dicts at or under those dotted paths.
+    ``prefix="auto"`` strips every pure wrapper prefix (``module.``, ``_orig_mod.``,
+    ``_forward_module.``) that all of a state dict's keys share, in any nesting.
     Raises :class:`~ckptfix.errors.CheckFailedError` if two keys would collide.
     """
     prefix = normalize_prefix(prefix)
+    if prefix == AUTO:
+        return _apply(root, keys, _strip_wrappers)
     return _apply(root, keys, lambda sd: _strip_one(sd, prefix))
+
+
+@dataclass(frozen=True)
+class WrapperFix:
+    """The wrapper prefixes a state dict's keys all carry, and the options that strip them."""
+
+    #: e.g. "'_orig_mod.' (torch.compile)"
+    wrappers: str
+    #: e.g. "--prefix auto"
+    options: str
+
+
+def wrapper_fix(root: Tree, keys: Sequence[str] = ()) -> WrapperFix | None:
+    """What would strip the known wrapper prefixes (``module.``, ``_orig_mod.``, ``model.`` ...)
+    every key of a state dict shares, when one does; None otherwise: ``--prefix auto`` when only
+    pure wrappers are found, else each prefix in nesting order."""
+    for _, state_dict in select_state_dicts(root, keys):
+        chain = wrapper_chain(list(state_dict))
+        if not chain:
+            continue
+        wrappers = " then ".join(f"{p!r} ({WRAPPER_ORIGINS[p]})" for p in dict.fromkeys(chain))
+        if all(p in PURE_WRAPPER_PREFIXES for p in chain):
+            return WrapperFix(wrappers, "--prefix auto")
+        rest = "".join(f" --strip-prefix {p}" for p in dict.fromkeys(chain[1:]))
+        return WrapperFix(wrappers, f"--prefix {chain[0]}{rest}")
+    return None
 
 
 def add_prefix(root: Tree, prefix: str = "module.", keys: Sequence[str] = ()) -> TransformResult:
     """Add ``prefix`` to every key of every state dict that lacks it (the inverse of strip)."""
+    if prefix == AUTO:
+        raise UsageError("--prefix auto strips the wrapper prefixes it finds; to add one, name it, e.g. module.")
     prefix = normalize_prefix(prefix)
     return _apply(root, keys, lambda sd: _add_one(sd, prefix))

@@ -16,7 +16,9 @@ state alone, by one table of rules (:data:`RULES`, first match wins):
   ``namedtuple`` -> a tuple;
 * ``pathlib`` paths -> str; ``datetime`` values -> ISO 8601 text, ``timedelta`` -> seconds;
 * numpy scalars -> Python numbers, numpy arrays of numeric dtypes -> tensors (row-major,
-  little-endian), numpy dtypes -> their name;
+  little-endian), numpy object arrays -> nested lists when every element converts, numpy
+  dtypes -> their name;
+* ``torch.torch_version.TorchVersion`` (a ``str`` subclass Lightning checkpoints carry) -> its string;
 * a class or function named as a value (``typing.Any``, ``builtins.dict``) -> its name.
 
 Objects the user allowed by name (``--allow-global``) pass through as they are. An object no
@@ -33,7 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..errors import BadInputError, UsageError
+from ..errors import BadInputError, InputMismatchError
 from ..fileio.ranges import ComputedSource, OpenFiles
 from ..model.paths import Path, format_path
 from ..model.refs import ABSENT, Global, OpaqueObject, TensorRef, Tree, tensor_from_range
@@ -83,7 +85,7 @@ def _numpy_dtype(obj: Any) -> np.dtype[Any]:
     code = obj.args[0]
     match = _TYPE_CODE.match(code) if isinstance(code, str) else None
     if not match or f"{match.group(1)}{match.group(2)}" not in _TORCH_DTYPE:
-        raise UsageError(f"cannot sanitize a numpy value of dtype {code!r:.40}: only numeric dtypes convert")
+        raise InputMismatchError(f"cannot sanitize a numpy value of dtype {code!r:.40}: only numeric dtypes convert")
     state = obj.state
     order: Literal["<", ">", "="] = "="  # "|" (no byte order) and a missing state: native
     if isinstance(state, tuple) and len(state) > 1 and state[1] in ("<", ">"):
@@ -193,6 +195,35 @@ def _generic(obj: OpaqueObject) -> Any:
     return _fields(obj.state, obj.dictitems, obj.items) if not obj.args else _NO_RULE
 
 
+def _version_string(obj: OpaqueObject) -> Any:
+    """``TorchVersion("2.4.0")``: a ``str`` subclass pickled as ``cls.__new__(cls, "2.4.0")``."""
+    if len(obj.args) == 1 and isinstance(obj.args[0], str) and not obj.items and not obj.dictitems:
+        return str(obj.args[0])
+    return _NO_RULE
+
+
+def _is_object_dtype(obj: Any) -> bool:
+    return isinstance(obj, OpaqueObject) and _name(obj) == "numpy.dtype" and obj.args[:1] in (("O8",), ("O4",), ("O",))
+
+
+def _object_array(shape: Any, fortran: Any, items: Any) -> Any:
+    """A numpy array of Python objects (``dtype=object``) as nested lists (what ``tolist()``
+    gives), when its shape matches its items and every item is plain data or converts to it;
+    ``_NO_RULE`` otherwise (the output check then names it)."""
+    import numpy as np
+
+    if not (isinstance(shape, tuple) and all(type(s) is int and s >= 0 for s in shape) and isinstance(items, list)):
+        raise BadInputError("cannot sanitize a corrupt numpy object array")
+    if len(shape) > _MAX_NDIM or math.prod(shape) != len(items):
+        raise BadInputError(f"cannot sanitize a corrupt numpy object array: shape {shape!r:.80}, {len(items)} items")
+    plain = [_plain(item) for item in items]
+    if any(item is _NO_RULE or type(item) in (OpaqueObject, Global) for item in plain):
+        return _NO_RULE
+    array = np.empty(len(plain), dtype=object)
+    array[:] = plain  # item by item: a list inside stays one element
+    return array.reshape(shape, order="F" if fortran else "C").tolist()
+
+
 _BUILTIN_TYPES = {"bytes": bytes, "str": str, "int": int, "float": float, "bool": bool, "complex": complex}
 _BUILTIN_TYPES |= {"tuple": tuple, "list": list, "dict": dict, "set": set, "frozenset": frozenset}
 
@@ -225,6 +256,7 @@ RULES: tuple[tuple[Callable[[str], bool], Callable[[OpaqueObject], Any]], ...] =
     (lambda n: n in {f"pathlib.{p}" for p in _PATHS}, _path),
     (lambda n: n in {f"{m}.scalar" for m in NUMPY_MODULES}, _numpy_scalar),
     (lambda n: n in {f"{m}._reconstruct" for m in NUMPY_MODULES}, lambda obj: _array_to_tensor(obj)),
+    (lambda n: n == "torch.torch_version.TorchVersion", _version_string),
     (lambda n: n == "numpy.dtype", _numpy_dtype_name),
     (lambda n: n.startswith("omegaconf."), _omegaconf),
     (lambda n: n in ("datetime.datetime", "datetime.date", "datetime.time", "datetime.timedelta"), _datetime),
@@ -256,6 +288,8 @@ def _array_to_tensor(obj: OpaqueObject) -> TensorRef:
     if not (isinstance(state, tuple) and len(state) == 5):
         raise BadInputError("cannot sanitize a numpy array with an unexpected pickled state")
     _, shape, dtype_obj, fortran, raw = state
+    if _is_object_dtype(dtype_obj):
+        return _object_array(shape, fortran, raw)  # type: ignore[no-any-return]
     dtype, raw = _numpy_dtype(dtype_obj), _plain(raw)  # an empty array's b"" is pickled as bytes()
     raw = raw.encode("latin-1") if isinstance(raw, str) else raw
     if not (isinstance(shape, tuple) and all(type(s) is int and s >= 0 for s in shape) and isinstance(raw, bytes)):

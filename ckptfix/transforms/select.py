@@ -65,6 +65,18 @@ def _matches(patterns: Sequence[str], *names: str) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns for name in names)
 
 
+def literal_glob(name: str) -> str:
+    """A ``--drop``/``--keep`` pattern that matches ``name`` alone (its ``* ? [`` escaped)."""
+    return "".join(f"[{c}]" if c in "*?[" else c for c in name)
+
+
+def shell_word(text: str) -> str:
+    """``text`` as one shell word, quoted only where it needs to be (for commands we print)."""
+    import shlex
+
+    return shlex.quote(text)
+
+
 def filter_tree(root: Tree, drop: Sequence[str] = (), keep: Sequence[str] = ()) -> tuple[Tree, SelectionReport]:
     """A copy of ``root`` without the entries ``drop`` matches and the state-dict keys ``keep`` does not.
 

@@ -149,7 +149,8 @@ def test_remap_to_safetensors_says_there_are_no_device_tags(capsys: pytest.Captu
     out = ddp.with_name("w.safetensors")
     code, stdout, _ = run(capsys, "remap", ddp, out, "--map-location", "cuda:0", "--json")
     report = json.loads(stdout)
-    assert code == 0 and out.exists() and report["device_moves"] == {} and report["unchanged"]
+    # a format conversion is written, not "unchanged"
+    assert code == 0 and out.exists() and report["device_moves"] == {} and not report["unchanged"] and report["written"]
     assert report["steps"] == [{"step": "--map-location cuda:0", "changed": False}]
     assert any("no device tags" in note for note in report["notes"])
 

@@ -70,7 +70,7 @@ def test_our_shards_load_with_huggingface_hub(tmp_path: Path) -> None:
 def test_training_checkpoint_needs_select_and_names_candidates(tmp_path: Path) -> None:
     ckpt = FIXTURES / "lightning_tinynet.ckpt"
     refused = invoke_cli("convert", ckpt, tmp_path / "w.safetensors")
-    assert refused.returncode == 2
+    assert refused.returncode == 3
     assert "--select state_dict" in refused.stderr and "optimizer state" in refused.stderr
     assert not (tmp_path / "w.safetensors").exists()
     ok = invoke_cli(

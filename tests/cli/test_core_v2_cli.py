@@ -60,7 +60,7 @@ def test_nesting_up_to_the_limit_works_everywhere_and_beyond_it_is_exit_3(tmp_pa
         ["convert", ok, tmp_path / "d.safetensors", "--keep-metadata"],
     ):
         result = invoke_cli(*args)
-        assert result.returncode in (0, 2), (args[0], result.stderr)  # 2: the deep value is too big to keep
+        assert result.returncode in (0, 3), (args[0], result.stderr)  # 3: the deep value is too big to keep
     assert torch.load(tmp_path / "a.pth", weights_only=True)["state_dict"]["w"].tolist() == [1.0, 2.0]
     for args in (["inspect", deep], ["strip-module", deep, tmp_path / "e.pth"], ["verify", deep]):
         result = invoke_cli(*args)

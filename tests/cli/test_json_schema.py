@@ -1,5 +1,5 @@
 """``--json`` is one schema: every command's document (success and failure) starts with the same
-envelope, and a concept has one name and one type wherever it appears (README, "JSON output").
+envelope, and a concept has one name and one type wherever it appears (docs/json.md).
 
 The commands are enumerated from the click group: a new command fails
 :func:`test_every_command_is_covered` until it has a row here.

@@ -159,8 +159,13 @@ def test_diff_tolerances_and_nan(tmp_path: Path) -> None:
     assert invoke_cli("diff", tmp_path / "a.pth", tmp_path / "b.pth").returncode == 1
     assert invoke_cli("diff", tmp_path / "a.pth", tmp_path / "b.pth", "--atol", "1e-5").returncode == 0
     torch.save({"w": base.half()}, tmp_path / "c.pth")
-    mismatch = invoke_cli("diff", tmp_path / "a.pth", tmp_path / "c.pth", "--json")
-    assert json.loads(mismatch.stdout)["mismatched"] == [{"path": "w", "a": "float32 [4]", "b": "float16 [4]"}]
+    across = invoke_cli("diff", tmp_path / "a.pth", tmp_path / "c.pth", "--json")  # values exact in float16
+    report = json.loads(across.stdout)
+    assert across.returncode == 0 and report["mismatched"] == [] and report["different"] == []
+    assert report["dtype_changed"] == [{"path": "w", "a": "float32", "b": "float16"}]
+    torch.save({"w": base.half()[:3]}, tmp_path / "d.pth")
+    mismatch = invoke_cli("diff", tmp_path / "a.pth", tmp_path / "d.pth", "--json")
+    assert json.loads(mismatch.stdout)["mismatched"] == [{"path": "w", "a": "float32 [4]", "b": "float16 [3]"}]
 
 
 @pytest.mark.parametrize(

@@ -79,7 +79,7 @@ def test_sanitize_refuses_what_it_cannot_convert(tmp_path: Path) -> None:
     src = tmp_path / "obj.pth"
     torch.save({"w": torch.ones(1), "odd": np.array(["a", "b"])}, src)
     result = invoke_cli("convert", src, tmp_path / "out.pth", "--sanitize")
-    assert result.returncode == 2 and "only numeric dtypes" in result.stderr
+    assert result.returncode == 3 and "only numeric dtypes" in result.stderr
 
 
 def _payloads(marker: Path) -> dict[str, object]:

@@ -95,7 +95,7 @@ def test_sdist_holds_the_suite_and_it_runs_from_there(dist: tuple[Path, str], tm
             archive.extractall(tmp_path)
     (tree,) = tmp_path.iterdir()
     shipped = {str(p.relative_to(tree)) for p in tree.rglob("*") if p.is_file()}
-    needed = _tracked("tests", "fixtures", "ckptfix") | {
+    needed = _tracked("tests", "fixtures", "ckptfix", "docs") | {
         "LICENSE",
         "README.md",
         "pyproject.toml",

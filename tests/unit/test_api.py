@@ -91,7 +91,34 @@ def test_load_into_reports_a_new_head_with_strict_false(tmp_path: Path) -> None:
     sd = torch.nn.DataParallel(tiny_net()).state_dict()
     del sd["module.fc.weight"], sd["module.fc.bias"]
     torch.save(sd, tmp_path / "headless.pth")
-    with pytest.raises(RuntimeError, match="Missing key"):
+    with pytest.raises(ckptfix.LoadIntoError, match="Missing key") as caught:
         ckptfix.load_into(TinyNet(), tmp_path / "headless.pth")
+    assert isinstance(caught.value, ckptfix.CkptfixError)
+    assert sorted(caught.value.report.missing) == ["fc.bias", "fc.weight"]
     report = ckptfix.load_into(TinyNet(), tmp_path / "headless.pth", strict=False)
     assert sorted(report.missing) == ["fc.bias", "fc.weight"] and report.stripped == ["module."]
+    assert report.added == []  # one type per field: a list, as stripped is
+
+
+def test_load_into_shape_mismatch_is_a_ckptfix_error_carrying_the_report(tmp_path: Path) -> None:
+    sd = tiny_net().state_dict()
+    sd["fc.weight"] = torch.zeros(sd["fc.weight"].shape[0], sd["fc.weight"].shape[1] + 1)
+    torch.save(sd, tmp_path / "wide.pth")
+    with pytest.raises(ckptfix.LoadIntoError, match="size mismatch") as caught:
+        ckptfix.load_into(TinyNet(), tmp_path / "wide.pth")
+    assert str(tmp_path / "wide.pth") in str(caught.value)
+    assert [m["key"] for m in caught.value.report.shape_mismatches] == ["fc.weight"]
+    wrapped = ckptfix.load_into(torch.nn.DataParallel(TinyNet()), FIXTURES / "bare_tinynet.pth")
+    assert wrapped.added == ["module."] and wrapped.stripped == []
+
+
+def test_batch_results_are_reported_in_input_order() -> None:
+    from ckptfix.batch import FileResult, InOrder
+
+    seen: list[str] = []
+    in_order = InOrder(lambda r: seen.append(r.input))
+    for index in (2, 0, 3, 1, 5):  # finishing order of a parallel run; 4 never ran (stopped)
+        in_order.add(index, FileResult(f"f{index}", None, "written"))
+    assert seen == ["f0", "f1", "f2", "f3"]
+    in_order.flush()
+    assert seen == ["f0", "f1", "f2", "f3", "f5"]

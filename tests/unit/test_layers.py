@@ -3,7 +3,7 @@ the CLI, torch only inside functions.
 
 Read with ``ast.walk``, so an import inside a function counts like one at the top (that is how
 the old ``sources`` <-> ``ziparchive`` cycle hid). The layers, bottom first, and what each owns,
-are in the README's "Architecture" section.
+are in docs/architecture.md ("Architecture").
 """
 
 from __future__ import annotations

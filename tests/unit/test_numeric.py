@@ -56,8 +56,17 @@ def test_need_torch_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "torch", None)  # as if it were not installed
     with pytest.raises(NeedsTorchError) as caught:
         need_torch()
-    assert str(caught.value) == NEEDS_TORCH == "needs torch: pip install 'ckptfix[torch]'"
+    assert str(caught.value) == NEEDS_TORCH and NEEDS_TORCH.startswith("needs torch: pip install ")
     assert caught.value.exit_code == 2
+
+
+def test_the_torch_hint_installs_the_cpu_build_where_there_is_no_gpu() -> None:
+    from ckptfix.errors import TORCH_CPU_INSTALL, torch_install_hint
+
+    assert torch_install_hint("linux", nvidia_driver=False).startswith(TORCH_CPU_INSTALL)
+    assert "download.pytorch.org/whl/cpu" in TORCH_CPU_INSTALL
+    assert torch_install_hint("linux", nvidia_driver=True) == "pip install 'ckptfix[torch]'"
+    assert torch_install_hint("darwin", nvidia_driver=False) == "pip install 'ckptfix[torch]'"
 
 
 CASTABLE = ["float16", "bfloat16", "float32", "float64"]

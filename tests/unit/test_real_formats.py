@@ -229,7 +229,7 @@ def test_load_into_can_skip_shape_mismatched_keys(tmp_path: Path) -> None:
     path = tmp_path / "pretrained.pth"
     torch.save({"model": pretrained.state_dict()}, path)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 3))
-    with pytest.raises(RuntimeError, match="size mismatch"):
+    with pytest.raises(ckptfix.LoadIntoError, match="size mismatch"):
         ckptfix.load_into(model, path, strict=False)
     report = ckptfix.load_into(model, path, strict=False, skip_mismatch=True)
     assert report.skipped == ["1.bias", "1.weight"]
@@ -387,7 +387,7 @@ def test_publish_picks_the_model_by_default_and_the_ema_copy_on_request(tmp_path
 def test_ema_entry_at_the_top_level_and_no_ema_at_all(tmp_path: Path) -> None:
     """timm's checkpoints keep ``state_dict_ema`` beside ``state_dict``; asking --ema of a
     checkpoint without one is a usage error, not a silent model copy."""
-    from ckptfix import UsageError
+    from ckptfix.errors import InputMismatchError
 
     path = tmp_path / "timm.pth"
     torch.save({"state_dict": {"w": torch.ones(2)}, "state_dict_ema": {"w": torch.zeros(2)}}, path)
@@ -396,7 +396,7 @@ def test_ema_entry_at_the_top_level_and_no_ema_at_all(tmp_path: Path) -> None:
     assert torch.equal(torch.load(out, weights_only=True)["w"], torch.zeros(2))
     plain = tmp_path / "plain.pth"
     torch.save({"w": torch.ones(2)}, plain)
-    with pytest.raises(UsageError, match="--ema"):
+    with pytest.raises(InputMismatchError, match="--ema"):
         ckptfix.convert(plain, tmp_path / "x.pth", ckptfix.ConvertOptions(ema=True))
 
 

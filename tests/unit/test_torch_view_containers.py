@@ -4,14 +4,12 @@ must see; what torch refuses, ckptfix refuses; what torch loads, ckptfix reads t
 
 from __future__ import annotations
 
-import io
 import pickle
 import struct
-import tarfile
 from pathlib import Path
 
 import pytest
-from hostile import make_legacy_header, system_call
+from hostile import make_legacy_header, pkl, system_call, tar_era, tar_of
 from oracle import assert_scan_sees_what_torch_resolves, torch_view
 
 from ckptfix.analysis.scan import scan_path
@@ -19,16 +17,6 @@ from ckptfix.errors import BadInputError
 from ckptfix.formats.checkpoint import read_checkpoint
 
 # =========================================================================== tar polyglots
-
-
-def tar_of(members: dict[str, bytes]) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for name, data in members.items():
-            info = tarfile.TarInfo(name)
-            info.size = len(data)
-            tar.addfile(info, io.BytesIO(data))
-    return buf.getvalue()
 
 
 def tar_header_over(host: bytes, first_size: int) -> bytes:
@@ -48,37 +36,6 @@ def polyglot(host: bytes, members: dict[str, bytes]) -> bytes:
     member's data covers the host, the members follow it."""
     first = -(-max(len(host) - 512, 0) // 512) * 512
     return tar_header_over(host, first).ljust(512 + first, b"\0") + tar_of(members)
-
-
-def pkl(obj_code: bytes) -> bytes:
-    return b"\x80\x02" + obj_code + b"."
-
-
-FLOAT_ARGS = pkl(b"(X\x01\x00\x00\x000X\x03\x00\x00\x00cpuctorch\nFloatStorage\nt")
-TENSOR_ARGS = pkl(b"(X\x01\x00\x00\x001X\x01\x00\x00\x000ctorch\nFloatTensor\nt")
-
-
-def tar_era(marker: Path, where: str) -> dict[str, bytes]:
-    """The three members torch's tar reader unpickles, with a payload in one place: the ``pickle``
-    member, the storage views (after one storage's raw bytes, which look like a pickle and are
-    not one to torch), a tensor record (after another one's raw shape) or a storage count;
-    ``framed``: the views after a storage record pickled in a FRAME longer than its pickle."""
-    evil = system_call(marker)
-    raw = b"cos\nsystem\n"  # 11 raw bytes torch never unpickles
-    args = FLOAT_ARGS
-    if where == "framed":  # a FRAME that runs 8 bytes past the STOP: torch reads on after them
-        body = FLOAT_ARGS[2:] + struct.pack("<q", 0)  # a linear reader's "0 elements"
-        args = b"\x80\x04\x95" + struct.pack("<Q", len(body)) + body
-    storages = pickle.dumps(1, 2) + args + struct.pack("<q", 3) + raw.ljust(12, b"\0")
-    storages += evil if where in ("views", "framed") else pickle.dumps([], 2)
-    tensor = TENSOR_ARGS + struct.pack("<ii", 2, 0) + struct.pack("<5q", 3, 1, 1, 1, 0)
-    tensors = pickle.dumps(2, 2) + tensor + (evil if where == "tensor" else tensor)
-    members = {
-        "storages": evil if where == "count" else storages,
-        "tensors": pickle.dumps(0, 2) if where == "count" else tensors,
-        "pickle": evil if where == "pickle" else pickle.dumps({"w": 1}, 2),
-    }
-    return members
 
 
 def safetensors_bytes(pad: int) -> bytes:
