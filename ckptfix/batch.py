@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import BadInputError, CannotWriteError, CkptfixError, ExitCode, UsageError, naming_file, one_line
+from .fileio.remote import as_path
 from .formats.detect import CHECKPOINT_SUFFIXES, FILE_FORMATS
 from .formats.sharded import INDEX_NAMES, find_index
 
@@ -89,7 +90,7 @@ def expand_inputs(paths: Sequence[str], recursive: bool) -> list[tuple[Path, Pat
     """
     found: list[tuple[Path, Path]] = []
     for raw in paths:
-        path = Path(raw)
+        path = as_path(raw)  # a URL stays one (a RemotePath: listed through fsspec)
         if path.is_dir() and not _is_checkpoint_folder(path):
             found.extend((p, p.relative_to(path)) for p in _scan(path, recursive))
         else:

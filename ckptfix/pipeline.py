@@ -17,6 +17,7 @@ import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields, replace
 from functools import partial
 from pathlib import Path
@@ -36,7 +37,18 @@ from .errors import (
 from .fileio.atomic import atomic_output, check_destination
 from .fileio.extents import shared_bytes, shared_bytes_of
 from .fileio.ranges import FileRange, OpenFiles, OutputStream
+from .fileio.remote import (
+    RemotePath,
+    as_path,
+    consistent_reads,
+    local_or_remote,
+    metadata_only,
+    output_urls,
+    refuse_existing,
+    staged_output,
+)
 from .fileio.sizes import parse_size
+from .fileio.urls import is_url
 from .formats.checkpoint import (
     FORMAT_DCP,
     FORMAT_SAFETENSORS,
@@ -54,7 +66,8 @@ from .formats.safetensors import (
     write_safetensors,
     write_safetensors_from_torch,
 )
-from .formats.sharded import write_sharded
+from .formats.sharded import Split, write_sharded
+from .model.needs import need_torch
 from .model.paths import format_path
 from .model.paths import select as select_path
 from .model.refs import StorageRef, TensorRef, is_meta_tensor, is_tensor_like
@@ -131,6 +144,9 @@ class ConvertOptions:
     verify: bool = False
     #: strip-module/add-module: write only when a key was renamed
     require_change: bool = False
+    #: split a sharded write by output shard over the processes ``torchrun`` started (see
+    #: :func:`torchrun_split`); every process runs the same command
+    distributed: bool = False
     #: DeepSpeed folders: the tag to read (default: what ``latest`` names) and the weights
     #: (``fp32`` master weights, the default for ZeRO >= 1, or ``module``)
     tag: str | None = None
@@ -512,6 +528,7 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out
 
 @names_input
 @collector_paused()
+@consistent_reads
 def convert(
     in_path: str | os.PathLike[str],
     out_path: str | os.PathLike[str] | None = None,
@@ -544,11 +561,19 @@ def convert(
     for rule in opts.rename:
         parse_rule(rule)
     check_global_patterns(opts.allow_globals)  # the API gets the CLI's check too
+    if opts.distributed and (kind != "sharded" or is_url(out_path) or opts.in_place):
+        raise UsageError("--distributed splits a folder of shards on local disk by shard: name a folder OUT/")
+    if opts.distributed and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
+        raise UsageError(_UNDER_TORCHRUN)
+    if is_url(out_path) and (opts.in_place or kind == "dcp"):
+        raise UsageError(f"{out_path}: a URL output takes a .pth/.safetensors name or a folder of shards")
     check_input(in_path)  # a missing input is reported as such, before anything about OUT
-    if not opts.dry_run and kind == "file":
+    if not opts.dry_run and kind == "file" and not is_url(out_path):
         check_destination(in_path, out_path, overwrite=opts.force, in_place=opts.in_place)
+    if not opts.dry_run and not opts.force and is_url(out_path):
+        refuse_existing(out_path)  # before any reading, as for a local OUT
     if not opts.dry_run and not (opts.in_place and kind == "file"):
-        check_no_overlap(Path(in_path), Path(out_path), kind)
+        check_no_overlap(local_or_remote(in_path), local_or_remote(out_path), kind)
     started = time.perf_counter()
     # unknown classes are read as inert records and judged on what the output carries
     # (check_output); --unsafe-load keeps the old way: the file through torch if it holds any
@@ -604,10 +629,25 @@ def convert(
             return report
         # OUT was named: it exists afterwards, so `a && b` chains and batch folders never miss a
         # file -- a byte-for-byte copy when the format stays (reflinked where the file system can)
-        if _same_format(ckpt, kind, file_format):
+        if _same_format(ckpt, kind, file_format) and not is_url(out_path):
             _copy_whole(ckpt, Path(out_path), report)
         else:
-            _write(ckpt, root, Path(out_path), kind, file_format, max_bytes, opts, report, progress)
+            _write_to(
+                out_path,
+                opts,
+                report,
+                partial(
+                    _write,
+                    ckpt,
+                    root,
+                    kind=kind,
+                    file_format=file_format,
+                    max_bytes=max_bytes,
+                    opts=opts,
+                    report=report,
+                    progress=progress,
+                ),
+            )
         if report.output_format != report.input_format:  # a conversion is written, not "unchanged"
             report.unchanged = False
             report.message = f"{why}; wrote {out_path} as {report.output_format} (a format conversion)"
@@ -617,17 +657,94 @@ def convert(
             report.notes.append(f"{why}: {out_path} is the input unchanged")
         report.seconds = time.perf_counter() - started
         return report
-    _write(ckpt, root, Path(out_path), kind, file_format, max_bytes, opts, report, progress)
+    _write_to(
+        out_path,
+        opts,
+        report,
+        partial(
+            _write,
+            ckpt,
+            root,
+            kind=kind,
+            file_format=file_format,
+            max_bytes=max_bytes,
+            opts=opts,
+            report=report,
+            progress=progress,
+        ),
+    )
     report.seconds = time.perf_counter() - started
     return report
 
 
-def _identity(path: Path) -> tuple[int, int] | None:
+_UNDER_TORCHRUN = (
+    "--distributed runs under torchrun, e.g. torchrun --standalone --nproc-per-node 4 -m ckptfix convert IN OUT/ "
+    "--distributed"
+)
+
+
+def torchrun_split() -> Split:
+    """This process's part of a write split over ``torchrun``'s processes (torch.distributed
+    with gloo, the engine clusters already run: ``torchrun --nproc-per-node N -m ckptfix convert
+    IN OUT/ --distributed``, or across hosts with ``--nnodes``). The process group is made from
+    torchrun's environment on first use."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise UsageError(_UNDER_TORCHRUN)
+    need_torch()
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+
+    def all_ok(ok: bool) -> bool:
+        flag = torch.tensor([0 if ok else 1])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item()) == 0
+
+    return Split(dist.get_rank(), dist.get_world_size(), all_ok)
+
+
+def _local_output(out: str | os.PathLike[str] | None, command: str) -> None:
+    """Commands that name their outputs themselves write to local disk only (a URL as a Path
+    would be a local folder named "s3:")."""
+    if out is not None and is_url(str(out)):
+        raise UsageError(f"{out}: {command} writes to a local path; convert (and the fixes) write to URLs")
+
+
+def _write_to(out_path: str, opts: ConvertOptions, report: Report, write: Callable[[Path], None]) -> None:
+    """``write(OUT)`` for a local OUT; for a URL, ``write`` into a local staging path that is
+    then uploaded, each object atomically and a folder's index last (see
+    :func:`~ckptfix.fileio.remote.staged_output`), and the report names the URLs."""
+    if not is_url(out_path):
+        write(Path(out_path))
+        return
+    if opts.dry_run:
+        write(as_path(out_path))  # only named in the message
+        return
+    with staged_output(out_path, force=opts.force) as local:
+        write(local)
+        staged = list(report.outputs)
+        report.message = report.message.replace(str(local), out_path)
+    report.outputs = output_urls(out_path, local, staged)
+    report.shared_bytes = None
+
+
+def _identity(path: Path) -> tuple[int, int] | str | None:
+    """What every spelling of one file shares: device and inode (None when there is no such
+    file); for a remote object (a :class:`RemotePath`), its URL: no links, no real path."""
+    if isinstance(path, RemotePath):
+        return str(path)
     try:
         st = os.stat(path)
     except (OSError, ValueError):
         return None
     return st.st_dev, st.st_ino
+
+
+def _real(path: Path) -> Path:
+    """``path`` with its links resolved; a remote object's URL as it is."""
+    return path if isinstance(path, RemotePath) else Path(os.path.realpath(path))
 
 
 def _input_files(in_path: Path) -> list[Path]:
@@ -639,7 +756,7 @@ def _input_files(in_path: Path) -> list[Path]:
         return [in_path]
     try:
         return [p for p in folder.iterdir() if p.is_file()]
-    except OSError:
+    except (OSError, BadInputError):  # a folder that cannot be listed (a remote one: its server said why)
         return []
 
 
@@ -655,12 +772,19 @@ def check_no_overlap(in_path: Path, out_path: Path, kind: str) -> None:
     OUT naming that folder through a symlink or another spelling), would replace files that
     are still to be read, and the result would silently hold wrong bytes. Files and folders
     are compared by identity (device and inode: links, bind mounts, ``..``) and by real path;
-    a DCP output replaces its whole folder, so no input may lie anywhere inside it."""
+    a DCP output replaces its whole folder, so no input may lie anywhere inside it.
+
+    Paths come from :func:`~ckptfix.fileio.remote.local_or_remote`: a ``file://`` URL is the
+    local path it names; a remote object (a :class:`RemotePath`) cannot be resolved or statted
+    locally and is compared by its URL, with the input's URLs. A local file and a remote object
+    never overlap, and nothing is asked of a server then."""
+    if isinstance(in_path, RemotePath) != isinstance(out_path, RemotePath):
+        return
     inputs = _input_files(in_path)
     if kind == "file":
-        out_id, out_real = _identity(out_path), os.path.realpath(out_path)
+        out_id, out_real = _identity(out_path), _real(out_path)
         for file in inputs:
-            if (out_id is not None and _identity(file) == out_id) or os.path.realpath(file) == out_real:
+            if (out_id is not None and _identity(file) == out_id) or _real(file) == out_real:
                 raise UsageError(
                     f"{out_path}: the output would overwrite {file}, which the input is read from",
                     hint="write to a path outside the input checkpoint",
@@ -671,7 +795,7 @@ def check_no_overlap(in_path: Path, out_path: Path, kind: str) -> None:
         return  # a folder that does not exist yet holds no input
     one_file = inputs == [in_path]
     for file in inputs:
-        real = Path(os.path.realpath(file))
+        real = _real(file)
         if kind == "dcp":
             holders = [real.parent, *real.parent.parents, file.parent, *file.parent.parents]
         elif one_file and not (_SHARD_NAME.fullmatch(file.name) or _SHARD_NAME.fullmatch(real.name)):
@@ -790,6 +914,7 @@ def _write(
             overwrite=opts.force,
             progress=progress,
             max_data_bytes=budget,
+            split=torchrun_split() if opts.distributed else None,
         )
         report.outputs = [str(p) for p in written.files]
         report.output_bytes = sum(p.stat().st_size for p in written.files)
@@ -894,6 +1019,7 @@ def write_checkpoint(
 
 @names_input
 @collector_paused()
+@consistent_reads
 def inspect_checkpoint(
     path: str | os.PathLike[str],
     *,
@@ -905,18 +1031,20 @@ def inspect_checkpoint(
     """The ``inspect`` report as plain data; reads structure only, never tensor data."""
     check_global_patterns(allow_globals)
     # unknown classes are shown as inert records (a warning names them): inspect writes nothing
-    ckpt = read_checkpoint(
-        path,
-        unsafe_load=unsafe_load,
-        allow_globals=allow_globals,
-        inert_unknown=not unsafe_load,
-        tag=tag,
-        weights=weights,
-    )
+    with metadata_only():  # a remote input: a few planned requests, whatever its size
+        ckpt = read_checkpoint(
+            path,
+            unsafe_load=unsafe_load,
+            allow_globals=allow_globals,
+            inert_unknown=not unsafe_load,
+            tag=tag,
+            weights=weights,
+        )
     return summarize(ckpt)
 
 
 @collector_paused()
+@consistent_reads
 def diff_checkpoints(
     a_path: str | os.PathLike[str],
     b_path: str | os.PathLike[str],
@@ -925,24 +1053,27 @@ def diff_checkpoints(
     select_b: str | None = None,
     rtol: float = 0.0,
     atol: float = 0.0,
+    keys_only: bool = False,
 ) -> DiffReport:
     """Compare two checkpoints of any formats; ``options`` transforms A first (e.g. strip
-    ``module.``) so a fix can be checked against a reference. Tensors are read one at a time."""
+    ``module.``) so a fix can be checked against a reference. Tensors are read one at a time;
+    with ``keys_only`` none is (keys, dtypes, shapes: a remote input costs a few requests)."""
     from .analysis.diff import diff_trees
 
     opts = options or ConvertOptions()
     check_global_patterns(opts.allow_globals)
     # diff writes nothing: unknown classes (configs) are read as inert records, compared by state
     inert = not opts.unsafe_load
-    a = read_checkpoint(
-        a_path,
-        unsafe_load=opts.unsafe_load,
-        allow_globals=opts.allow_globals,
-        inert_unknown=inert,
-        tag=opts.tag,
-        weights=opts.weights,
-    )
-    b = read_checkpoint(b_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals, inert_unknown=inert)
+    with metadata_only() if keys_only else nullcontext():
+        a = read_checkpoint(
+            a_path,
+            unsafe_load=opts.unsafe_load,
+            allow_globals=opts.allow_globals,
+            inert_unknown=inert,
+            tag=opts.tag,
+            weights=opts.weights,
+        )
+        b = read_checkpoint(b_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals, inert_unknown=inert)
     scratch = Report("diff", str(a_path), None, a.format, b.format, dry_run=True)
     with about_input(str(a_path)):
         root_a = apply_transforms(a, opts, scratch)
@@ -950,12 +1081,20 @@ def diff_checkpoints(
         root_b = select_path(b.root, select_b, flag="--select-b")[1] if select_b else b.root
     budget = expand_budget(opts.max_expand, a.file_size + b.file_size)
     return diff_trees(
-        root_a, root_b, a_name=str(a_path), b_name=str(b_path), rtol=rtol, atol=atol, expand_budget=budget
+        root_a,
+        root_b,
+        a_name=str(a_path),
+        b_name=str(b_path),
+        rtol=rtol,
+        atol=atol,
+        keys_only=keys_only,
+        expand_budget=budget,
     )
 
 
 @names_input
 @collector_paused()
+@consistent_reads
 def fit_checkpoint(
     in_path: str | os.PathLike[str],
     out_path: str | os.PathLike[str] | None,
@@ -994,6 +1133,8 @@ def fit_checkpoint(
     Returns the plan and the write report (None when nothing was written).
     """
     from .transforms.fit import best_fit, reference_from_model, shapes_of
+
+    _local_output(out_path, "fit")
 
     legacy = ConvertOptions(
         select=select,
@@ -1097,6 +1238,7 @@ class PublishResult:
 
 @names_input
 @collector_paused()
+@consistent_reads
 def publish(
     in_path: str | os.PathLike[str],
     out_dir: str | os.PathLike[str],
@@ -1121,6 +1263,7 @@ def publish(
     """
     import hashlib
 
+    _local_output(out_dir, "publish")
     legacy = ConvertOptions(
         out_format=out_format, unsafe_load=unsafe_load, allow_globals=allow_globals, max_expand=max_expand, ema=ema
     )

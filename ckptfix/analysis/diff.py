@@ -149,6 +149,10 @@ def _compare_values(fa: Any, fb: Any, rtol: float, atol: float) -> dict[str, Any
     }
 
 
+#: the hint a --keys-only report carries: its verdict says nothing of tensor values
+KEYS_ONLY_HINT = "tensor values were not read (--keys-only): keys, dtypes, shapes and other values compared"
+
+
 def diff_trees(
     a_root: Any,
     b_root: Any,
@@ -157,9 +161,11 @@ def diff_trees(
     b_name: str = "B",
     rtol: float = 0.0,
     atol: float = 0.0,
+    keys_only: bool = False,
     expand_budget: int | None = None,
 ) -> DiffReport:
-    """Compare two checkpoint trees (lazy or real tensors), reading one tensor pair at a time.
+    """Compare two checkpoint trees (lazy or real tensors), reading one tensor pair at a time;
+    with ``keys_only``, no tensor byte is read (tensors compare by dtype and shape).
 
     ``expand_budget`` bounds the bytes compared element by element (views of different layouts,
     or whose storages differ between elements); None: unbounded."""
@@ -179,9 +185,9 @@ def diff_trees(
             left_tensor = isinstance(left, TensorRef) or is_torch_tensor(left)
             right_tensor = isinstance(right, TensorRef) or is_torch_tensor(right)
             if left_tensor and right_tensor:
-                _compare_tensor(report, path, left, right, files, rtol, atol, budget, seen)
+                _compare_tensor(report, path, left, right, None if keys_only else files, rtol, atol, budget, seen)
             elif type(left) is StorageRef and type(right) is StorageRef:
-                _compare_storage(report, path, left, right, files)
+                _compare_storage(report, path, left, right, None if keys_only else files)
             elif left_tensor or right_tensor:
                 report.values_differ.append({"path": path, "a": type(left).__name__, "b": type(right).__name__})
             elif isinstance(left, Reduce) or isinstance(right, Reduce):
@@ -196,6 +202,8 @@ def diff_trees(
                 report.values_differ.append({"path": path, "a": repr(left)[:80], "b": repr(right)[:80]})
     if report.only_in_a and report.only_in_b:
         report.hint = _prefix_hint(report.only_in_a, report.only_in_b)
+    elif keys_only:
+        report.hint = KEYS_ONLY_HINT
     report.equal = not (
         report.only_in_a or report.only_in_b or report.mismatched or report.different or report.values_differ
     )
@@ -299,14 +307,15 @@ def _compare_tensor(
     path: str,
     left: Any,
     right: Any,
-    files: OpenFiles,
+    files: OpenFiles | None,
     rtol: float,
     atol: float,
     budget: _Budget,
     seen: dict[tuple[int, int], dict[str, Any] | None],
 ) -> None:
     """Compare two tensors a piece at a time (memory: a few chunks whatever their size); a pair
-    compared before (``seen``) is counted with its earlier outcome."""
+    compared before (``seen``) is counted with its earlier outcome. ``files`` None: dtype and
+    shape only (--keys-only)."""
     report.tensors_compared += 1
     pair = (id(left), id(right))
     if pair in seen:
@@ -333,20 +342,22 @@ def _compare_new_pair(
     path: str,
     left: Any,
     right: Any,
-    files: OpenFiles,
+    files: OpenFiles | None,
     rtol: float,
     atol: float,
     budget: _Budget,
 ) -> None:
     dtype_a, dtype_b = _dtype_of(left), _dtype_of(right)
     shape_a, shape_b = _shape_of(left), _shape_of(right)
-    if shape_a == shape_b and dtype_a != dtype_b:
+    if files is not None and shape_a == shape_b and dtype_a != dtype_b:
         budget.spend(path, left)  # element by element, as below: a stride-0 view counts in full
         budget.spend(path, right)
         _compare_across_dtypes(report, path, left, right, files, rtol, atol)
         return
     if dtype_a != dtype_b or shape_a != shape_b:
         report.mismatched.append({"path": path, "a": f"{dtype_a} {shape_a}", "b": f"{dtype_b} {shape_b}"})
+        return
+    if files is None:  # --keys-only: dtype and shape match, no byte is read
         return
     repeat = 1
     if isinstance(left, TensorRef) and isinstance(right, TensorRef):
@@ -449,12 +460,17 @@ def _merge_values(total: dict[str, Any], more: dict[str, Any]) -> dict[str, Any]
     }
 
 
-def _compare_storage(report: DiffReport, path: str, left: StorageRef, right: StorageRef, files: OpenFiles) -> None:
-    """A storage a tensor kind is rebuilt from (a quantized tensor's): dtype, size and bytes."""
+def _compare_storage(
+    report: DiffReport, path: str, left: StorageRef, right: StorageRef, files: OpenFiles | None
+) -> None:
+    """A storage a tensor kind is rebuilt from (a quantized tensor's): dtype, size and bytes
+    (not the bytes when ``files`` is None: --keys-only)."""
     if (left.dtype, left.numel) != (right.dtype, right.numel):
         report.mismatched.append(
             {"path": path, "a": f"{left.dtype} storage of {left.numel}", "b": f"{right.dtype} storage of {right.numel}"}
         )
+    elif files is None:
+        return
     elif left.source is None or right.source is None or read_all(left.source, files) != read_all(right.source, files):
         report.values_differ.append({"path": path, "a": "storage bytes", "b": "other storage bytes"})
 
@@ -462,6 +478,8 @@ def _compare_storage(report: DiffReport, path: str, left: StorageRef, right: Sto
 def render(report: DiffReport) -> str:
     """Human-readable diff."""
     lines = []
+    if report.equal and report.hint == KEYS_ONLY_HINT:
+        return f"equal keys: {report.tensors_compared} tensors match in dtype and shape, every other value matches"
     if report.dtype_changed:
         changes: dict[tuple[str, str], int] = {}
         for change in report.dtype_changed:

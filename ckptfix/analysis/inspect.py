@@ -9,6 +9,7 @@ from typing import Any
 
 from ..fileio.extents import shared_bytes_of
 from ..fileio.sizes import format_size
+from ..fileio.urls import is_url
 from ..formats.checkpoint import Checkpoint
 from ..model.paths import Path, format_path
 from ..model.refs import (
@@ -246,7 +247,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         "shared_storages": shared,
         "globals": sorted(ckpt.globals),
         "unallowed_globals": unallowed,
-        "shared_bytes": shared_bytes_of(_files_of(ckpt.path)),
+        "shared_bytes": None if is_url(ckpt.path) else shared_bytes_of(_files_of(ckpt.path)),
         "notes": list(ckpt.notes),
         "warnings": _warnings(devices) + _meta_warning(meta) + _unallowed_warning(unallowed),
         **({"deepspeed": _deepspeed(ckpt)} if ckpt.deepspeed is not None else {}),

@@ -34,7 +34,8 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from ..errors import BadInputError, CkptfixError
-from ..fileio.ranges import FileSlice
+from ..fileio.ranges import FileSlice, RangeSource
+from ..fileio.remote import RemotePath, as_path, consistent_reads, metadata_only
 from ..fileio.ziparchive import read_directory, read_record_bytes
 from ..formats.dcp import METADATA_NAME, dcp_items, is_dcp_folder
 from ..formats.deepspeed import is_deepspeed_folder
@@ -127,6 +128,7 @@ def _verdict(name: str, at: str) -> tuple[str, str, str]:
     return verdict, at, reason
 
 
+@consistent_reads
 def scan_path(path: str | Path) -> ScanResult:
     """Scan one checkpoint -- a file, a shard index or folder, a DCP folder -- never executing
     anything; bad input is reported in the result, never raised.
@@ -136,9 +138,9 @@ def scan_path(path: str | Path) -> ScanResult:
     checkpoint-like files (:func:`~ckptfix.formats.sharded.other_checkpoints`: what torch or
     ``transformers`` would load besides the checkpoint the folder's marker names) are scanned
     too, each finding naming its file; the verdict is the worst of them."""
-    target = Path(path)
-    result = _scan_one(target)
-    if not target.is_dir() or result.format == "":
+    target = as_path(path)  # a URL stays one (RemotePath)
+    result, is_dir = _scan_one(target)
+    if not is_dir or result.format == "":
         return result
     try:
         marker = target / METADATA_NAME if is_dcp_folder(target) else find_index(target)
@@ -147,7 +149,7 @@ def scan_path(path: str | Path) -> ScanResult:
         result.error = result.error or f"the folder's other files were not scanned: {exc}"
         return result
     for other in others:
-        part = _scan_one(other)
+        part, _ = _scan_one(other)
         result.globals += [Found(g.name, g.verdict, f"{other.name}:{g.where}", g.reason) for g in part.globals]
         result.error = result.error or (f"{other.name}: {part.error}" if part.error else "")
     if others:
@@ -156,15 +158,19 @@ def scan_path(path: str | Path) -> ScanResult:
     return result
 
 
-def _scan_one(target: Path) -> ScanResult:
+def _scan_one(target: Path) -> tuple[ScanResult, bool]:
+    """One checkpoint's scan, and whether ``target`` is a folder (asked once: for a URL, each
+    question is a request)."""
+    is_dir = False
     try:
-        parts = _parts(target)
+        is_dir = target.is_dir()
+        parts = _parts(target, is_dir)
     except (OSError, CkptfixError) as exc:
-        return ScanResult(str(target), error=str(exc))
+        return ScanResult(str(target), error=str(exc)), is_dir
     if parts is None:
-        return _scan_file(target)
+        return _scan_file(target), is_dir
     if parts[0] == "dcp":
-        return _scan_dcp(target)
+        return _scan_dcp(target), is_dir
     kind, files, notes = parts
     result = ScanResult(str(target), kind, notes=notes)
     for file in files:
@@ -173,23 +179,31 @@ def _scan_one(target: Path) -> ScanResult:
         result.error = result.error or (f"{file.name}: {part.error}" if part.error else "")
         if kind == "file":  # a folder holding one model file: that file's format
             result.format = part.format
-    return result
+    return result, is_dir
 
 
-def _parts(target: Path) -> tuple[str, list[Path], list[str]] | None:
+def _parts(target: Path, is_dir: bool) -> tuple[str, list[Path], list[str]] | None:
     """The files of a checkpoint made of several (kind, files, notes), or None for one file."""
-    if target.is_dir() and is_dcp_folder(target):
+    if is_dir and is_dcp_folder(target):
+        _local_only(target, "a torch.distributed.checkpoint folder")
         return "dcp", [target / METADATA_NAME], []
-    if target.is_dir() and is_deepspeed_folder(target):
+    if is_dir and is_deepspeed_folder(target):
+        _local_only(target, "a DeepSpeed checkpoint folder")
         # every file torch might load: the tags' partitions and anything else checkpoint-like
         return "deepspeed", sorted(p for p in target.rglob("*") if p.is_file() and checkpoint_like(p)), []
-    index = find_index(target) if target.is_dir() else target
+    index = find_index(target) if is_dir else target
     if index is None:
         raise BadInputError(f"{target}: a folder with no checkpoint index or model file in it")
     if not index.name.lower().endswith(".index.json"):
         return None if index == target else ("file", [index], [])
     weight_map, _ = read_index(index)
     return "sharded", [index.parent / name for name in dict.fromkeys(weight_map.values())], []
+
+
+def _local_only(folder: Path, what: str) -> None:
+    """Refuse a remote folder of a kind whose scan maps its files (the verdict is not clean)."""
+    if isinstance(folder, RemotePath):
+        raise BadInputError(f"{folder}: {what}; scan reads these from local disk only (copy it locally first)")
 
 
 def _scan_pickle_file(path: Path) -> ScanResult:
@@ -261,9 +275,9 @@ def _scan_dcp(folder: Path) -> ScanResult:
 def _scan_file(path: Path) -> ScanResult:
     """Scan one file; never executes, never raises for bad input (the error is in the result)."""
     result = ScanResult(str(path))
-    data: bytes | mmap.mmap
     try:
-        f, size = open_input(str(path))  # never opens a FIFO or a device (they hang or never end)
+        with metadata_only():  # a remote file: its pickles are read, no tensor record's header
+            f, size = open_input(str(path))  # never opens a FIFO or a device (they hang or never end)
         with f:
             what = sniff_file(f, size, path)
             result.format = what.kind
@@ -271,18 +285,18 @@ def _scan_file(path: Path) -> ScanResult:
                 _scan_zip(f, size, str(path), result)
             elif what.kind == "legacy" or (what.kind == "not-checkpoint" and "pickle" in what.description):
                 # a legacy file is exactly five pickles, then raw storage bytes (not opcodes)
-                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                with _whole(f, size, what.kind) as data:
                     found, result.error = scan_pickles(data, "pickles", count=5 if what.kind == "legacy" else None)
                 result.globals.extend(found)
             elif what.kind == "safetensors":
-                pass  # JSON header and raw bytes: no code can be referenced
+                pass  # JSON header and raw bytes: no code can be referenced (a remote header is not even fetched)
             elif what.kind == "tar":
-                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+                with _whole(f, size, what.kind) as data:
                     result.error = _scan_tar(f, data, size, result.globals)
             else:
                 # not a format we know -- but a protocol 0/1 pickle has no header, and
                 # pickle.load would still run whatever it names: record that, if anything
-                with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else contextlib.nullcontext(b"") as data:
+                with _whole(f, size, what.kind) as data:
                     found, _ = scan_pickles(data, "pickles", headerless=True)
                 result.globals.extend(found)
                 result.error = what.description
@@ -291,7 +305,19 @@ def _scan_file(path: Path) -> ScanResult:
     return result
 
 
-def _scan_tar(f: Any, data: mmap.mmap, size: int, found: list[Found]) -> str:
+def _whole(f: BinaryIO, size: int, kind: str) -> contextlib.AbstractContextManager[bytes | mmap.mmap]:
+    """All of an open file's bytes: a local file mapped; a remote one (no descriptor to map)
+    fetched whole, up to the pickle limit (a bigger one is not scanned: download it first)."""
+    if isinstance(f, RangeSource):
+        if size > MAX_PICKLE_BYTES:
+            raise BadInputError(f"a {kind} file of {size} bytes from a URL: not scanned remotely; download it first")
+        return contextlib.nullcontext(f.pread(size, 0))
+    if not size:
+        return contextlib.nullcontext(b"")
+    return mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def _scan_tar(f: Any, data: bytes | mmap.mmap, size: int, found: list[Found]) -> str:
     """Scan what torch's tar reader unpickles (:func:`ckptfix.formats.tarera.record_tar`); returns
     the error that keeps the file from being called clean (a tar-era file is never read safely)."""
     recorded, error = record_tar(f, data, size)

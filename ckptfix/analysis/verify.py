@@ -20,6 +20,7 @@ from typing import Any
 
 from ..errors import CkptfixError, UsageError, group_by_module
 from ..fileio.ranges import OpenFiles, crc_of, iter_chunks
+from ..fileio.remote import consistent_reads
 from ..formats.checkpoint import (
     FORMAT_SAFETENSORS,
     FORMAT_SHARDED,
@@ -109,6 +110,7 @@ def _unallowed_classes(ckpt: Checkpoint) -> list[str]:
     ]
 
 
+@consistent_reads
 def verify_path(
     path: str | os.PathLike[str],
     expect: Expectations | None = None,

@@ -33,6 +33,7 @@ from .options import (
     INPUTS,
     PIPELINE,
     PREFIX,
+    REMOTE,
     Decorator,
     allow_global,
     apply,
@@ -151,7 +152,16 @@ WRITE_COMMANDS = (
       ckptfix convert model.pth dcp_dir/ --format dcp
       ckptfix convert dcp_dir/ model.pth --unsafe-load    # DCP metadata is a plain pickle
       ckptfix convert ckpts/ -o dist/ --recursive --format safetensors --select state_dict
+      torchrun --nproc-per-node 4 -m ckptfix convert big/ out/ --max-shard-size 5GB --distributed
     """,
+        options=(
+            click.option(
+                "--distributed",
+                is_flag=True,
+                help="Under torchrun: split a shard-folder output by shard over its processes (gloo); "
+                "rank 0 writes the index last.",
+            ),
+        ),
         require_change=False,
     ),
     WriteCommand(
@@ -297,6 +307,7 @@ def pipeline_options(kw: dict[str, Any], **preset: Any) -> ConvertOptions:
 def run_write(spec: WriteCommand, paths: tuple[str, ...], as_json: bool, kw: dict[str, Any]) -> int:
     """Build the options and run one file (IN OUT) or a batch (-o DIR, --in-place, folders)."""
     from ..batch import expand_inputs, plan_outputs, run_batch
+    from ..fileio.urls import is_url
 
     batch = {k: kw.pop(k) for k in BATCH_OPTIONS}
     opts = pipeline_options(kw, require_change=spec.require_change)
@@ -310,6 +321,8 @@ def run_write(spec: WriteCommand, paths: tuple[str, ...], as_json: bool, kw: dic
     else:
         if batch["output_dir"] is not None and opts.in_place:
             raise UsageError("give either -o DIR or --in-place, not both")
+        if any(is_url(p) for p in (*paths, batch["output_dir"] or "")):
+            raise UsageError("several inputs (-o DIR, --in-place) are local files; give a URL as IN OUT, one at a time")
         inputs = expand_inputs(paths, batch["recursive"])
         out_dir = Path(batch["output_dir"]) if batch["output_dir"] else None
         if out_dir is not None:
@@ -484,10 +497,23 @@ def fit(in_path: str, out_path: str | None, as_json: bool, **kw: Any) -> int:
 @click.option("--rename", multiple=True, metavar="RULE", help="Rename A's keys first: 'REGEX=>REPLACEMENT'.")
 @click.option("--drop", multiple=True, metavar="GLOB", help="Leave entries of A matching GLOB out of the comparison.")
 @click.option("--unsafe-load", is_flag=True, help="For TRUSTED files only: allow torch.load(weights_only=False).")
+@click.option(
+    "--keys-only",
+    is_flag=True,
+    help="Compare keys, dtypes, shapes and other values; read no tensor data (a remote checkpoint: a few requests).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@REMOTE
 @DEEPSPEED
 def diff_command(
-    a_path: str, b_path: str, rtol: float, atol: float, select_b: str | None, as_json: bool, **kw: Any
+    a_path: str,
+    b_path: str,
+    rtol: float,
+    atol: float,
+    select_b: str | None,
+    keys_only: bool,
+    as_json: bool,
+    **kw: Any,
 ) -> int:
     """Compare two checkpoints of any formats: keys, shapes, dtypes and values.
 
@@ -501,11 +527,14 @@ def diff_command(
       ckptfix diff ddp.pth bare.pth --strip-prefix module.
       ckptfix diff train.ckpt weights.safetensors --select state_dict --strip-prefix model. --json
       ckptfix diff a.pth b.pth --rtol 1e-3 --atol 1e-5
+      ckptfix diff s3://bucket/run/last.ckpt model.safetensors --select state_dict --keys-only
     """
     from ..analysis.diff import render
     from ..pipeline import ConvertOptions, diff_checkpoints
 
-    report = diff_checkpoints(a_path, b_path, ConvertOptions(**kw), select_b=select_b, rtol=rtol, atol=atol)
+    report = diff_checkpoints(
+        a_path, b_path, ConvertOptions(**kw), select_b=select_b, rtol=rtol, atol=atol, keys_only=keys_only
+    )
     code = ExitCode.OK if report.equal else ExitCode.CHECK_FAILED
     if as_json:
         emit_json("diff", code, report.to_dict())
@@ -558,6 +587,7 @@ def _one_or_stdin(paths: tuple[str, ...], recursive: bool) -> Iterator[list[str]
 @click.option("--recursive", is_flag=True, help="Folder inputs: include sub-folders.")
 @click.option("-q", "--quiet", is_flag=True, help="Print only failures.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
+@REMOTE
 def verify(
     paths: tuple[str, ...],
     expect_prefix: str | None,
@@ -649,6 +679,7 @@ def publish_command(in_path: str, out_dir: str, as_json: bool, **kw: Any) -> int
 @click.option("--recursive", is_flag=True, help="Folder inputs: include sub-folders.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON report.")
 @click.option("--strict", is_flag=True, help="Exit 1 for unknown classes too, not only dangerous ones.")
+@REMOTE
 def scan(paths: tuple[str, ...], recursive: bool, as_json: bool, strict: bool) -> int:
     """List every global each file's pickles reference, and judge them; never runs anything.
 
@@ -691,6 +722,7 @@ def scan(paths: tuple[str, ...], recursive: bool, as_json: bool, strict: bool) -
 )
 @click.option("--full", is_flag=True, help="Show every layout entry (the text report shows the first 60).")
 @allow_global("Read objects of this global (dotted name, * ? [...] globs) as opaque records, never imported or run.")
+@REMOTE
 @DEEPSPEED
 def inspect_command(
     path: str,

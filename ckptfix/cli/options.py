@@ -95,6 +95,49 @@ MAX_EXPAND = click.option(
     "out in full, e.g. a stride-0 expand (default: 16x the input size, at least 1GiB).",
 )
 
+
+def _storage_options(ctx: click.Context, param: click.Parameter, value: tuple[str, ...]) -> None:
+    """``--storage-option KEY=VALUE`` (repeatable) configures how URLs are opened (fsspec's
+    storage options; dotted keys nest: client_kwargs.region_name=eu-west-1)."""
+    from ..fileio.remote import configure, merge_option, parse_storage_option
+
+    options: dict[str, Any] = {}  # none given: none (one command's options never reach the next)
+    for text in value:
+        merge_option(options, *parse_storage_option(text))
+    configure(storage_options=options)
+
+
+def _max_concurrency(ctx: click.Context, param: click.Parameter, value: int) -> None:
+    from ..fileio.remote import configure
+
+    configure(max_concurrency=value)
+
+
+#: how inputs (and outputs) named by URL are reached: s3://, gs://, az://, hf://, https://,
+#: file://, memory:// through fsspec (the ckptfix[remote] extra); every command that reads takes it
+REMOTE_OPTIONS: list[Decorator] = [
+    click.option(
+        "--storage-option",
+        "storage_options",
+        multiple=True,
+        metavar="KEY=VALUE",
+        expose_value=False,
+        callback=_storage_options,
+        help="For URL inputs (s3://, gs://, hf://, https://...): an fsspec storage option, e.g. "
+        "endpoint_url=http://127.0.0.1:9000 or anon=true (repeatable; the environment's settings apply too).",
+    ),
+    click.option(
+        "--max-concurrency",
+        type=click.IntRange(min=1),
+        default=8,
+        show_default=True,
+        expose_value=False,
+        callback=_max_concurrency,
+        help="For URL inputs: ranged requests in flight at once (memory stays at that many 8 MiB parts).",
+    ),
+]
+REMOTE = apply(REMOTE_OPTIONS)
+
 #: the options every writing command shares (one pipeline: ckptfix.pipeline.convert): the
 #: table-built commands, fit and publish alike; ``tests/cli/test_shared_options.py`` checks it
 PIPELINE_OPTIONS: list[Decorator] = [
@@ -208,6 +251,7 @@ PIPELINE_OPTIONS: list[Decorator] = [
         "tensors, str) so the output loads with weights_only=True.",
     ),
     click.option("--json", "as_json", is_flag=True, help="Print a JSON report on stdout."),
+    *REMOTE_OPTIONS,
 ]
 
 #: what to read from a DeepSpeed checkpoint folder (every command that reads one takes them)

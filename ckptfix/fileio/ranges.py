@@ -19,12 +19,14 @@ from __future__ import annotations
 import io
 import os
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, BinaryIO, TypeGuard
+from functools import partial
+from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeGuard, cast, runtime_checkable
 
 from ..errors import BadInputError
+from .urls import is_url
 
 if TYPE_CHECKING:  # imported when first needed: concurrent.futures costs ~6 ms (it imports logging)
     from concurrent.futures import Future, ThreadPoolExecutor
@@ -44,6 +46,25 @@ MERGE_LIMIT = 1 << 28
 #: the buffer the background CRC reads through: small enough to stay in cache between the
 #: read and the CRC, large enough that the per-call cost vanishes (measured: flat 256 KiB-4 MiB)
 _CRC_CHUNK = 1 << 20
+
+
+@runtime_checkable
+class RangeSource(Protocol):
+    """A file read by ranges rather than through a descriptor: a remote object
+    (:class:`~ckptfix.fileio.remote.RemoteFile`). Readers that would ``pread`` a descriptor ask
+    it instead; it can be told what is about to be read, and streams big ranges itself."""
+
+    metadata_only: bool
+
+    def pread(self, size: int, offset: int) -> bytes: ...
+
+    def prefetch(self, ranges: list[tuple[int, int]]) -> None: ...
+
+    def iter_range(self, offset: int, size: int) -> Iterator[bytes]: ...
+
+    def check_unchanged(self) -> None: ...
+
+    def plan(self, ranges: list[tuple[int, int]]) -> None: ...
 
 
 @dataclass(slots=True, unsafe_hash=True)
@@ -107,8 +128,17 @@ class WindowedReader:
     ends; callers check lengths.
     """
 
-    def __init__(self, fd: int, window: int = 1 << 16, *, base: int = 0, end: int | None = None) -> None:
+    def __init__(
+        self,
+        fd: int,
+        window: int = 1 << 16,
+        *,
+        base: int = 0,
+        end: int | None = None,
+        source: RangeSource | None = None,
+    ) -> None:
         self._fd = fd
+        self._read_at = source.pread if source is not None else partial(os.pread, fd)
         self._window = window
         self._base = base  # offsets are relative to here (a FileSlice's start)
         self._end = end  # and nothing at or past this relative offset is read
@@ -118,7 +148,7 @@ class WindowedReader:
     def _pread(self, size: int, offset: int) -> bytes:
         if self._end is not None:
             size = max(0, min(size, self._end - offset))
-        return os.pread(self._fd, size, self._base + offset)
+        return self._read_at(size, self._base + offset)
 
     def read(self, offset: int, size: int) -> bytes:
         if size <= 0:
@@ -137,6 +167,8 @@ class WindowedReader:
         """A reader over the open file ``f``, or over just its part when it is a :class:`FileSlice`."""
         if isinstance(f, FileSlice):
             return cls(f.fileno(), base=f.base, end=f.size)
+        if isinstance(f, RangeSource):  # it windows and keeps what it fetched itself: pass reads through
+            return cls(-1, 1, source=f)
         return cls(f.fileno())
 
 
@@ -194,15 +226,37 @@ class OpenFiles:
     def file(self, path: str) -> BinaryIO:
         f = self._files.get(path)
         if f is None:
-            f = self._files[path] = self._stack.enter_context(open(path, "rb"))  # noqa: SIM115
+            if is_url(path):  # a remote object: read by ranges, checked unchanged when done
+                from .remote import RemoteFile
+
+                remote = RemoteFile(path)
+                self._stack.callback(remote.close)  # after the check (callbacks run last first)
+                self._stack.callback(remote.check_unchanged)
+                f = self._files[path] = cast(BinaryIO, remote)
+            else:
+                f = self._files[path] = self._stack.enter_context(open(path, "rb"))  # noqa: SIM115
         return f
+
+    def plan(self, sources: Iterable[FileRange | ComputedSource | None]) -> None:
+        """Say which ranges a writer is about to read, in its order. Local files ignore it; a
+        remote object fetches them ahead (coalesced, concurrent, bounded: see
+        :meth:`~ckptfix.fileio.remote.RemoteFile.plan`)."""
+        wanted: dict[str, list[tuple[int, int]]] = {}
+        for source in sources:
+            if isinstance(source, FileRange) and is_url(source.path):
+                size = source.size if source.deflated_size is None else source.deflated_size
+                wanted.setdefault(source.path, []).append((source.offset, size))
+        for path, ranges in wanted.items():
+            f = self.file(path)
+            if isinstance(f, RangeSource):
+                f.plan(ranges)
 
     def small_read(self, path: str, offset: int, size: int) -> bytes:
         """A few bytes of ``path`` (a small tensor record), through a read window per file
         rather than a ``pread`` each (a training checkpoint has ~4 records per parameter)."""
         window = self._windows.get(path)
         if window is None:
-            window = self._windows[path] = WindowedReader(self.file(path).fileno())
+            window = self._windows[path] = WindowedReader.over(self.file(path))
         return window.read(offset, size)
 
     def crc_in_background(self, source: FileRange) -> Future[int]:
@@ -270,9 +324,11 @@ class OutputStream:
 
     def copy(self, source: FileRange | ComputedSource, files: OpenFiles, *, want_crc: bool = False) -> int | None:
         """Append ``source``'s bytes: by the kernel when they are stored as they are, else
-        streamed in chunks. Returns the CRC32 when ``want_crc``: the one the source recorded
-        where there is one (the bytes are unchanged), else computed on a worker thread while
-        the kernel copies, so a CRC costs no more wall time than the copy it rides along."""
+        streamed in chunks. Returns the CRC32 when ``want_crc``: for a local stored range the
+        one the source recorded where there is one (the bytes are unchanged), else computed on
+        a worker thread while the kernel copies, so a CRC costs no more wall time than the copy
+        it rides along; for streamed bytes (a remote object's included), the CRC of what was
+        written."""
         if source.size == 0:  # nothing to read, wherever it claims to be
             return 0 if want_crc else None
         if is_plain_range(source):
@@ -281,8 +337,12 @@ class OutputStream:
             for piece in source.pieces:  # each piece by the kernel (a CRC streams them instead)
                 self._copy_plain(piece, files, False)
             return None
+        return self._stream(iter_chunks(source, files), want_crc)
+
+    def _stream(self, chunks: Iterator[bytes], want_crc: bool) -> int | None:
+        """Write ``chunks`` through the buffer; their CRC32 when ``want_crc``."""
         crc_value = 0
-        for chunk in iter_chunks(source, files):
+        for chunk in chunks:
             if want_crc:
                 crc_value = zlib.crc32(chunk, crc_value)
             self.write(chunk)
@@ -300,6 +360,8 @@ class OutputStream:
             if not want_crc:
                 return None
             return source.crc if source.crc is not None else zlib.crc32(data)
+        if not is_local_range(source):  # a remote object: no descriptor to copy from, so streamed
+            return self._stream(iter_chunks(source, files), want_crc)
         crc = files.crc_in_background(source) if want_crc and source.crc is None else None
         pending = self._pending
         if (
@@ -342,6 +404,13 @@ def is_plain_range(source: object) -> TypeGuard[FileRange]:
     return isinstance(source, FileRange) and source.deflated_size is None
 
 
+def is_local_range(source: object) -> TypeGuard[FileRange]:
+    """True for a plain range of a local file: one the kernel can copy and a worker can CRC by
+    its descriptor. A remote object's range (a URL) is plain but has no descriptor: its bytes
+    stream through Python, and their CRC is computed on the way."""
+    return is_plain_range(source) and not is_url(source.path)
+
+
 def iter_chunks(source: FileRange | ComputedSource, files: OpenFiles) -> Iterator[bytes]:
     """The bytes of ``source`` in bounded chunks, inflating compressed records."""
     if isinstance(source, JoinedSource):
@@ -363,6 +432,9 @@ def iter_chunks(source: FileRange | ComputedSource, files: OpenFiles) -> Iterato
 def _stored_chunks(source: FileRange, files: OpenFiles) -> Iterator[bytes]:
     """The bytes of an uncompressed range in bounded chunks."""
     f = files.file(source.path)
+    if isinstance(f, RangeSource):
+        yield from f.iter_range(source.offset, source.size)  # concurrent ranged reads, in order
+        return
     done = 0
     while done < source.size:
         f.seek(source.offset + done)

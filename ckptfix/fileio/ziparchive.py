@@ -33,8 +33,10 @@ from .ranges import (
     FileRange,
     OpenFiles,
     OutputStream,
+    RangeSource,
     WindowedReader,
     inflate_chunks,
+    is_local_range,
     is_plain_range,
 )
 
@@ -139,8 +141,12 @@ def read_directory(f: BinaryIO, file_size: int, path: str) -> ZipDirectory:
     _refuse_name_clashes(names, path)
     records = ZipDirectory()
     view = WindowedReader.over(f)
+    deferred = _plan_remote_reads(f, names, entries)
     for name, entry in zip(names, entries):
         _check_entry(entry, name, path)
+        if name in deferred:  # see _plan_remote_reads: the record's data is never read
+            records.add(name, -1, entry.compressed_size, entry.size, entry.method, entry.crc, entry.header_offset)
+            continue
         data_offset = _check_local_header(view, entry, name, file_size, path)
         if data_offset + entry.compressed_size > end.cd_offset:
             raise BadInputError(
@@ -149,6 +155,27 @@ def read_directory(f: BinaryIO, file_size: int, path: str) -> ZipDirectory:
         records.add(name, data_offset, entry.compressed_size, entry.size, entry.method, entry.crc, entry.header_offset)
     _refuse_overlaps(records, path)
     return records
+
+
+def _plan_remote_reads(f: BinaryIO, names: list[str], entries: list[_Entry]) -> frozenset[str]:
+    """For a remote archive, plan the local-header reads below (one request each otherwise).
+
+    Reading only metadata (``inspect``, ``scan``: :func:`~ckptfix.fileio.remote.metadata_only`),
+    the headers of tensor records (``*/data/*``) are not read at all, so a checkpoint of any
+    size costs a few requests: those records get data offset -1, which no read accepts, and
+    stay out of the overlap check. Otherwise every header is fetched ahead, coalesced and
+    concurrently, and checked as for a local file. Returns the names not read."""
+    if not isinstance(f, RangeSource):
+        return frozenset()
+    if f.metadata_only:  # a record named .pkl in any case is read (scan reads every one)
+        return frozenset(name for name in names if _tensor_record(name) and not name.lower().endswith(".pkl"))
+    f.prefetch([(e.header_offset, _LOCAL_HEADER.size + len(e.raw_name)) for e in entries])
+    return frozenset()
+
+
+def _tensor_record(name: str) -> bool:
+    """``<archive>/data/<key>``: where torch keeps storage bytes."""
+    return name.split("/")[1:2] == ["data"] and name.count("/") >= 2
 
 
 class ZipDirectory(Mapping[str, ZipRecord]):
@@ -211,7 +238,8 @@ class ZipDirectory(Mapping[str, ZipRecord]):
     def spans(self) -> Iterator[tuple[int, int, str]]:
         """(first byte, one past the last, name) of each record, local header included."""
         for name, i in self._index.items():
-            yield self._header_offset[i], self._data_offset[i] + self._compressed_size[i], name
+            if self._data_offset[i] >= 0:  # -1: a remote record whose header was not read (metadata only)
+                yield self._header_offset[i], self._data_offset[i] + self._compressed_size[i], name
 
 
 def _read_end(f: BinaryIO, file_size: int, path: str) -> _End:
@@ -633,13 +661,14 @@ class ZipWriter:
     def add_copy(self, name: str, source: FileRange | ComputedSource, files: OpenFiles) -> int:
         """Add a record whose bytes come from ``source``; returns its CRC32.
 
-        A stored range is copied by the kernel (adjacent ones merged into one call), anything
-        else streamed in bounded chunks. Where the source recorded a CRC (a zip record), the
-        bytes are checked against it: a record whose bytes do not match its CRC is corrupt,
-        and copying its CRC along would make the output pass every check. A kernel-copied
-        record's CRC is computed on a worker thread from the same source bytes while the kernel
-        copies them, and checked before the archive is closed (:meth:`close`); others as they
-        stream. CRC 0 marks a file saved with ``torch.serialization.set_crc32_options(False)``:
+        A stored range of a local file is copied by the kernel (adjacent ones merged into one
+        call), anything else streamed in bounded chunks (a remote object's ranges too: there is
+        no descriptor to copy from). Where the source recorded a CRC (a zip record), the bytes
+        are checked against it: a record whose bytes do not match its CRC is corrupt, and
+        copying its CRC along would make the output pass every check. A kernel-copied record's
+        CRC is computed on a worker thread from the same source bytes while the kernel copies
+        them, and checked before the archive is closed (:meth:`close`); a streamed one's as it
+        streams. CRC 0 marks a file saved with ``torch.serialization.set_crc32_options(False)``:
         it stays 0, unchecked, as torch wrote it. See :func:`shares_blocks` for where the
         record's data lands.
         """
@@ -652,7 +681,7 @@ class ZipWriter:
             _check_crc(name, source, recorded, crc)
             self.add_small(name, data, crc)
             return crc
-        if recorded and is_plain_range(source):
+        if recorded and is_local_range(source):
             unchecked = FileRange(source.path, source.offset, source.size)
             self._crc_checks.append((name, source, recorded, files.crc_in_background(unchecked)))
         header_offset = self._offset
@@ -660,8 +689,10 @@ class ZipWriter:
         full = self._start_record(name, source.size, place)
         copied_crc = self._stream.copy(source, files, want_crc=True)
         assert copied_crc is not None
-        if not is_plain_range(source):  # streamed: the CRC is of the bytes written
+        if not is_local_range(source):  # streamed (a remote object too): the CRC is of the bytes written
             _check_crc(name, source, recorded, copied_crc)
+            if recorded == 0 and is_plain_range(source):
+                copied_crc = 0  # unchecked, kept as torch wrote it, as a local copy keeps it
         self._finish_record(full, header_offset, source.size, copied_crc)
         return copied_crc
 

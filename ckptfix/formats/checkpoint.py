@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import BadInputError, UnsafeInputError, UsageError
+from ..fileio.remote import RemotePath, as_path
+from ..fileio.urls import is_url
 from ..model.needs import need_torch
 from ..model.refs import Tree
 from ..pickling.globals import danger
@@ -92,14 +94,19 @@ def read_checkpoint(
     """
     path = str(path)
     st = check_input(path)  # never opens: a FIFO, a device or a socket is refused from its mode
-    if stat.S_ISDIR(st.st_mode) and is_deepspeed_folder(Path(path)) and not is_dcp_folder(Path(path)):
+    if stat.S_ISDIR(st.st_mode) and is_deepspeed_folder(as_path(path)) and not is_dcp_folder(as_path(path)):
+        if is_url(path):
+            raise UsageError(
+                f"{path}: a DeepSpeed checkpoint folder; ckptfix reads DeepSpeed folders from local disk only",
+                hint="copy it locally first",
+            )
         return _read_deepspeed(Path(path), allow_globals, tag, weights)
     if tag is not None or weights is not None:
         raise UsageError(f"{path}: --tag and --weights choose what a DeepSpeed checkpoint folder gives; not one")
     if stat.S_ISDIR(st.st_mode):
-        return _read_folder(Path(path), unsafe_load, allow_globals, inert_unknown)
+        return _read_folder(as_path(path), unsafe_load, allow_globals, inert_unknown)
     if path.endswith(".index.json"):
-        return _read_sharded(Path(path), allow_globals)
+        return _read_sharded(as_path(path), allow_globals)
     f, file_size = open_input(path)
     with f:
         what = sniff_file(f, file_size, path)
@@ -121,6 +128,12 @@ def read_checkpoint(
             tensors, metadata = read_safetensors(path, f, file_size)
             return Checkpoint(path, FORMAT_SAFETENSORS, tensors, file_size, metadata=metadata)
         if what.kind == "legacy":
+            if is_url(path):
+                raise UsageError(
+                    f"{path}: a legacy torch checkpoint (saved with _use_new_zipfile_serialization=False); "
+                    "ckptfix reads this format from local files only",
+                    hint="download it first, e.g. fsspec's `fs.get`, then run ckptfix on the copy",
+                )
             globals_seen = set()
             try:
                 root = read_legacy(path, f, file_size, globals_seen, allow_globals, inert_unknown=inert_unknown)
@@ -141,6 +154,11 @@ def read_checkpoint(
                 f"{path}: a torch checkpoint in the tar format of torch before 0.4, which torch reads only "
                 "with weights_only=False (running code from the file); ckptfix has no safe reader for it",
                 hint="only if you trust this file: --unsafe-load (unsafe_load=True), then save it in today's format",
+            )
+        if is_url(path):
+            raise UsageError(
+                f"{path}: a tar-era torch checkpoint; ckptfix reads this format from local files only",
+                hint="download it first, e.g. fsspec's `fs.get`, then run ckptfix on the copy",
             )
         _refuse_hostile_tar(path)
         return _read_with_torch(path, FORMAT_TORCH_TAR, file_size, unsafe=True)
@@ -193,6 +211,11 @@ def _refuse_hostile(path: str, refused: UnsafeInputError, read_inert: Callable[[
 
 def _read_folder(folder: Path, unsafe_load: bool, allow_globals: Sequence[str], inert_unknown: bool) -> Checkpoint:
     if is_dcp_folder(folder):
+        if isinstance(folder, RemotePath):
+            raise UsageError(
+                f"{folder}: a torch.distributed.checkpoint folder; ckptfix reads DCP folders from local disk only",
+                hint="copy it locally first",
+            )
         size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
         globals_seen: set[str] = set()
         try:

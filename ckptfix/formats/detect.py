@@ -16,9 +16,10 @@ import stat
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, cast
 
 from ..errors import BadInputError
+from ..fileio.urls import is_url
 
 # The one registry of format names and file suffixes: the CLI's choices, output naming, folder
 # scans and the reader's messages all take them from here.
@@ -83,6 +84,10 @@ def check_input(path: str | os.PathLike[str]) -> os.stat_result:
     from their mode alone. Symlinks are followed (a link to a checkpoint is fine); a symlink
     loop, a path through a non-folder or an unreadable folder is a clear error.
     """
+    if is_url(str(path)):  # a remote object or prefix (fsspec): what its server says of it
+        from ..fileio.remote import stat_url
+
+        return stat_url(str(path))
     try:
         st = os.stat(path)
     except FileNotFoundError as exc:
@@ -108,6 +113,11 @@ def open_input(path: str | os.PathLike[str]) -> tuple[BinaryIO, int]:
     file swapped for a FIFO between the check and the open cannot hang us) and must still be
     the same regular file.
     """
+    if is_url(str(path)):  # read by planned ranged requests, never mapped or downloaded whole
+        from ..fileio.remote import open_url
+
+        remote, size = open_url(str(path))
+        return cast(BinaryIO, remote), size
     st = check_input(path)
     if stat.S_ISDIR(st.st_mode):
         raise BadInputError(f"{path}: is a folder, expected a file")

@@ -29,13 +29,14 @@ import itertools
 import json
 import os
 import struct
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeAlias
 
 from ..errors import BadInputError, InputMismatchError
 from ..fileio import strictjson
 from ..fileio.ranges import BLOCK, SMALL_COPY, FileRange, JoinedSource, OpenFiles, OutputStream, is_plain_range
+from ..fileio.urls import is_url
 from ..model.data import is_c_contiguous, storage_swap_unit, tensor_c_chunks
 from ..model.dtypes import DTYPE_ITEMSIZE, DTYPE_TO_SAFETENSORS, SAFETENSORS_DTYPES, SAFETENSORS_PACKED
 from ..model.needs import need_torch
@@ -488,6 +489,7 @@ def write_safetensors(
                 progress(plan.data_bytes)
         else:
             stream.write(plan.header)
+            files.plan(_planned_reads(plan.tensors))  # a remote input: fetched ahead, in this order
             for _, t in plan.tensors:
                 span = _plain_span(t)
                 joined = _joined(t) if span is None else None
@@ -504,6 +506,20 @@ def write_safetensors(
     return plan
 
 
+def _planned_reads(tensors: Iterable[tuple[str, TensorRef]]) -> Iterator[FileRange | None]:
+    """What the loop above reads, in its order: each tensor's bytes, or its whole storage when
+    it is gathered (see :func:`~ckptfix.model.data.tensor_c_bytes`)."""
+    for _, t in tensors:
+        span = _plain_span(t)
+        source = t.storage.source
+        if span is not None:
+            yield FileRange(span[0], span[1], t.nbytes)
+        elif isinstance(source, FileRange):
+            yield source
+        elif isinstance(source, JoinedSource):
+            yield from source.pieces
+
+
 def _unchanged_file(plan: SafetensorsPlan, files: OpenFiles) -> FileRange | None:
     """The whole source file, when the output would be that file byte for byte: one run that
     is the source's entire data section, after a header equal to the source's."""
@@ -511,6 +527,8 @@ def _unchanged_file(plan: SafetensorsPlan, files: OpenFiles) -> FileRange | None
     if len(pieces) != 1 or not isinstance(pieces[0], _Run):
         return None
     run = pieces[0]
+    if is_url(run.path):
+        return None  # a remote source is streamed tensor by tensor (the runs merge anyway)
     f = files.file(run.path)
     if run.offset != len(plan.header) or os.fstat(f.fileno()).st_size != run.offset + run.size:
         return None

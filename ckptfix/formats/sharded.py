@@ -59,6 +59,22 @@ def plan_shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
     return shards
 
 
+@dataclass(frozen=True)
+class Split:
+    """This process's part of one sharded write split over ``world`` processes (``torchrun``
+    ranks): it writes the shards whose number is ``rank`` modulo ``world``, and rank 0 writes
+    the index once every process has written its shards. ``all_ok(ok)`` is a collective every
+    process calls with whether its part succeeded; it returns whether all did (so a failure
+    anywhere removes every process's shards and no index is written)."""
+
+    rank: int
+    world: int
+    all_ok: Callable[[bool], bool]
+
+    def mine(self, number: int) -> bool:
+        return number % self.world == self.rank
+
+
 @dataclass
 class ShardedWrite:
     files: list[Path]
@@ -77,13 +93,16 @@ def write_sharded(
     overwrite: bool = False,
     progress: Callable[[int], None] | None = None,
     max_data_bytes: int | None = None,
+    split: Split | None = None,
 ) -> ShardedWrite:
     """Write ``state_dict`` as shards in ``out_dir``; all files or none (on failure, the ones
     already written by this call are removed).
 
     ``max_data_bytes`` bounds what safetensors shards would hold, checked before any file is
     written (see :func:`~ckptfix.formats.safetensors.check_expand_budget`); .bin shards keep
-    views as views, so they are not bounded.
+    views as views, so they are not bounded. ``split``: this process writes only its shards
+    (see :class:`Split`); every process plans the same layout, so the files are the same as
+    one process writes. The returned ``files`` are all of them, from every process.
     """
     budget = max_data_bytes if shard_format == "safetensors" else None
     plan = plan_safetensors(state_dict, metadata, max_data_bytes=budget)  # checks every value, finds ties once
@@ -95,12 +114,32 @@ def write_sharded(
     names = [f"{stem}.{ext}"] if count == 1 else [f"{stem}-{i:05d}-of-{count:05d}.{ext}" for i in range(1, count + 1)]
     index_path = out_dir / f"{stem}.{ext}.index.json" if count > 1 else None
     targets = [out_dir / n for n in names] + ([index_path] if index_path else [])
-    existing = [t for t in targets if t.exists()]
-    if existing and not overwrite:
-        raise CannotWriteError(f"{existing[0]}: already exists", hint="pass --force to overwrite")
     written: list[Path] = []
+
+    def agreed(ok: bool, failure: BaseException | None) -> None:
+        """Every process calls this at the same points: if any part failed, every process
+        removes what it wrote and fails (with its own error, or the others')."""
+        if (split.all_ok(ok) if split is not None else ok) and failure is None:
+            return
+        for path in written:
+            path.unlink(missing_ok=True)
+        if failure is not None:
+            raise failure
+        raise CannotWriteError(f"{out_dir}: another process of the split write failed; nothing written")
+
+    existing = [t for t in targets if t.exists()]
+    refused = None
+    if existing and not overwrite:
+        refused = CannotWriteError(f"{existing[0]}: already exists", hint="pass --force to overwrite")
+    if split is not None:  # every process looks before any writes (another's new shard is no old file)
+        agreed(refused is None, refused)
+    elif refused is not None:
+        raise refused
+    failure: BaseException | None = None
     try:
-        for file_name, keys in zip(names, shards):
+        for number, (file_name, keys) in enumerate(zip(names, shards)):
+            if split is not None and not split.mine(number):
+                continue
             shard = {k: kept[k] for k in keys}
             shard_aliases = {a: k for a, k in plan.aliases.items() if k in shard}
             with atomic_output(out_dir / file_name) as out:
@@ -110,7 +149,11 @@ def write_sharded(
                     shard.update({a: kept[k] for a, k in shard_aliases.items()})
                     write_torch_zip(shard, out, progress=progress)
             written.append(out_dir / file_name)
-        if index_path:
+    except BaseException as exc:
+        failure = exc
+    agreed(failure is None, failure)
+    try:
+        if index_path and (split is None or split.rank == 0):  # the completion marker, written last
             weight_map = {k: n for n, keys in zip(names, shards) for k in keys}
             if shard_format != "safetensors":
                 weight_map.update({a: weight_map[k] for a, k in plan.aliases.items()})
@@ -121,11 +164,15 @@ def write_sharded(
             with atomic_output(index_path) as out:
                 out.write((json.dumps(document, indent=2) + "\n").encode())
             written.append(index_path)
-    except BaseException:
+    except BaseException as exc:
+        failure = exc
+    if split is not None:
+        agreed(failure is None, failure)
+    elif failure is not None:
         for path in written:
             path.unlink(missing_ok=True)
-        raise
-    return ShardedWrite(written, index_path, dict(plan.aliases), plan.data_bytes)
+        raise failure
+    return ShardedWrite(targets, index_path, dict(plan.aliases), plan.data_bytes)
 
 
 def find_index(folder: Path) -> Path | None:

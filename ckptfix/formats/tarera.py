@@ -100,7 +100,7 @@ class _CannotFollow(Exception):
     """torch's next read depends on a value ckptfix cannot know without running the pickle."""
 
 
-def _one_pickle(data: mmap.mmap, pos: int, end: int, where: str, found: list[Finding]) -> tuple[Any, int]:
+def _one_pickle(data: bytes | mmap.mmap, pos: int, end: int, where: str, found: list[Finding]) -> tuple[Any, int]:
     """Run one pickle of a tar member as torch's ``pickle_module.load(f)`` would; returns its value
     (symbols for globals and calls) and where the next read starts."""
     vm = PickleVM(data, RecordingHooks(where, found, _plain), start=pos, end=end)
@@ -108,7 +108,7 @@ def _one_pickle(data: mmap.mmap, pos: int, end: int, where: str, found: list[Fin
     return value, _after_frames(data, pos, vm.pos, end)
 
 
-def _after_frames(data: mmap.mmap, start: int, stop: int, end: int) -> int:
+def _after_frames(data: bytes | mmap.mmap, start: int, stop: int, end: int) -> int:
     """Where torch's next raw read starts after a pickle that ran from ``start`` to ``stop``:
     the tar members are read from an unbuffered file (no ``peek()``), from which CPython's C
     unpickler reads each FRAME whole, so a STOP inside a frame leaves the file at the frame's
@@ -135,13 +135,13 @@ def _storage_itemsize(args: Any) -> int:
     raise _CannotFollow("a storage record that does not name a storage class")
 
 
-def _raw(data: mmap.mmap, pos: int, size: int, end: int) -> int:
+def _raw(data: bytes | mmap.mmap, pos: int, size: int, end: int) -> int:
     if pos + size > end:
         raise EOFError
     return pos + size
 
 
-def _scan_tar_member(data: mmap.mmap, member: TarMember, found: list[Finding]) -> None:
+def _scan_tar_member(data: bytes | mmap.mmap, member: TarMember, found: list[Finding]) -> None:
     """Every pickle torch's ``legacy_load`` unpickles from one member, following the raw records
     between them exactly as torch reads them (storage sizes, tensor shapes)."""
     where = f"tar member {member.name}"
@@ -170,7 +170,7 @@ def _scan_tar_member(data: mmap.mmap, member: TarMember, found: list[Finding]) -
         _one_pickle(data, pos, end, where, found)  # the storage views
 
 
-def record_tar(f: BinaryIO, data: mmap.mmap, size: int) -> tuple[list[Finding], str]:
+def record_tar(f: BinaryIO, data: bytes | mmap.mmap, size: int) -> tuple[list[Finding], str]:
     """Every global (and laundering attempt) in the pickles torch's tar reader unpickles, as the
     recording VM names them, and the error that keeps the file from being called clean (a
     tar-era file is never read safely): scan's verdicts, and ``--unsafe-load``'s refusal to hand
@@ -179,7 +179,7 @@ def record_tar(f: BinaryIO, data: mmap.mmap, size: int) -> tuple[list[Finding], 
     return found, _record_tar(f, data, size, found)
 
 
-def _record_tar(f: BinaryIO, data: mmap.mmap, size: int, found: list[Finding]) -> str:
+def _record_tar(f: BinaryIO, data: bytes | mmap.mmap, size: int, found: list[Finding]) -> str:
     tar = open_tar(f)
     if tar is None:  # sniffed as tar a moment ago: the file changed
         return "the file changed while being scanned"

@@ -287,6 +287,7 @@ def write_torch_zip(
         crcs.append(writer.add_bytes("byteorder", byteorder.encode()))
     total = 0
     with OpenFiles() as files:
+        files.plan(s.source for s in pickled.storages)  # a remote input: fetched ahead, in this order
         for key, storage in enumerate(pickled.storages):
             if storage.source is None:
                 raise BadInputError(f"storage {storage.key!r} has no source bytes to copy")

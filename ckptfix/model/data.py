@@ -8,7 +8,8 @@ How a strided view is gathered, and why with ``pread`` and not over a memory map
   retried forever, or the process dies leaving its temporary output behind). Checking the size
   before mapping does not help: the file can shrink after the check. ``os.pread`` instead
   returns short, which is one ``BadInputError`` (exit 3), and the atomic writer removes its
-  temporary file. So nothing here maps an input.
+  temporary file. So nothing here maps an input. A remote object (a URL: no descriptor) is read
+  by the same offsets through its ranged reader (:class:`~ckptfix.fileio.ranges.RangeSource`).
 * Memory stays bounded: a view whose bytes span at most :data:`SPAN_LIMIT` (every dense tensor
   up to that size, however permuted, and every stride-0 expansion of a small storage) is read
   in one ``pread`` and handed out in C-order chunks of at most :data:`GATHER_CHUNK` bytes, so
@@ -35,7 +36,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from ..errors import BadInputError
-from ..fileio.ranges import OpenFiles, is_plain_range, iter_chunks, read_all
+from ..fileio.ranges import OpenFiles, RangeSource, is_plain_range, iter_chunks, read_all
 from .dtypes import DTYPE_ITEMSIZE
 from .needs import need_torch
 
@@ -105,7 +106,10 @@ def _reader(t: TensorRef, files: OpenFiles) -> _Reader:
     if source is None:
         raise BadInputError(f"storage {storage.key!r:.40} has no source bytes to read")
     if is_plain_range(source):
-        fd = files.file(source.path).fileno()
+        f = files.file(source.path)
+        if isinstance(f, RangeSource):  # a remote object: the same reads, as ranged requests
+            return _Reader(lambda off, size: f.pread(size, source.offset + off), source.size, source.path)
+        fd = f.fileno()
         return _Reader(lambda off, size: os.pread(fd, size, source.offset + off), source.size, source.path)
     data = read_all(source, files)  # compressed or computed: this one storage in memory
     return _Reader(lambda off, size: data[off : off + size], len(data), f"storage {storage.key!r:.40}")

@@ -23,6 +23,7 @@ VALUES = {
     "expect_metadata": "format=pt",
     "expect_prefix": "none",
     "expect_device": "cpu",
+    "storage_options": "anon=true",
 }
 #: options that only mean something beside another one (given together)
 PARTNERS = {
@@ -31,6 +32,8 @@ PARTNERS = {
     "model_path": ["--model", "models:TinyNet"],
     "dtype_keep": ["--dtype", "float16"],
 }
+#: what torchrun sets for an option that only runs under it (else a usage error says so)
+ENV = {"distributed": {"RANK": "0", "WORLD_SIZE": "1"}}
 #: what the command needs whatever else is given
 REQUIRED = {"remap": ["--map-location", "cpu"], "rename": ["--rule", "a=>b"]}
 #: options of a run over several inputs
@@ -72,7 +75,7 @@ def _refused(command: str, option: str, tmp_path: Path) -> str | None:
         base = ["{missing}"] + base[2:]
     elif option in BATCH_OPTIONS and command not in BASE:
         base = ["{missing}", "-o", "{out_dir}"] if option != "output_dir" else ["{missing}"]
-    elif option == "max_shard_size":
+    elif option in ("max_shard_size", "distributed"):
         base = [("{out_dir}/" if a == "{out}" else a) for a in BASE.get(command, ["{missing}", "{out}"])]
     elif option in ("model", "model_path"):
         base = ["{missing}", "{out}"]
@@ -81,5 +84,5 @@ def _refused(command: str, option: str, tmp_path: Path) -> str | None:
         base = base + required
     paths = {"missing": tmp_path / "missing.pth", "out": tmp_path / "out.pth", "out_dir": tmp_path / "rel"}
     argv = [command, *(a.format(**paths) for a in base), *args, *PARTNERS.get(option, [])]
-    result = invoke_cli(*argv)
+    result = invoke_cli(*argv, env=ENV.get(option))
     return f"{' '.join(map(str, argv))}: {result.stderr}" if result.returncode == 2 else None

@@ -88,6 +88,41 @@ NOT_RUN = {
     "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest tests -q": (
         "installs packages and runs this suite itself (CI's own job: .ci/run)"
     ),
+    # docs/remote.md: the URLs are buckets and servers the reader has, not this machine (no network
+    # here); tests/cli/test_remote.py runs the same commands against moto S3 and an HTTP server
+    **dict.fromkeys(
+        [
+            "pip install 'ckptfix[remote]'     # fsspec + s3fs, aiohttp (http/https), huggingface_hub (hf://)",
+            "pip install 'ckptfix[gcs]'        # + gcsfs for gs://",
+            "pip install 'ckptfix[azure]'      # + adlfs for az://",
+        ],
+        "installs packages (the [remote] extra is installed for this suite)",
+    ),
+    **dict.fromkeys(
+        [
+            "ckptfix inspect s3://my-bucket/runs/42/last.ckpt",
+            "ckptfix inspect s3://my-bucket/runs/42/last.ckpt --json | jq .state_dicts",
+            "ckptfix scan https://example.org/models/model.pth",
+            "ckptfix diff s3://my-bucket/runs/42/last.ckpt release/model.safetensors --select state_dict --keys-only",
+            "ckptfix inspect hf://datasets/me/ckpts/model.safetensors",
+            "ckptfix convert s3://training/run-42/last.ckpt s3://releases/model-v1/ "
+            "--select state_dict --strip-prefix model. --max-shard-size 5GB",
+            "ckptfix inspect s3://bucket/model.pth --storage-option endpoint_url=http://minio.local:9000 "
+            "--storage-option key=... --storage-option secret=...",
+            "ckptfix inspect s3://public-bucket/model.pth --storage-option anon=true",
+            "ckptfix convert s3://a/x.pth s3://b/x.safetensors --storage-option client_kwargs.region_name=eu-west-1",
+        ],
+        "names a bucket or server of the reader's (no network here): tests/cli/test_remote.py runs these against "
+        "moto S3 and an HTTP server in threads",
+    ),
+    "torchrun --standalone --nproc-per-node 4 -m ckptfix convert big.pth out/ --max-shard-size 5GB --distributed": (
+        "starts processes: tests/e2e/test_distributed.py runs it (two ranks, -m distributed)"
+    ),
+    "srun --nodes 4 --ntasks-per-node 1 torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d "
+    '--rdzv-endpoint "$(scontrol show hostnames | head -1):29500" --rdzv-id "$SLURM_JOB_ID" '
+    "-m ckptfix convert /shared/ckpt/ /shared/hub/ --max-shard-size 5GB --distributed": (
+        "a SLURM cluster's job (several hosts)"
+    ),
 }
 
 
@@ -108,8 +143,14 @@ def _code_blocks(language: str, text: str = README) -> list[str]:
 
 
 def _shell_blocks() -> list[str]:
-    """The lines of README.md's unlabelled code blocks (shell commands)."""
-    return [line for block in _code_blocks("") for line in block.splitlines() if line]
+    """The command lines of the pages' unlabelled and ``bash`` code blocks (shell commands): a
+    line ending in a backslash is joined to the next, comment lines are left out."""
+    lines = []
+    for block in _code_blocks("") + _code_blocks("bash"):
+        for line in re.sub(r"\s*\\\n", " ", block).splitlines():
+            if line and not line.startswith("#"):
+                lines.append(line)
+    return lines
 
 
 EXAMPLES = [line for line in _shell_blocks() if line not in NOT_RUN]
@@ -279,6 +320,11 @@ NOT_CKPTFIX_OPTIONS = {
     "--all-files": "pre-commit try-repo's",
     "--index-url": "pip's (torch's CPU build)",
     "--help": "click adds it to every command",
+    # docs/remote.md's multi-process examples: torchrun's and SLURM srun's own options
+    **dict.fromkeys(
+        ["--standalone", "--nproc-per-node", "--nnodes", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id"], "torchrun's"
+    ),
+    **dict.fromkeys(["--nodes", "--ntasks-per-node"], "SLURM srun's"),
 }
 
 

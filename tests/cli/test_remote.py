@@ -1,0 +1,507 @@
+"""Checkpoints named by URL (issue 25), against real servers on 127.0.0.1 in threads of this
+process: moto's S3 API used through s3fs exactly as a user's code would, and a range-capable
+HTTP server. Requests and bytes are counted on the server side (tests/remote_servers.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import assert_values, invoke_cli
+from safetensors.torch import load_file, save_file
+
+pytest.importorskip("s3fs", reason="the S3 tests need the [remote] extra (s3fs) and moto[server]")
+pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
+
+from remote_servers import Server, start_http, start_s3
+
+BUCKET = "ckpts"
+#: what fsspec needs to reach the loopback S3 API, as a user would give it
+S3_OPTIONS = ("key=testing", "secret=testing")
+
+
+def _state(count: int, side: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"module.layer{i}.weight": torch.randn(side, side, generator=gen) for i in range(count)}
+
+
+@pytest.fixture(scope="module")
+def local(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The checkpoints uploaded: a 1.3 MB torch zip (40 tensors of 32 KiB, so that reading every
+    record's header or the whole file would break the planned-read bounds), its safetensors
+    twin, and a two-shard folder with an index."""
+    root = tmp_path_factory.mktemp("remote")
+    sd = _state(40, 90)
+    torch.save({"state_dict": sd, "epoch": 3}, root / "train.pth")
+    save_file(sd, str(root / "model.safetensors"))
+    shards = root / "shards"
+    shards.mkdir()
+    names = list(sd)
+    weight_map = {}
+    for n, part in enumerate((names[:20], names[20:])):
+        shard = f"model-0000{n + 1}-of-00002.safetensors"
+        save_file({k: sd[k] for k in part}, str(shards / shard))
+        weight_map.update(dict.fromkeys(part, shard))
+    (shards / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return root
+
+
+@pytest.fixture(scope="module")
+def s3(local: Path) -> Iterator[tuple[Server, Any]]:
+    import s3fs
+
+    server = start_s3()
+    fs = s3fs.S3FileSystem(key="testing", secret="testing", endpoint_url=server.endpoint, skip_instance_cache=True)
+    fs.mkdir(BUCKET)
+    fs.put(str(local / "train.pth"), f"{BUCKET}/run/train.pth")
+    fs.put(str(local / "model.safetensors"), f"{BUCKET}/run/model.safetensors")
+    for p in (local / "shards").iterdir():
+        fs.put(str(p), f"{BUCKET}/shards/{p.name}")
+    yield server, fs
+    server.stop()
+
+
+def _s3_args(server: Server) -> list[str]:
+    args = ["--storage-option", f"endpoint_url={server.endpoint}"]
+    for option in S3_OPTIONS:
+        args += ["--storage-option", option]
+    return args
+
+
+def _pickle_size(path: Path) -> int:
+    import zipfile
+
+    with zipfile.ZipFile(path) as z:
+        return next(i.file_size for i in z.infolist() if i.filename.endswith("/data.pkl"))
+
+
+def _without_paths(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in summary.items() if k not in ("input", "path", "shared_bytes")}
+
+
+def test_inspect_s3_torch_zip_is_a_few_planned_requests(s3: tuple[Server, Any], local: Path) -> None:
+    server, _ = s3
+    server.traffic.reset()
+    result = invoke_cli("inspect", f"s3://{BUCKET}/run/train.pth", "--json", *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    requests = server.traffic.to("run/train.pth")
+    size = (local / "train.pth").stat().st_size
+    assert size > 1_300_000  # so the bounds below could not hold if the file were read whole
+    assert len(requests) <= 6, requests
+    assert server.traffic.bytes_sent <= (1 << 20) + _pickle_size(local / "train.pth")
+    assert all(r[0] in ("HEAD", "GET") for r in requests)
+    # the same report as for the local file
+    here = invoke_cli("inspect", local / "train.pth", "--json")
+    assert _without_paths(json.loads(result.stdout)) == _without_paths(json.loads(here.stdout))
+
+
+def test_inspect_s3_safetensors_and_shard_index(s3: tuple[Server, Any], local: Path) -> None:
+    server, _ = s3
+    server.traffic.reset()
+    result = invoke_cli("inspect", f"s3://{BUCKET}/run/model.safetensors", "--json", *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    assert len(server.traffic.requests) <= 3, server.traffic.requests  # HEAD, the header window
+    assert server.traffic.bytes_sent <= 1 << 18
+    assert json.loads(result.stdout)["tensors"] == 40
+
+    server.traffic.reset()
+    index = f"s3://{BUCKET}/shards/model.safetensors.index.json"
+    result = invoke_cli("inspect", index, "--json", *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    summary = json.loads(result.stdout)
+    assert (summary["format"], summary["tensors"]) == ("sharded", 40)
+    gets = [r for r in server.traffic.requests if r[0] == "GET" and "list-type" not in r[1]]
+    assert len(gets) == 3  # the index, then one header window per shard: no tensor bytes
+    assert server.traffic.bytes_sent <= 3 << 18
+
+
+def test_convert_s3_to_local_streams_ranges_and_matches_torch(
+    s3: tuple[Server, Any], local: Path, tmp_path: Path
+) -> None:
+    server, _ = s3
+    server.traffic.reset()
+    out = tmp_path / "model.safetensors"
+    args = ["--select", "state_dict", "--strip-prefix", "module.", "--max-concurrency", "4"]
+    result = invoke_cli("convert", f"s3://{BUCKET}/run/train.pth", out, *args, *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    expected = torch.load(local / "train.pth", weights_only=True)["state_dict"]
+    assert_values(load_file(out), {k.removeprefix("module."): v for k, v in expected.items()})
+    size = (local / "train.pth").stat().st_size
+    # every byte once, give or take the planned metadata windows and headers: never the whole
+    # object twice (a header prefetch that swallowed tensor data would)
+    assert server.traffic.bytes_sent <= size + (1 << 20), "\n".join(map(str, server.traffic.requests))
+    assert any(r[2] for r in server.traffic.requests)  # ranged GETs, not whole-object downloads
+    assert not any(r[0] == "GET" and not r[2] and "list-type" not in r[1] for r in server.traffic.requests)
+
+    # and to a .pth, through the zip writer (strip-module keeps the training dict)
+    back = tmp_path / "bare.pth"
+    result = invoke_cli("strip-module", f"s3://{BUCKET}/run/train.pth", back, *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    loaded = torch.load(back, weights_only=True, mmap=True)
+    assert loaded["epoch"] == 3
+    assert_values(loaded["state_dict"], {k.removeprefix("module."): v for k, v in expected.items()})
+
+
+def test_scan_verify_and_diff_read_s3(s3: tuple[Server, Any], local: Path) -> None:
+    server, _ = s3
+    url = f"s3://{BUCKET}/run/train.pth"
+    server.traffic.reset()
+    result = invoke_cli("scan", url, "--json", *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    assert len(server.traffic.to("run/train.pth")) <= 6
+    here = invoke_cli("scan", local / "train.pth", "--json")
+    assert json.loads(result.stdout)["files"][0]["globals"] == json.loads(here.stdout)["files"][0]["globals"]
+
+    result = invoke_cli("verify", url, f"s3://{BUCKET}/run/model.safetensors", *_s3_args(server))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    result = invoke_cli("diff", url, local / "train.pth", *_s3_args(server))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+    # --keys-only reads metadata only: the remote side costs what inspect does
+    server.traffic.reset()
+    args = ("--select", "state_dict", "--keys-only", "--json", *_s3_args(server))
+    result = invoke_cli("diff", url, local / "model.safetensors", *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert json.loads(result.stdout)["tensors_compared"] == 40
+    assert len(server.traffic.to("run/train.pth")) <= 6
+    assert server.traffic.bytes_sent <= (1 << 20) + _pickle_size(local / "train.pth")
+    other = _state(40, 90)
+    other["module.layer7.weight"] = other["module.layer7.weight"][:3]
+    save_file(other, str(local / "other.safetensors"))
+    result = invoke_cli("diff", url, local / "other.safetensors", *args)
+    assert result.returncode == 1 and "module.layer7.weight" in result.stdout
+
+
+def test_an_object_replaced_while_read_is_exit_3_and_nothing_written(
+    s3: tuple[Server, Any], local: Path, tmp_path: Path
+) -> None:
+    server, fs = s3
+    key = f"{BUCKET}/run/changing.pth"
+    fs.put(str(local / "train.pth"), key)
+    out = tmp_path / "out.safetensors"
+    gets = 0
+
+    def replace_after_metadata(method: str, path: str, range_: str) -> None:
+        nonlocal gets
+        if method == "GET" and path.endswith("changing.pth"):
+            gets += 1
+            if gets == 3:  # the reader has read the metadata: now the tensors come
+                from moto.s3.models import s3_backends
+
+                backend = next(iter(s3_backends.values()))["global"]
+                backend.put_object(BUCKET, "run/changing.pth", (local / "model.safetensors").read_bytes())
+
+    server.traffic.on_request = replace_after_metadata
+    try:
+        result = invoke_cli("convert", f"s3://{key}", out, "--select", "state_dict", *_s3_args(server))
+    finally:
+        server.traffic.on_request = None
+    assert result.returncode == 3, result.stderr
+    assert "changed while it was being read" in result.stderr or "changed or was truncated" in result.stderr
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_http_and_memory_urls(local: Path, tmp_path: Path) -> None:
+    server = start_http(local)
+    try:
+        url = f"{server.endpoint}/train.pth"
+        result = invoke_cli("inspect", url, "--json")
+        assert result.returncode == 0, result.stderr
+        assert len(server.traffic.requests) <= 6, server.traffic.requests
+        assert server.traffic.bytes_sent <= (1 << 20) + _pickle_size(local / "train.pth")
+        out = tmp_path / "m.safetensors"
+        result = invoke_cli("convert", f"{server.endpoint}/model.safetensors", out)
+        assert result.returncode == 0, result.stderr
+        assert_values(load_file(out), load_file(local / "model.safetensors"))
+    finally:
+        server.stop()
+
+    import fsspec
+
+    memory = fsspec.filesystem("memory")
+    memory.pipe("/r25/model.safetensors", (local / "model.safetensors").read_bytes())
+    out = tmp_path / "from-memory.pth"
+    result = invoke_cli("convert", "memory://r25/model.safetensors", out)
+    assert result.returncode == 0, result.stderr
+    assert_values(torch.load(out, weights_only=True), load_file(local / "model.safetensors"))
+    result = invoke_cli("inspect", (local / "model.safetensors").as_uri())
+    assert result.returncode == 0 and "safetensors" in result.stdout
+    # a folder of shards to a file:// URL: its folder is made, the index written last
+    out_url = (tmp_path / "hub").as_uri() + "/"
+    result = invoke_cli("convert", local / "model.safetensors", out_url, "--max-shard-size", "600KB")
+    assert result.returncode == 0, result.stderr
+    shards = sorted((tmp_path / "hub").glob("*.safetensors"))
+    assert len(shards) == 3 and (tmp_path / "hub" / "model.safetensors.index.json").is_file()
+    merged = {k: v for shard in shards for k, v in load_file(shard).items()}
+    assert_values(merged, load_file(local / "model.safetensors"))
+
+
+def test_a_missing_backend_is_one_line_naming_the_extra(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setitem(sys.modules, "gcsfs", None)  # as if not installed
+    result = invoke_cli("inspect", "gs://bucket/model.pth")
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "pip install 'ckptfix[gcs]'" in result.stderr
+    monkeypatch.setitem(sys.modules, "fsspec", None)
+    result = invoke_cli("convert", "s3://bucket/model.pth", tmp_path / "out.pth")
+    assert result.returncode == 2
+    assert "pip install 'ckptfix[remote]'" in result.stderr and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_missing_object_is_exit_3(s3: tuple[Server, Any]) -> None:
+    server, _ = s3
+    result = invoke_cli("inspect", f"s3://{BUCKET}/run/nothing.pth", *_s3_args(server))
+    assert result.returncode == 3
+    assert "no such object" in result.stderr
+
+
+def _uploads_in_progress(fs: Any, bucket: str) -> list[Any]:
+    """Multipart uploads started and neither completed nor aborted, as S3 lists them."""
+    return fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+
+
+def test_remote_to_remote_shards_commit_the_index_last(s3: tuple[Server, Any], local: Path, tmp_path: Path) -> None:
+    server, fs = s3
+    server.traffic.reset()
+    out = f"s3://{BUCKET}/hub/"
+    args = ["--select", "state_dict", "--strip-prefix", "module.", "--max-shard-size", "600KB"]
+    result = invoke_cli("convert", f"s3://{BUCKET}/run/train.pth", out, *args, *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    names = sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"{BUCKET}/hub", refresh=True))
+    assert names[-1] == "model.safetensors.index.json" and len(names) == 4, names
+    # each object was committed by completing its multipart upload; the index's came last
+    completes = [r[1] for r in server.traffic.requests if r[0] == "POST" and "uploadId=" in r[1]]
+    assert len(completes) == 4 and "index.json" in completes[-1], completes
+    assert _uploads_in_progress(fs, BUCKET) == []
+    fs.get(f"{BUCKET}/hub/", str(tmp_path / "hub"), recursive=True)
+    from huggingface_hub import load_torch_model
+
+    expected = torch.load(local / "train.pth", weights_only=True)["state_dict"]
+    model = torch.nn.ModuleDict({f"layer{i}": torch.nn.Linear(90, 90, bias=False) for i in range(40)})
+    load_torch_model(model, tmp_path / "hub", strict=True)
+    assert_values(model.state_dict(), {k.removeprefix("module."): v for k, v in expected.items()})
+
+    # an existing output is refused without --force (exit 4) before the input is read: only
+    # asked whether it exists (one HEAD: a missing input is reported first, as a local one is)
+    server.traffic.reset()
+    again = invoke_cli("convert", f"s3://{BUCKET}/run/train.pth", out, *args, *_s3_args(server))
+    assert again.returncode == 4 and "--force" in again.stderr
+    assert [r for r in server.traffic.to("run/train.pth") if r[0] != "HEAD"] == []
+
+
+def test_force_replaces_an_existing_object(s3: tuple[Server, Any], local: Path) -> None:
+    server, fs = s3
+    key = f"{BUCKET}/forced/model.safetensors"
+    fs.pipe(key, b"old")
+    result = invoke_cli("convert", local / "model.safetensors", f"s3://{key}", *_s3_args(server))
+    assert result.returncode == 4 and fs.cat(key) == b"old"
+    result = invoke_cli("convert", local / "model.safetensors", f"s3://{key}", "--force", *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    from safetensors.torch import load
+
+    assert_values(load(fs.cat(key)), load_file(local / "model.safetensors"))
+
+
+def test_a_failed_upload_leaves_no_object_and_no_multipart_upload(s3: tuple[Server, Any], local: Path) -> None:
+    server, fs = s3
+
+    def fail_parts(method: str, path: str, range_: str) -> int | None:
+        return 403 if method == "PUT" and "partNumber=" in path and "broken" in path else None  # not retried
+
+    server.traffic.on_request = fail_parts
+    try:
+        result = invoke_cli("strip-module", local / "train.pth", f"s3://{BUCKET}/broken/bare.pth", *_s3_args(server))
+    finally:
+        server.traffic.on_request = None
+    assert result.returncode == 4, result.stderr
+    assert "nothing written" in result.stderr and "Traceback" not in result.stderr
+    assert not fs.exists(f"{BUCKET}/broken/bare.pth")
+    assert _uploads_in_progress(fs, BUCKET) == []
+    # the upload had begun: parts were sent (and refused) before it was aborted
+    assert any(r[0] == "DELETE" and "uploadId=" in r[1] for r in server.traffic.requests)
+
+
+def test_commands_that_name_their_outputs_refuse_urls(local: Path, tmp_path: Path) -> None:
+    # a URL taken as a local path would make a folder named "s3:" in the working directory
+    for args in (
+        ("publish", local / "model.safetensors", "s3://bucket/release/"),
+        ("strip-module", local / "train.pth", "-o", "s3://bucket/out/"),
+        ("strip-module", local / "train.pth", "s3://bucket/x.pth", "--in-place"),
+    ):
+        result = invoke_cli(*args, cwd=tmp_path)
+        assert result.returncode == 2, (args, result.stderr)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_failed_ranged_reads_are_retried_then_exit_3(
+    local: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from remote_servers import SHORT_BODY
+
+    import ckptfix.fileio.remote
+
+    monkeypatch.setattr(ckptfix.fileio.remote, "BACKOFF", 0.005)  # the schedule, shortened
+    server = start_http(local)
+    faults = iter([503, SHORT_BODY, 500])  # one of each on the first ranged reads, then served
+
+    def flaky(method: str, path: str, range_: str) -> int | None:
+        return next(faults, None) if method == "GET" and range_ else None
+
+    server.traffic.on_request = flaky
+    try:
+        out = tmp_path / "m.safetensors"
+        result = invoke_cli("convert", f"{server.endpoint}/model.safetensors", out)
+        assert result.returncode == 0, result.stderr
+        assert_values(load_file(out), load_file(local / "model.safetensors"))
+        assert sum(1 for r in server.traffic.requests if r[2]) >= 4  # the three refused, then served
+
+        server.traffic.on_request = lambda method, path, range_: 503 if range_ else None  # never served
+        result = invoke_cli("convert", f"{server.endpoint}/model.safetensors", tmp_path / "never.safetensors")
+        assert result.returncode == 3, result.stderr
+        assert "Traceback" not in result.stderr and not (tmp_path / "never.safetensors").exists()
+    finally:
+        server.stop()
+
+
+# =========================================================================== with issue 22's checks
+# file:// URLs are read through the same ranged reader as s3:// (no server needed, no descriptor)
+
+
+def _crc_broken(src: Path, dest: Path, suffix: str) -> Path:
+    """``src`` with the CRC of its record ending ``suffix`` flipped, in its local header and its
+    directory entry (torch never checks it; ckptfix checks every record it copies)."""
+    import struct
+    import zipfile
+
+    data = bytearray(src.read_bytes())
+    with zipfile.ZipFile(src) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(suffix))
+    bad = info.CRC ^ 0x5A5A5A5A
+    struct.pack_into("<I", data, info.header_offset + 14, bad)
+    at = data.index(struct.pack("<I", info.CRC), data.index(b"PK\x01\x02"))  # its directory entry
+    struct.pack_into("<I", data, at, bad)
+    dest.write_bytes(data)
+    return dest
+
+
+@pytest.mark.parametrize("record", ["data/0", "data/1"])  # small (one read) and big (streamed in parts)
+def test_a_remote_record_whose_crc_is_wrong_is_refused(tmp_path: Path, record: str) -> None:
+    torch.save({"module.small": torch.ones(3), "module.big": torch.arange(40000.0)}, tmp_path / "in.pth")
+    bad = _crc_broken(tmp_path / "in.pth", tmp_path / "bad.pth", record)
+    out = tmp_path / "out.pth"
+    result = invoke_cli("convert", bad.as_uri(), out, "--format", "pth", "--strip-prefix", "module.")
+    assert result.returncode == 3 and "CRC32" in result.stderr, result.stderr
+    assert not out.exists()
+    good = invoke_cli("convert", (tmp_path / "in.pth").as_uri(), out, "--format", "pth", "--strip-prefix", "module.")
+    assert good.returncode == 0, good.stderr
+    assert_values(torch.load(out, weights_only=True), {"small": torch.ones(3), "big": torch.arange(40000.0)})
+
+
+def test_a_remote_file_saved_without_crcs_converts_as_the_local_one(tmp_path: Path) -> None:
+    """CRC 0 (``set_crc32_options(False)``) stays 0 for a streamed remote record, as for a local
+    copy: the two outputs are the same bytes."""
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"module.big": torch.arange(40000.0), "module.small": torch.ones(3)}, tmp_path / "in.pth")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    for name, source in (("local.pth", tmp_path / "in.pth"), ("remote.pth", (tmp_path / "in.pth").as_uri())):
+        result = invoke_cli("convert", source, tmp_path / name, "--format", "pth", "--strip-prefix", "module.")
+        assert result.returncode == 0, result.stderr
+    assert (tmp_path / "local.pth").read_bytes() == (tmp_path / "remote.pth").read_bytes()
+
+
+def test_remote_views_are_gathered_as_local_ones(tmp_path: Path) -> None:
+    """Views that are not a plain range (a transposed matrix, a column slice, a stride-0
+    expansion) are gathered by the same ranged reads from a URL as by ``pread`` from a local
+    file: the safetensors outputs are the same bytes, and hold torch's values."""
+    base = torch.arange(96.0).reshape(8, 12)
+    views = {"t": base.t(), "cols": base[:, 3:7], "wide": torch.arange(3.0).expand(5, 3)}
+    torch.save(views, tmp_path / "in.pth")
+    for name, source in (("local", tmp_path / "in.pth"), ("remote", (tmp_path / "in.pth").as_uri())):
+        result = invoke_cli("convert", source, tmp_path / f"{name}.safetensors")
+        assert result.returncode == 0, result.stderr
+    assert (tmp_path / "local.safetensors").read_bytes() == (tmp_path / "remote.safetensors").read_bytes()
+    assert_values(load_file(str(tmp_path / "remote.safetensors")), {k: v.contiguous() for k, v in views.items()})
+
+
+def test_an_output_url_overlapping_the_input_is_refused(tmp_path: Path) -> None:
+    """The overlap check compares URLs: a file:// URL is the local file it names, a remote object
+    its URL (it has no real path); nothing is read or written."""
+    import fsspec
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "in.pth")
+    data = (tmp_path / "in.pth").read_bytes()
+    result = invoke_cli("convert", tmp_path / "in.pth", (tmp_path / "in.pth").as_uri(), "--format", "pth", "--force")
+    assert result.returncode == 2 and "overwrite" in result.stderr, result.stderr
+    memory = fsspec.filesystem("memory")
+    memory.pipe("/r25-overlap/in.pth", data)
+    result = invoke_cli("convert", "memory://r25-overlap/in.pth", "memory://r25-overlap/in.pth", "--force")
+    assert result.returncode == 2 and "overwrite" in result.stderr, result.stderr
+    assert memory.cat("/r25-overlap/in.pth") == data == (tmp_path / "in.pth").read_bytes()
+    result = invoke_cli("convert", "memory://r25-overlap/in.pth", "memory://r25-overlap/out.pth")
+    assert result.returncode == 0, result.stderr  # another object beside it is fine
+
+
+def test_a_remote_tar_era_file_is_scanned_as_a_local_one(tmp_path: Path) -> None:
+    """scan reads a remote file torch would take for a tar (sniff_file) and follows its members."""
+    import io
+    import pickle
+    import tarfile
+
+    from hostile import system_call
+
+    members = {
+        "storages": pickle.dumps(0, 2) + pickle.dumps([], 2),
+        "tensors": pickle.dumps(0, 2),
+        "pickle": system_call(tmp_path / "marker"),
+    }
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name, blob in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(blob)
+            tar.addfile(info, io.BytesIO(blob))
+    (tmp_path / "old.pth").write_bytes(buf.getvalue())
+    here = json.loads(invoke_cli("scan", tmp_path / "old.pth", "--json").stdout)["files"][0]
+    there = json.loads(invoke_cli("scan", (tmp_path / "old.pth").as_uri(), "--json").stdout)["files"][0]
+    assert here["format"] == "torch-tar" and here["dangerous"] == ["os.system"], here  # in the pickle member
+    for key in ("format", "globals", "problems"):
+        assert there[key] == here[key], key
+
+
+def test_a_remote_scan_reads_every_pickle_record_as_a_local_one(tmp_path: Path) -> None:
+    """scan reads every record named .pkl (any case, any folder); a metadata-only remote read
+    skips the headers of tensor records (``*/data/*``) but never a pickle's among them."""
+    import zipfile
+
+    from hostile import system_call
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "in.pth")
+    with zipfile.ZipFile(tmp_path / "in.pth", "a") as z:
+        z.writestr("in/data/EXTRA.PKL", system_call(tmp_path / "marker"))
+    here = json.loads(invoke_cli("scan", tmp_path / "in.pth", "--json").stdout)["files"][0]
+    there = json.loads(invoke_cli("scan", (tmp_path / "in.pth").as_uri(), "--json").stdout)["files"][0]
+    assert here["dangerous"] == ["os.system"], here
+    for key in ("format", "globals", "dangerous"):
+        assert there[key] == here[key], key
+
+
+def test_a_remote_deepspeed_folder_is_a_clear_local_only_error(tmp_path: Path) -> None:
+    """DeepSpeed folders (issue 24) are read from local disk only: one line, exit 2; scan says so."""
+    from conftest import FIXTURES
+
+    url = (FIXTURES / "deepspeed" / "z0_fp32_w2").as_uri()
+    for command in (("inspect", url), ("convert", url, tmp_path / "out.safetensors")):
+        result = invoke_cli(*command)
+        assert result.returncode == 2 and "local disk only" in result.stderr, result.stderr
+    assert list(tmp_path.iterdir()) == []
+    result = invoke_cli("scan", url)
+    assert result.returncode == 3 and "local disk only" in result.stdout + result.stderr
