@@ -272,6 +272,10 @@ def _scan_dcp(folder: Path) -> ScanResult:
     return result
 
 
+#: where a finding in a safetensors file not named .safetensors comes from
+TORCH_UNPICKLES_IT = "byte 0 (torch.load unpickles a file not named .safetensors)"
+
+
 def _scan_file(path: Path) -> ScanResult:
     """Scan one file; never executes, never raises for bad input (the error is in the result)."""
     result = ScanResult(str(path))
@@ -289,7 +293,13 @@ def _scan_file(path: Path) -> ScanResult:
                     found, result.error = scan_pickles(data, "pickles", count=5 if what.kind == "legacy" else None)
                 result.globals.extend(found)
             elif what.kind == "safetensors":
-                pass  # JSON header and raw bytes: no code can be referenced (a remote header is not even fetched)
+                # JSON header and raw bytes: nothing to run -- for the safetensors library, which
+                # torch.load uses only for a path ending .safetensors: any other name (model.bin)
+                # torch unpickles from byte 0, and a length and header can be made to be a pickle
+                if not str(path).endswith(".safetensors"):
+                    with _whole(f, size, what.kind) as data:
+                        found, _ = scan_pickles(data, TORCH_UNPICKLES_IT, headerless=True)
+                    result.globals.extend(found)
             elif what.kind == "tar":
                 with _whole(f, size, what.kind) as data:
                     result.error = _scan_tar(f, data, size, result.globals)

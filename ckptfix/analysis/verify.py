@@ -111,6 +111,21 @@ def _unallowed_classes(ckpt: Checkpoint) -> list[str]:
 
 
 @consistent_reads
+def _pickled_by_torch(path: str | os.PathLike[str]) -> list[str]:
+    """A safetensors file whose name does not end ``.safetensors``: ``torch.load`` (and
+    ``transformers`` for ``pytorch_model.bin``) unpickles it from byte 0, and a length and header
+    can be made to be a pickle that names code. Whatever that reading resolves is a failure."""
+    from .scan import scan_path
+
+    names = sorted({g.name for g in scan_path(os.fspath(path)).globals})
+    if not names:
+        return []
+    return [
+        f"torch.load unpickles this file from byte 0 (its name does not end .safetensors) and resolves "
+        f"{', '.join(names)[:200]}: a safetensors file that is also a pickle"
+    ]
+
+
 def verify_path(
     path: str | os.PathLike[str],
     expect: Expectations | None = None,
@@ -134,6 +149,8 @@ def verify_path(
         return result
     result.format = ckpt.format
     result.problems += _unallowed_classes(ckpt)
+    if ckpt.format == FORMAT_SAFETENSORS and Path(path).is_file() and not str(path).endswith(".safetensors"):
+        result.problems += _pickled_by_torch(path)
     with OpenFiles() as files:
         if ckpt.archive is not None:
             zero_crc = 0

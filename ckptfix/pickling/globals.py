@@ -95,6 +95,20 @@ DANGEROUS: dict[str, str] = {
     **_names("imports any module by name", "hydra.utils.get_method", "hydra.utils.get_class", "hydra.utils.get_object"),
     **_modules("imports any module by name", "hydra._internal.utils"),
     **_names("waits for input or starts a debugger", "builtins.help"),
+    # found by an adversarial review against the oracle (each resolved by torch.load and run)
+    **_modules("runs shell commands", "_osx_support", "mailcap", "pipes", "_bootsubprocess"),
+    **_names("runs shell commands", *(f"platform.{n}" for n in ("_syscmd_file", "_syscmd_ver", "popen"))),
+    **_names("runs shell commands", "platform.architecture"),
+    **_modules("spawns processes or threads that run what it is given", "concurrent", "threading", "_thread"),
+    **_modules("opens, creates or truncates files", "_pyio", "sqlite3", "_sqlite3", "dbm", "tempfile", "fileinput"),
+    **_modules("opens, creates or truncates files", "logging.handlers", "zipfile", "tarfile", "shelve", "mmap"),
+    **_names("opens, creates or truncates files", *(f"{m}.open" for m in ("gzip", "bz2", "lzma", "tokenize", "wave"))),
+    **_modules("opens network connections or serves them", "socketserver", "xmlrpc", "poplib", "nntplib", "imaplib"),
+    **_modules("registers code to run later", "atexit", "sched"),
+    **_names("changes signal handling", *(f"signal.{n}" for n in ("signal", "alarm", "setitimer", "raise_signal"))),
+    **_names("changes signal handling", "signal.pthread_kill", "signal.set_wakeup_fd", "signal.siginterrupt"),
+    **_modules("downloads a file and unpickles it with weights_only=False", "torch.utils.model_zoo"),
+    **_modules("runs test helpers that spawn processes or import code", "torch.testing._internal", "unittest.mock"),
 }
 _DANGEROUS_NAMES = {k: v for k, v in DANGEROUS.items() if not k.endswith(".")}
 _DANGEROUS_PREFIXES = tuple(k for k in DANGEROUS if k.endswith("."))
