@@ -611,6 +611,17 @@ def convert(
             raise exc.at(in_path) from None
         report.kept_globals, report.ignored = found.kept, found.ignored
         report.notes += found.notes()
+    write = partial(
+        _write,
+        ckpt,
+        root,
+        kind=kind,
+        file_format=file_format,
+        max_bytes=max_bytes,
+        opts=opts,
+        report=report,
+        progress=progress,
+    )
     if opts.require_change and not report.changed:
         why = _nothing_to_do(ckpt, report)
         fix = wrapper_fix(root, opts.keys) if opts.strip_prefixes and not opts.add_prefix else None
@@ -632,22 +643,7 @@ def convert(
         if _same_format(ckpt, kind, file_format) and not is_url(out_path):
             _copy_whole(ckpt, Path(out_path), report)
         else:
-            _write_to(
-                out_path,
-                opts,
-                report,
-                partial(
-                    _write,
-                    ckpt,
-                    root,
-                    kind=kind,
-                    file_format=file_format,
-                    max_bytes=max_bytes,
-                    opts=opts,
-                    report=report,
-                    progress=progress,
-                ),
-            )
+            _write_to(out_path, opts, report, write)
         if report.output_format != report.input_format:  # a conversion is written, not "unchanged"
             report.unchanged = False
             report.message = f"{why}; wrote {out_path} as {report.output_format} (a format conversion)"
@@ -657,22 +653,7 @@ def convert(
             report.notes.append(f"{why}: {out_path} is the input unchanged")
         report.seconds = time.perf_counter() - started
         return report
-    _write_to(
-        out_path,
-        opts,
-        report,
-        partial(
-            _write,
-            ckpt,
-            root,
-            kind=kind,
-            file_format=file_format,
-            max_bytes=max_bytes,
-            opts=opts,
-            report=report,
-            progress=progress,
-        ),
-    )
+    _write_to(out_path, opts, report, write)
     report.seconds = time.perf_counter() - started
     return report
 
