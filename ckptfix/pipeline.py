@@ -238,6 +238,20 @@ class Report:
         return document
 
 
+def read_input(path: str | os.PathLike[str], opts: ConvertOptions, *, inert_unknown: bool) -> Checkpoint:
+    """One input as the options read it: --unsafe-load, --allow-global, DeepSpeed's --tag and
+    --weights; ``inert_unknown``: classes off the allow-list as inert records (judged later on
+    what the output carries)."""
+    return read_checkpoint(
+        path,
+        unsafe_load=opts.unsafe_load,
+        allow_globals=opts.allow_globals,
+        inert_unknown=inert_unknown,
+        tag=opts.tag,
+        weights=opts.weights,
+    )
+
+
 def output_target(out_path: str, out_format: str | None, max_shard_size: Any) -> tuple[str, str]:
     """(kind, file format): kind is "file" or "sharded"; the format is "pth" or "safetensors"."""
     if out_format is not None and out_format not in OUTPUT_FORMATS:
@@ -577,14 +591,7 @@ def convert(
     started = time.perf_counter()
     # unknown classes are read as inert records and judged on what the output carries
     # (check_output); --unsafe-load keeps the old way: the file through torch if it holds any
-    ckpt = read_checkpoint(
-        in_path,
-        unsafe_load=opts.unsafe_load,
-        allow_globals=opts.allow_globals,
-        inert_unknown=not opts.unsafe_load,
-        tag=opts.tag,
-        weights=opts.weights,
-    )
+    ckpt = read_input(in_path, opts, inert_unknown=not opts.unsafe_load)
     report = Report(
         command=command,
         input=in_path,
@@ -1046,15 +1053,8 @@ def diff_checkpoints(
     # diff writes nothing: unknown classes (configs) are read as inert records, compared by state
     inert = not opts.unsafe_load
     with metadata_only() if keys_only else nullcontext():
-        a = read_checkpoint(
-            a_path,
-            unsafe_load=opts.unsafe_load,
-            allow_globals=opts.allow_globals,
-            inert_unknown=inert,
-            tag=opts.tag,
-            weights=opts.weights,
-        )
-        b = read_checkpoint(b_path, unsafe_load=opts.unsafe_load, allow_globals=opts.allow_globals, inert_unknown=inert)
+        a = read_input(a_path, opts, inert_unknown=inert)
+        b = read_input(b_path, replace(opts, tag=None, weights=None), inert_unknown=inert)
     scratch = Report("diff", str(a_path), None, a.format, b.format, dry_run=True)
     with about_input(str(a_path)):
         root_a = apply_transforms(a, opts, scratch)
@@ -1145,14 +1145,7 @@ def fit_checkpoint(
         ref_shapes = shapes_of(max(found, key=lambda item: len(item[1]))[1])
     check_global_patterns(user.allow_globals)
     # unknown classes read as inert records: convert() below checks what OUT carries
-    ckpt = read_checkpoint(
-        in_path,
-        unsafe_load=user.unsafe_load,
-        allow_globals=user.allow_globals,
-        inert_unknown=True,
-        tag=user.tag,
-        weights=user.weights,
-    )
+    ckpt = read_input(in_path, user, inert_unknown=True)
     tree, base, _ = model_or_ema(ckpt.root, user.ema)  # the model's weights, not its EMA copy (or the reverse)
     chosen = select_path(tree, user.select) if user.select else None
     plan = best_fit(tree, ref_shapes, *chosen) if chosen else best_fit(tree, ref_shapes)
@@ -1258,14 +1251,7 @@ def publish(
     out_dir = Path(out_dir)
     if out_dir.exists() and not out_dir.is_dir():
         raise CannotWriteError(f"{out_dir}: not a folder")
-    ckpt = read_checkpoint(
-        in_path,
-        unsafe_load=user.unsafe_load,
-        allow_globals=user.allow_globals,
-        inert_unknown=True,
-        tag=user.tag,
-        weights=user.weights,
-    )
+    ckpt = read_input(in_path, user, inert_unknown=True)
     tree = select_path(ckpt.root, user.select)[1] if user.select else ckpt.root
     found = find_state_dicts(tree)
     if not found:
