@@ -16,7 +16,6 @@ therefore place big ranges at an output offset congruent to their source offset 
 
 from __future__ import annotations
 
-import io
 import os
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -26,6 +25,7 @@ from functools import partial
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeGuard, cast, runtime_checkable
 
 from ..errors import BadInputError
+from .positional import PositionalFile
 from .urls import is_url
 
 if TYPE_CHECKING:  # imported when first needed: concurrent.futures costs ~6 ms (it imports logging)
@@ -172,7 +172,7 @@ class WindowedReader:
         return cls(f.fileno())
 
 
-class FileSlice(io.RawIOBase):
+class FileSlice(PositionalFile):
     """``size`` bytes of an open file from ``base`` on, read as if they were a whole file.
 
     For a zip stored inside another file (each item of a torch.distributed.checkpoint
@@ -189,26 +189,8 @@ class FileSlice(io.RawIOBase):
     def fileno(self) -> int:
         return self._fd
 
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        origin = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
-        self._pos = max(0, origin + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def read(self, size: int | None = -1) -> bytes:
-        left = max(0, self.size - self._pos)
-        count = left if size is None or size < 0 else min(size, left)
-        data = os.pread(self._fd, count, self.base + self._pos)
-        self._pos += len(data)
-        return data
+    def pread(self, size: int, offset: int) -> bytes:
+        return os.pread(self._fd, size, self.base + offset)
 
     def close(self) -> None:
         pass  # the underlying file belongs to the caller

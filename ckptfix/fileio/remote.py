@@ -28,7 +28,6 @@ without them is one line naming what to install (exit 2).
 
 from __future__ import annotations
 
-import io
 import os
 import posixpath
 import re
@@ -43,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..errors import BadInputError, CannotWriteError, CkptfixError, UsageError
+from .positional import PositionalFile
 from .urls import is_url
 
 __all__ = [
@@ -292,7 +292,7 @@ def stat_url(url: str) -> os.stat_result:
     return os.stat_result((stat.S_IFREG | 0o644, 0, 0, 0, 0, 0, size, 0, 0, 0))
 
 
-class RemoteFile(io.RawIOBase):
+class RemoteFile(PositionalFile):
     """One remote object, read by ranges (see the module docstring). Satisfies
     :class:`~ckptfix.fileio.ranges.RangeSource`; has no ``fileno`` (never mapped)."""
 
@@ -319,28 +319,6 @@ class RemoteFile(io.RawIOBase):
         self._cached = 0
         self._lock = threading.Lock()
         self._ahead: _Readahead | None = None
-
-    # -- io.RawIOBase
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
-        origin = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
-        self._pos = max(0, origin + offset)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def read(self, size: int | None = -1) -> bytes:
-        left = max(0, self.size - self._pos)
-        count = left if size is None or size < 0 else min(size, left)
-        data = self.pread(count, self._pos)
-        self._pos += len(data)
-        return data
 
     # -- ranges
     def fetch(self, start: int, end: int) -> bytes:
