@@ -9,7 +9,14 @@ rm -rf .venv-notorch
 python3 -m venv .venv-notorch
 # shellcheck disable=SC1091
 . .venv-notorch/bin/activate
-python -m pip install --quiet .
+# ... and with no cargo on PATH: the native core is not built, the install still succeeds (no
+# error) and the pure-Python engine runs
+no_cargo_path=$(echo "$PATH" | tr ':' '\n' | while read -r dir; do [ -x "$dir/cargo" ] || echo "$dir"; done | paste -sd:)
+PATH=$no_cargo_path CKPTFIX_REQUIRE_NATIVE=0 python -m pip install --quiet .
+case "$(ckptfix --version)" in
+    *"(python engine)") echo "smoke: installed without cargo: the python engine runs" ;;
+    *) echo "smoke: without cargo, ckptfix --version says: $(ckptfix --version)" >&2; exit 1 ;;
+esac
 if (cd / && python -c "import torch") 2>/dev/null; then
     echo "smoke: torch is importable in the torch-free venv" >&2
     exit 1

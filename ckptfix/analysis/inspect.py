@@ -11,6 +11,7 @@ from ..fileio.extents import shared_bytes_of
 from ..fileio.sizes import format_size
 from ..fileio.urls import is_url
 from ..formats.checkpoint import Checkpoint
+from ..native import engine
 from ..model.paths import Path, format_path
 from ..model.refs import (
     Global,
@@ -235,6 +236,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         "input": ckpt.path,
         "diagnosis": _DIAGNOSIS.get(ckpt.format, ckpt.format),
         "format": ckpt.format,
+        "engine": engine(),
         "input_bytes": ckpt.file_size,
         "tensors": tensors,
         "meta_tensors": meta,

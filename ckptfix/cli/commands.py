@@ -61,7 +61,9 @@ def package_version() -> str:
 
 def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> None:
     if value and not ctx.resilient_parsing:
-        click.echo(f"ckptfix, version {package_version()}")
+        from ..native import engine
+
+        click.echo(f"ckptfix, version {package_version()} ({engine()} engine)")
         ctx.exit()
 
 
@@ -73,7 +75,7 @@ def _print_version(ctx: click.Context, param: click.Parameter, value: bool) -> N
     expose_value=False,
     is_eager=True,
     callback=_print_version,
-    help="Show the version (from the installed package's metadata) and exit.",
+    help="Show the version (from the installed package's metadata) and the engine (native or python), and exit.",
 )
 @click.option("--debug", is_flag=True, help="Show a traceback on errors (for bug reports).")
 def cli(debug: bool) -> None:

@@ -9,12 +9,17 @@ import pytest
 from conftest import TierError, current_tier, invoke_cli, run_cli, run_cli_batch
 
 from ckptfix import __version__
+from ckptfix.native import engine
 
 
 def test_cli_tests_run_the_cli_in_process() -> None:
     assert current_tier() == "cli"
     result = invoke_cli("--version")
-    assert (result.returncode, result.stdout, result.stderr) == (0, f"ckptfix, version {__version__}\n", "")
+    assert (result.returncode, result.stdout, result.stderr) == (
+        0,
+        f"ckptfix, version {__version__} ({engine()} engine)\n",
+        "",
+    )
 
 
 def test_cli_tests_cannot_spawn_a_process() -> None:

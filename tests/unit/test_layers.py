@@ -19,6 +19,7 @@ PACKAGE = ROOT / "ckptfix"
 #: bottom first: a module may import from its own layer or any layer before it in this list
 LAYERS = [
     "errors",
+    "native",
     "fileio",
     "model",
     "pickling",
