@@ -25,6 +25,7 @@ from functools import partial
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeGuard, cast, runtime_checkable
 
 from ..errors import BadInputError
+from .deferred import DeferredRecords
 from .positional import PositionalFile
 from .urls import is_url
 
@@ -55,6 +56,7 @@ class RangeSource(Protocol):
     it instead; it can be told what is about to be read, and streams big ranges itself."""
 
     metadata_only: bool
+    defers: bool
 
     def pread(self, size: int, offset: int) -> bytes: ...
 
@@ -65,6 +67,8 @@ class RangeSource(Protocol):
     def check_unchanged(self) -> None: ...
 
     def plan(self, ranges: list[tuple[int, int]]) -> None: ...
+
+    def defer(self, records: DeferredRecords) -> None: ...
 
 
 @dataclass(slots=True, unsafe_hash=True)

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from ..errors import BadInputError, CannotWriteError, CkptfixError, UsageError
+from .deferred import VIRTUAL, DeferredRecords
 from .positional import PositionalFile
 from .urls import is_url
 
@@ -83,6 +84,9 @@ PART = 1 << 23
 #: planned small reads (zip local headers) closer than this are fetched as one request: the
 #: bytes between them (tensor data the conversion fetches again) cost less than a request
 SMALL_GAP = 1 << 13
+#: what is fetched past a local header's fixed part and name when the header is read on its
+#: own: torch's padding extra field is at most 68 bytes (a zip64 one adds 28)
+_HEADER_SLACK = 256
 #: a failed ranged read is tried again this many times, after BACKOFF, 2x, 4x ... seconds
 RETRIES = 3
 BACKOFF = 0.1
@@ -183,6 +187,12 @@ def _identity(info: dict[str, Any]) -> tuple[Any, ...]:
 
 _seen: ContextVar[dict[str, tuple[Any, ...]] | None] = ContextVar("ckptfix_remote_seen", default=None)
 _metadata_only: ContextVar[bool] = ContextVar("ckptfix_remote_metadata_only", default=False)
+#: within one command, the deferred zip records of each object (by URL: its identity, the
+#: records, their data offsets once checked), for every RemoteFile opened on it: the reader
+#: that found them and the writer that reads their data are two opens of one object
+_deferrals: ContextVar[dict[str, tuple[tuple[Any, ...], DeferredRecords, dict[int, int]]] | None] = ContextVar(
+    "ckptfix_remote_deferrals", default=None
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -195,6 +205,7 @@ def consistent_reads(func: F) -> F:
     def run(*args: Any, **kwargs: Any) -> Any:
         seen: dict[str, tuple[Any, ...]] = {}
         token = _seen.set(seen)
+        deferrals = _deferrals.set({})
         try:
             return func(*args, **kwargs)
         except BadInputError:
@@ -202,6 +213,7 @@ def consistent_reads(func: F) -> F:
             _refuse_changed(seen)
             raise
         finally:
+            _deferrals.reset(deferrals)
             _seen.reset(token)
 
     return cast(F, run)
@@ -319,6 +331,14 @@ class RemoteFile(PositionalFile):
         self._cached = 0
         self._lock = threading.Lock()
         self._ahead: _Readahead | None = None
+        self._deferred: DeferredRecords | None = None
+        self._resolved: dict[int, int] = {}  # deferred record -> its data offset, once checked
+        shared = _deferrals.get()
+        #: whether a zip reader may defer its tensor records' headers (:meth:`defer`): only
+        #: within a command (:func:`consistent_reads`), where a later open finds them again
+        self.defers = shared is not None
+        if shared is not None and url in shared and shared[url][0] == self.identity:
+            _, self._deferred, self._resolved = shared[url]
 
     # -- ranges
     def fetch(self, start: int, end: int) -> bytes:
@@ -387,9 +407,7 @@ class RemoteFile(PositionalFile):
     def pread(self, size: int, offset: int) -> bytes:
         """``size`` bytes at ``offset`` (short at the end of the object), from what was fetched
         or with one request for a window around them."""
-        if offset < 0:
-            # a record whose local header was not read (metadata_only): no reader may need it
-            raise RuntimeError(f"{self.url}: a read of tensor bytes in a metadata-only read")
+        offset = self._real(offset)
         size = max(0, min(size, self.size - offset))
         if size == 0:
             return b""
@@ -450,10 +468,16 @@ class RemoteFile(PositionalFile):
         """The ``(offset, size)`` ranges a writer is about to read, in its order: from now on they
         are fetched ahead, coalesced (neighbours in that order less than :data:`SMALL_GAP`
         apart, up to :data:`PART` bytes a request) and at most ``max_concurrency`` requests at
-        once, and reads are served from them as the writer gets there (:class:`_Readahead`)."""
+        once, and reads are served from them as the writer gets there (:class:`_Readahead`).
+
+        A range of a deferred zip record (see :meth:`defer`) is fetched from the record's local
+        header on, to where the next record starts: header, data and descriptor in the same
+        requests, neighbours coalesced, however many records there are. Only a range that starts
+        far into its record (a slice of a storage) has its header fetched first, on its own."""
+        real = self._real_ranges(ranges)
         spans: list[tuple[int, int]] = []
-        for offset, size in ranges:
-            end = min(self.size, offset + size)
+        for offset, end in real:
+            end = min(self.size, end)
             if offset < 0 or offset >= end:
                 continue
             last = spans[-1] if spans else None
@@ -463,11 +487,94 @@ class RemoteFile(PositionalFile):
             spans.extend((at, min(end, at + PART)) for at in range(offset, end, PART))
         self._ahead = _Readahead(self, spans) if spans else None
 
+    def _real_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``ranges`` as ``[start, end)`` of the object (see :meth:`plan`)."""
+        deferred = self._deferred
+        if deferred is None or all(offset < VIRTUAL for offset, _ in ranges):
+            return [(offset, offset + size) for offset, size in ranges]
+        late = []  # deferred records read from far into their data: their headers first
+        for offset, _ in ranges:
+            if offset >= VIRTUAL:
+                index, within = deferred.find(offset)
+                if within > SMALL_GAP and index not in self._resolved:
+                    late.append(index)
+        if late:
+            self.prefetch([(deferred.span(i)[0], deferred.span(i)[1] + _HEADER_SLACK) for i in late])
+            for index in late:
+                self._resolve(index)
+        real = []
+        for offset, size in ranges:
+            if offset < VIRTUAL:
+                real.append((offset, offset + size))
+                continue
+            index, within = deferred.find(offset)
+            data_offset = self._resolved.get(index)
+            if data_offset is not None:
+                real.append((data_offset + within, data_offset + within + size))
+                continue
+            header, head, following = deferred.span(index)
+            # the data starts after the header and its extra field (at most 64 KiB): the range
+            # ends before the next record in any archive that passes the check
+            real.append((header, min(following, header + head + 0xFFFF + within + size)))
+        return real
+
+    def defer(self, records: DeferredRecords) -> None:
+        """Take ``records`` (a zip's tensor records: their data is addressed from
+        :data:`~ckptfix.fileio.ranges.VIRTUAL` until their local headers are read). A read of
+        such an address first reads the record's header -- from the planned request that
+        holds it, else with one request -- and has the archive check it; no byte of the data
+        is handed out before that check passed."""
+        self._deferred = records
+        self._resolved = {}
+        shared = _deferrals.get()
+        if shared is not None:
+            shared[self.url] = (self.identity, records, self._resolved)
+
+    def _real(self, offset: int) -> int:
+        """Where the address ``offset`` is in the object (see :meth:`defer`)."""
+        if offset < VIRTUAL:
+            return offset
+        if self._deferred is None:
+            raise RuntimeError(f"{self.url}: a read at an address no zip record was given")
+        index, within = self._deferred.find(offset)
+        data_offset = self._resolved.get(index)
+        if data_offset is None:
+            data_offset = self._resolve(index)
+        return data_offset + within
+
+    def _resolve(self, index: int) -> int:
+        """Read and check a deferred record's local header: its data offset."""
+        deferred = self._deferred
+        assert deferred is not None
+        if self.metadata_only:  # nothing in a metadata-only command reads tensor bytes
+            raise RuntimeError(f"{self.url}: a read of tensor bytes in a metadata-only read")
+        header, _, _ = deferred.span(index)
+        held = self._ahead.peek(header) if self._ahead is not None else None
+
+        def read(offset: int, size: int) -> bytes:
+            if held is not None and held[0] <= offset and offset + size <= held[0] + len(held[1]):
+                return held[1][offset - held[0] : offset - held[0] + size]
+            return self.pread(size, offset)
+
+        data_offset = deferred.resolve(index, read)
+        self._resolved[index] = data_offset
+        return data_offset
+
+    def read(self, size: int | None = -1) -> bytes:
+        """As a file's ``read`` (from :meth:`seek`'s position, which may be a deferred record's
+        address: compressed records are inflated through this)."""
+        if self._pos < VIRTUAL:
+            return super().read(size)
+        at = self._real(self._pos)
+        left = max(0, self.size - at)
+        data = self.pread(left if size is None or size < 0 else min(size, left), at)
+        self._pos += len(data)
+        return data
+
     def iter_range(self, offset: int, size: int) -> Iterator[bytes]:
         """``size`` bytes at ``offset`` as parts of at most :data:`PART` bytes, in order, fetched
         concurrently; the caller writes each as it arrives."""
-        if offset < 0:
-            raise RuntimeError(f"{self.url}: a read of tensor bytes in a metadata-only read")
+        offset = self._real(offset)
         if offset + size > self.size:
             raise BadInputError(f"{self.url}: the object ended inside tensor data (truncated?)")
         ahead = self._ahead
@@ -527,6 +634,14 @@ class _Readahead:
                 return
             start, end = span
             self._window.append((start, end, self._pool.submit(self._source.fetch, start, end)))
+
+    def peek(self, offset: int) -> tuple[int, bytes] | None:
+        """(start, bytes) of the planned span holding ``offset``, if it is in the window, leaving
+        it there (a deferred record's header, checked before its data is taken)."""
+        for start, end, future in self._window:
+            if start <= offset < end:
+                return start, future.result()
+        return None
 
     def take(self, offset: int, size: int) -> bytes | None:
         """Up to ``size`` bytes at ``offset`` from the span holding ``offset``, if planned."""

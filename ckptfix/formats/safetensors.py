@@ -257,11 +257,12 @@ def _best_placement(pieces: Iterable[_Run | TensorRef]) -> tuple[int | None, int
 
     A run shares blocks when the data section starts at its file offset minus its offset in
     the section (mod 4096); with the section 8-aligned, as the library writes it, and runs of
-    at least 64 KiB (as for zip records: smaller ones are not worth it). None: nothing can be.
+    at least 64 KiB (as for zip records: smaller ones are not worth it) of local files (a
+    remote object's bytes are streamed, never shared). None: nothing can be.
     """
     shared: dict[int, int] = {}
     for piece in pieces:
-        if isinstance(piece, _Run) and piece.size >= SMALL_COPY:
+        if isinstance(piece, _Run) and piece.size >= SMALL_COPY and not is_url(piece.path):
             residue = (piece.offset - piece.start) % BLOCK
             if residue % _ALIGN == 0:
                 shared[residue] = shared.get(residue, 0) + piece.size

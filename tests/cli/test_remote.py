@@ -137,11 +137,18 @@ def test_convert_s3_to_local_streams_ranges_and_matches_torch(
     assert server.traffic.bytes_sent <= size + (1 << 20), "\n".join(map(str, server.traffic.requests))
     assert any(r[2] for r in server.traffic.requests)  # ranged GETs, not whole-object downloads
     assert not any(r[0] == "GET" and not r[2] and "list-type" not in r[1] for r in server.traffic.requests)
+    # the 40 tensor records' local headers come with their data: not a request per record
+    # (each header read on its own took 40 more here); records next to each other in the
+    # output's (name) order share requests
+    assert len([r for r in server.traffic.to("run/train.pth") if r[0] == "GET"]) <= 10, server.traffic.requests
 
     # and to a .pth, through the zip writer (strip-module keeps the training dict)
     back = tmp_path / "bare.pth"
+    server.traffic.reset()
     result = invoke_cli("strip-module", f"s3://{BUCKET}/run/train.pth", back, *_s3_args(server))
     assert result.returncode == 0, result.stderr
+    # in the input's order: every tensor record, header and data, in one request
+    assert len([r for r in server.traffic.to("run/train.pth") if r[0] == "GET"]) <= 3, server.traffic.requests
     loaded = torch.load(back, weights_only=True, mmap=True)
     assert loaded["epoch"] == 3
     assert_values(loaded["state_dict"], {k.removeprefix("module."): v for k, v in expected.items()})
@@ -404,18 +411,68 @@ def test_a_remote_record_whose_crc_is_wrong_is_refused(tmp_path: Path, record: s
     assert_values(torch.load(out, weights_only=True), {"small": torch.ones(3), "big": torch.arange(40000.0)})
 
 
+def _local_header_broken(src: Path, dest: Path, suffix: str, how: str) -> Path:
+    """``src`` with the local header of its record ending ``suffix`` made to disagree with the
+    zip directory: another name, another compression method, or an extra field so long that
+    the data runs into the next record."""
+    import struct
+    import zipfile
+
+    data = bytearray(src.read_bytes())
+    with zipfile.ZipFile(src) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(suffix))
+    at = info.header_offset
+    if how == "name":
+        name_len = struct.unpack_from("<H", data, at + 26)[0]
+        data[at + 30 + name_len - 1] ^= 0x01  # the last letter of the name
+    elif how == "method":
+        struct.pack_into("<H", data, at + 8, 8)
+    else:  # the extra field claims 4 KiB more: the record would overlap the next one
+        extra_len = struct.unpack_from("<H", data, at + 28)[0]
+        struct.pack_into("<H", data, at + 28, extra_len + 4096)
+    dest.write_bytes(data)
+    return dest
+
+
+@pytest.mark.parametrize("how", ["name", "method", "extra"])
+def test_a_remote_local_header_read_with_its_data_is_checked_as_a_local_one(tmp_path: Path, how: str) -> None:
+    """A tensor record's local header fetched in the same request as its data is held to what
+    a local file's is: a header that disagrees with the zip directory is refused with the same
+    message (exit 3), and nothing is written."""
+    torch.save({"module.a": torch.arange(30000.0), "module.b": torch.arange(30000.0) * 2}, tmp_path / "in.pth")
+    bad = _local_header_broken(tmp_path / "in.pth", tmp_path / "bad.pth", "data/0", how)
+    errors = []
+    for name, source in (("local", bad), ("remote", bad.as_uri())):
+        out = tmp_path / f"{name}.safetensors"
+        result = invoke_cli("convert", source, out, "--strip-prefix", "module.")
+        assert result.returncode == 3, result.stderr
+        assert not out.exists()
+        errors.append(result.stderr.replace(bad.as_uri(), str(bad)))
+    assert errors[0] == errors[1], errors
+    assert "refusing" in errors[0]
+
+
 def test_a_remote_file_saved_without_crcs_converts_as_the_local_one(tmp_path: Path) -> None:
     """CRC 0 (``set_crc32_options(False)``) stays 0 for a streamed remote record, as for a local
-    copy: the two outputs are the same bytes."""
+    copy: the two outputs record the same CRCs and hold the same tensors. (Not the same bytes:
+    a big record copied from a local file is placed to share its blocks, one streamed from a
+    remote object at torch's own 64-byte alignment.)"""
+    import zipfile
+
     torch.serialization.set_crc32_options(False)
     try:
         torch.save({"module.big": torch.arange(40000.0), "module.small": torch.ones(3)}, tmp_path / "in.pth")
     finally:
         torch.serialization.set_crc32_options(True)
+    crcs = {}
     for name, source in (("local.pth", tmp_path / "in.pth"), ("remote.pth", (tmp_path / "in.pth").as_uri())):
         result = invoke_cli("convert", source, tmp_path / name, "--format", "pth", "--strip-prefix", "module.")
         assert result.returncode == 0, result.stderr
-    assert (tmp_path / "local.pth").read_bytes() == (tmp_path / "remote.pth").read_bytes()
+        with zipfile.ZipFile(tmp_path / name) as z:
+            crcs[name] = {i.filename.split("/", 1)[1]: i.CRC for i in z.infolist() if "/data/" in i.filename}
+        expected = {"big": torch.arange(40000.0), "small": torch.ones(3)}
+        assert_values(torch.load(tmp_path / name, weights_only=True), expected)
+    assert crcs["local.pth"] == crcs["remote.pth"] == {"data/0": 0, "data/1": 0}
 
 
 def test_remote_views_are_gathered_as_local_ones(tmp_path: Path) -> None:
