@@ -11,6 +11,7 @@ import hashlib
 import http.server
 import os
 import re
+import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -61,6 +62,9 @@ class _Counting:
         query = environ.get("QUERY_STRING", "")
         path = environ.get("PATH_INFO", "") + (f"?{query}" if query else "")
         status = self.traffic.add(environ["REQUEST_METHOD"], path, environ.get("HTTP_RANGE", ""))
+        if status == DROP:  # the connection closes with no answer, as a network failure leaves it
+            environ["werkzeug.socket"].shutdown(socket.SHUT_RDWR)
+            return
         if status is not None:  # a fault the test asked for
             start_response(f"{status} Injected", [("Content-Type", "application/xml"), ("Content-Length", "0")])
             return
@@ -108,6 +112,8 @@ def start_s3() -> Server:
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 #: what an ``on_request`` hook returns to make the HTTP server send a short body and drop the connection
 SHORT_BODY = -1
+#: what an ``on_request`` hook returns to make the S3 server drop the connection without answering
+DROP = -2
 
 
 def start_http(root: Path) -> Server:

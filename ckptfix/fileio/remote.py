@@ -18,8 +18,10 @@ when it is first opened within one command (:func:`consistent_reads`) and checke
 every later open and when a reader is done with it; a change is bad input (exit 3), and an
 output being written from it is then never committed.
 
-Outputs (:func:`staged_output`) are written locally, then uploaded object by object, each a
-multipart upload completed after its last part or aborted; a folder's index goes last.
+Outputs (:func:`upload_output`) are uploaded as they are written, each a multipart upload
+completed after its last part or aborted; a folder's index goes last. An output that must be
+read back before it is committed (``--verify``) is written locally first
+(:func:`staged_output`), then uploaded the same way.
 
 ``fsspec`` and the backends of the common schemes are the optional ``ckptfix[remote]`` extra
 (``[gcs]`` and ``[azure]`` add gcsfs and adlfs): the core install stays small, and a URL given
@@ -28,6 +30,7 @@ without them is one line naming what to install (exit 2).
 
 from __future__ import annotations
 
+import io
 import os
 import posixpath
 import re
@@ -39,7 +42,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from ..errors import BadInputError, CannotWriteError, CkptfixError, UsageError
 from .deferred import VIRTUAL, DeferredRecords
@@ -734,6 +737,17 @@ class RemotePath:
     def is_symlink(self) -> bool:
         return False
 
+    def unlink(self, missing_ok: bool = False) -> None:
+        """Remove the object (a folder write that failed removes the shards it committed)."""
+        fs, path = filesystem(str(self))
+        try:
+            fs.rm_file(path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+        except Exception as exc:
+            raise CannotWriteError(f"{self}: cannot remove: {type(exc).__name__}: {exc}") from None
+
     def stat(self) -> os.stat_result:
         return stat_url(str(self))
 
@@ -803,22 +817,30 @@ def _staged_files(local: Path) -> list[Path]:
     return sorted(files, key=lambda p: p.name.endswith(".index.json"))
 
 
-def upload_file(local: Path, fs: Any, path: str, url: str) -> None:
-    """Copy ``local`` to ``path`` so that the object is either complete or absent: the bytes go
-    up as a multipart upload (parts sent as they are read), completed only after the last part
-    and aborted on any failure, Ctrl-C included -- never a partial object, never an orphaned
-    upload. Filesystems without uncommitted writes (no ``autocommit=False``) are refused."""
+def _open_upload(fs: Any, path: str, url: str) -> Any:
+    """``path`` opened for an upload that commits nothing until :meth:`commit` (an S3 multipart
+    upload; a temporary file for ``file://``); storage that cannot hold a write back is refused."""
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     if "file" in protocols:  # a local folder must exist (object stores have none to make)
         fs.makedirs(posixpath.dirname(path), exist_ok=True)
+    if "memory" in protocols:  # its files exist from the moment they are opened: held until commit
+        return _HeldUntilCommit(fs, path)
     try:
-        out = fs.open(path, "wb", autocommit=False, block_size=UPLOAD_PART)
+        return fs.open(path, "wb", autocommit=False, block_size=UPLOAD_PART)
     except (TypeError, NotImplementedError):
         raise UsageError(
             f"{url}: this storage cannot commit a write atomically; write to s3:// or local disk"
         ) from None
     except Exception as exc:
         raise CannotWriteError(f"{url}: cannot write: {type(exc).__name__}: {exc}") from None
+
+
+def upload_file(local: Path, fs: Any, path: str, url: str) -> None:
+    """Copy ``local`` to ``path`` so that the object is either complete or absent: the bytes go
+    up as a multipart upload (parts sent as they are read), completed only after the last part
+    and aborted on any failure, Ctrl-C included -- never a partial object, never an orphaned
+    upload. Filesystems without uncommitted writes (no ``autocommit=False``) are refused."""
+    out = _open_upload(fs, path, url)
     try:
         with open(local, "rb") as f:
             while chunk := f.read(UPLOAD_PART):
@@ -830,6 +852,102 @@ def upload_file(local: Path, fs: Any, path: str, url: str) -> None:
             out.discard()  # aborts the multipart upload: its parts are deleted
         if isinstance(exc, Exception) and not isinstance(exc, CkptfixError):
             raise CannotWriteError(f"{url}: upload failed: {type(exc).__name__}: {exc}; nothing written") from None
+        raise
+
+
+#: whether an upload may replace an existing object (``--force``), within :func:`remote_outputs`
+_overwrite: ContextVar[bool] = ContextVar("ckptfix_remote_overwrite", default=False)
+
+
+@contextmanager
+def remote_outputs(*, force: bool) -> Iterator[None]:
+    """Within this, outputs named by URL (:func:`upload_output`) may replace existing objects
+    when ``force``; otherwise an object that appeared while the output was written is refused
+    before the upload is committed (the command refused an existing one before reading)."""
+    token = _overwrite.set(force)
+    try:
+        yield
+    finally:
+        _overwrite.reset(token)
+
+
+class _HeldUntilCommit(io.BytesIO):
+    """An upload to ``memory://``, whose files appear when opened (fsspec's memory file system
+    ignores ``autocommit``): the bytes are held here and stored at :meth:`commit` (they are in
+    memory either way)."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        super().__init__()
+        self._fs, self._path = fs, path
+
+    def close(self) -> None:
+        pass  # the bytes are kept for commit
+
+    def commit(self) -> None:
+        self._fs.pipe_file(self._path, self.getvalue())
+        super().close()
+
+    def discard(self) -> None:
+        super().close()
+
+
+class _UploadStream(io.RawIOBase):
+    """What a writer writes an upload through: bytes go into the upload's current part, sent as
+    soon as it holds :data:`UPLOAD_PART` bytes (memory stays at about one part); no ``seek``,
+    no ``fileno`` (so tensor bytes of a local input are streamed through it, not copied by the
+    kernel). A failure to send is :class:`CannotWriteError` (exit 4)."""
+
+    def __init__(self, out: Any, url: str) -> None:
+        super().__init__()
+        self._out, self._url = out, url
+        self._offset = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        try:
+            self._out.write(data)
+        except Exception as exc:
+            raise _upload_failed(self._url, exc) from None
+        size = len(data) if not isinstance(data, memoryview) else data.nbytes
+        self._offset += size
+        return size
+
+    def tell(self) -> int:
+        return self._offset
+
+
+def _upload_failed(url: str, exc: BaseException) -> CannotWriteError:
+    return CannotWriteError(f"{url}: upload failed: {type(exc).__name__}: {exc}; nothing written")
+
+
+@contextmanager
+def upload_output(url: str) -> Iterator[BinaryIO]:
+    """A stream to write the object ``url`` through, uploaded as it is written: each part of
+    :data:`UPLOAD_PART` bytes is sent once written, so memory stays at about one part whatever
+    the output's size and no local copy is made; the upload is completed only after the last
+    part, when the writer is done, and aborted on any failure or interrupt (Ctrl-C, SIGTERM):
+    the object is complete or absent, and no upload is left in progress.
+
+    Every writer here writes front to back -- a zip's sizes and CRCs follow each record in a
+    data descriptor, as torch's own writer does (and torch.load reads), a safetensors header is
+    planned before the first tensor byte -- so nothing needs to seek back."""
+    fs, path = filesystem(url)
+    path = path.rstrip("/")
+    if not _overwrite.get() and _exists(fs, path, url):  # (an existing OUT was refused before reading)
+        raise CannotWriteError(f"{url}: already exists", hint="pass --force to overwrite it")
+    out = _open_upload(fs, path, url)
+    try:
+        yield cast(BinaryIO, _UploadStream(out, url))
+        try:
+            out.close()  # sends the last part; with autocommit off the object does not exist yet
+            out.commit()
+        except Exception as exc:
+            raise _upload_failed(url, exc) from None
+    except BaseException:
+        with suppress(Exception):
+            out.discard()  # aborts the multipart upload: its parts are deleted
         raise
 
 

@@ -272,6 +272,13 @@ def _best_placement(pieces: Iterable[_Run | TensorRef]) -> tuple[int | None, int
     return residue, shared[residue]
 
 
+def _all_remote(kept: list[tuple[str, TensorRef]]) -> bool:
+    """Whether every tensor's bytes are in remote objects: written in their order, they are read
+    in one pass, neighbours coalesced into few ranged requests (in name order, a request or more
+    per jump; nothing is shared with a remote object anyway)."""
+    return all(isinstance(t.storage.source, FileRange) and is_url(t.storage.source.path) for _, t in kept)
+
+
 def _in_source_order(kept: list[tuple[str, TensorRef]]) -> list[tuple[str, TensorRef]] | None:
     """``kept`` in the order its bytes lie in their files, or None when some tensor must be
     gathered or that order would leave a tensor misaligned for its element size."""
@@ -438,7 +445,7 @@ def plan_safetensors(
     as_stored = _in_source_order(kept)
     if as_stored is not None:
         stored_residue, stored_shared = _best_placement(_runs(as_stored))
-        if stored_shared > shared:
+        if stored_shared > shared or (not shared and _all_remote(kept)):
             kept, residue = as_stored, stored_residue
     meta = hub_metadata(metadata or {})
     for alias, keep in aliases.items():
