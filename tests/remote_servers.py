@@ -114,6 +114,10 @@ _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 SHORT_BODY = -1
 #: what an ``on_request`` hook returns to make the S3 server drop the connection without answering
 DROP = -2
+#: ... to make the HTTP server send the bytes one further on than asked, as many, saying so in
+#: its Content-Range (WRONG_RANGE) or claiming the range asked for (LYING_RANGE)
+WRONG_RANGE = -3
+LYING_RANGE = -4
 
 
 def start_http(root: Path) -> Server:
@@ -160,7 +164,7 @@ def start_http(root: Path) -> Server:
                 self.wfile.write(b"x" * 10)
                 self.close_connection = True
                 return
-            if fault is not None:
+            if fault is not None and fault not in (WRONG_RANGE, LYING_RANGE):
                 self.send_response(fault)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -182,7 +186,12 @@ def start_http(root: Path) -> Server:
                     self.end_headers()
                     return
                 self.send_response(206)
-                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+                said = f"bytes {start}-{end - 1}/{size}"
+                if fault in (WRONG_RANGE, LYING_RANGE):  # the bytes one further on (or back), as many
+                    shift = 1 if end < size else -1
+                    start, end = start + shift, end + shift
+                    said = f"bytes {start}-{end - 1}/{size}" if fault == WRONG_RANGE else said
+                self.send_header("Content-Range", said)
             else:
                 self.send_response(200)
             self.send_header("Content-Length", str(end - start))

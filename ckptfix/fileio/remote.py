@@ -357,11 +357,12 @@ class RemoteFile(PositionalFile):
         import time
 
         data: bytes = b""
+        wrong: str | None = None
         for attempt in range(RETRIES + 1):
             if attempt:
                 time.sleep(BACKOFF * 2 ** (attempt - 1))
             try:
-                data = self.fs.cat_file(self._path, start=start, end=end)
+                data, answered = self._get(start, end)
             except (FileNotFoundError, PermissionError) as exc:
                 raise _remote_error(self.url, exc) from None
             except Exception as exc:
@@ -373,12 +374,32 @@ class RemoteFile(PositionalFile):
                     self.requests += 1
             with self._lock:
                 self.bytes_fetched += len(data)
+            if answered is not None and not _is_range(answered, start, end, self.size):
+                wrong = answered  # another range (or another object's), whatever its length: try again
+                continue
             if len(data) == end - start:
                 return data
+        if wrong is not None:
+            raise BadInputError(
+                f"{self.url}: asked for bytes {start}-{end - 1} and the server answered {wrong!r}, {RETRIES + 1} "
+                "times: a server or proxy that serves the wrong range; nothing written"
+            )
         raise BadInputError(
             f"{self.url}: asked for bytes {start}-{end} and got {len(data)}, {RETRIES + 1} times: the object changed "
             "or was truncated while being read; nothing written"
         )
+
+    def _get(self, start: int, end: int) -> tuple[bytes, str | None]:
+        """``[start, end)`` and the range the server says it sent (its ``Content-Range``), where the
+        backend lets that be seen (s3fs, fsspec's http); else None (fsspec's ``cat_file`` drops
+        it): then a wrong range of the right length is caught only by the CRC32 each copied zip
+        record is checked against."""
+        getter = _RANGE_GETTERS.get(type(self.fs).__name__)
+        if getter is None:
+            return cast(bytes, self.fs.cat_file(self._path, start=start, end=end)), None
+        from fsspec.asyn import sync
+
+        return cast(tuple[bytes, "str | None"], sync(self.fs.loop, getter, self.fs, self._path, start, end))
 
     def _cached_read(self, size: int, offset: int) -> bytes | None:
         import bisect
@@ -610,6 +631,47 @@ class RemoteFile(PositionalFile):
                 f"{self.url}: the object changed while it was being read ({_change(self.identity, now)}); "
                 "nothing written"
             )
+
+
+def _is_range(answered: str, start: int, end: int, size: int) -> bool:
+    """Whether a ``Content-Range`` answer is ``bytes start-(end-1)/size`` (or ``/*``)."""
+    match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", answered.strip())
+    if match is None:
+        return False
+    first, last, total = match.groups()
+    return (int(first), int(last)) == (start, end - 1) and total in ("*", str(size))
+
+
+async def _s3_range(fs: Any, path: str, start: int, end: int) -> tuple[bytes, str | None]:
+    """A ranged GetObject through s3fs (its retries, its error translation), keeping the
+    ``ContentRange`` that ``cat_file`` drops."""
+    bucket, key, version = fs.split_path(path)
+    extra = {"VersionId": version} if version else {}
+    response = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **extra)
+    body = response["Body"]
+    try:
+        data = await body.read()
+    finally:
+        body.close()
+    return data, response.get("ContentRange") or "(none)"
+
+
+async def _http_range(fs: Any, url: str, start: int, end: int) -> tuple[bytes, str | None]:
+    """A ranged GET through fsspec's http session, keeping the ``Content-Range`` (a server that
+    ignores the range answers 200 and the whole object: that is said as its range)."""
+    options = dict(fs.kwargs)
+    headers = {**options.pop("headers", {}), "Range": f"bytes={start}-{end - 1}"}
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(url), headers=headers, **options) as response:
+        data = await response.read()
+        fs._raise_not_found_for_status(response, url)
+        if response.status != 206:
+            return data, f"the whole object ({response.status}, {len(data)} bytes)"
+        return data, response.headers.get("Content-Range", "(none)")
+
+
+#: ranged GETs that show which range the server sent, by fsspec file system class
+_RANGE_GETTERS = {"S3FileSystem": _s3_range, "HTTPFileSystem": _http_range}
 
 
 class _Readahead:

@@ -667,3 +667,45 @@ def test_a_dropped_upload_connection_is_retried(s3: tuple[Server, Any], eight_mb
     assert invoke_cli("convert", eight_mb, here).returncode == 0
     assert fs.cat(key) == here.read_bytes()
     assert _uploads_in_progress(fs, BUCKET) == []
+
+
+def test_a_wrong_range_of_the_right_length_is_caught(
+    local: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A server answering another range than asked, as many bytes: said in its Content-Range, it
+    is retried (once: served right the next time) or refused (every time: exit 3, nothing
+    written); claimed to be the range asked for, the checks of what was read refuse it (a zip
+    record's local header, its CRC32: exit 3)."""
+    from remote_servers import LYING_RANGE, WRONG_RANGE
+
+    import ckptfix.fileio.remote
+
+    monkeypatch.setattr(ckptfix.fileio.remote, "BACKOFF", 0.005)
+    server = start_http(local)
+    try:
+        faults = iter([WRONG_RANGE])
+        server.traffic.on_request = lambda method, path, range_: next(faults, None) if range_ else None
+        out = tmp_path / "once.safetensors"
+        result = invoke_cli("convert", f"{server.endpoint}/model.safetensors", out)
+        assert result.returncode == 0, result.stderr
+        assert_values(load_file(out), load_file(local / "model.safetensors"))
+
+        server.traffic.on_request = lambda method, path, range_: WRONG_RANGE if range_ else None
+        out = tmp_path / "never.safetensors"
+        result = invoke_cli("convert", f"{server.endpoint}/model.safetensors", out)
+        assert result.returncode == 3 and "wrong range" in result.stderr, result.stderr
+        assert not out.exists()
+
+        # lying about it: only the tensor reads (the metadata windows are served right)
+        def lie_about_data(method: str, path: str, range_: str) -> int | None:
+            return LYING_RANGE if range_ and not range_.startswith(("bytes=0-", "bytes=1045")) else None
+
+        server.traffic.on_request = lie_about_data
+        out = tmp_path / "lied.pth"
+        result = invoke_cli("strip-module", f"{server.endpoint}/train.pth", out)
+        # the shifted bytes are checked before use: here the record's local header, read in the same
+        # request, is not one (with headers intact, the record's CRC32 would refuse its data)
+        assert result.returncode == 3 and ("CRC32" in result.stderr or "local header" in result.stderr), result.stderr
+        assert not out.exists()
+    finally:
+        server.stop()
