@@ -709,3 +709,28 @@ def test_a_wrong_range_of_the_right_length_is_caught(
         assert not out.exists()
     finally:
         server.stop()
+
+
+def test_hf_urls_go_through_huggingface_hub_to_its_endpoint(local: Path) -> None:
+    """hf:// is huggingface_hub's HfFileSystem, with its endpoint as a storage option: here a
+    loopback server that is no hub (404 for everything): the repository's API is what is asked
+    (nothing else), and the answer is one line, exit 3."""
+    pytest.importorskip("huggingface_hub")
+    server = start_http(local)
+    try:
+        url = "hf://me/ckpts/model.safetensors"
+        result = invoke_cli("inspect", url, "--storage-option", f"endpoint={server.endpoint}")
+        assert result.returncode == 3 and result.stderr.startswith(f"ckptfix: error: {url}:"), result.stderr
+        assert result.stderr.strip().count("\n") == 0
+        assert server.traffic.requests and all(r[1].startswith("/api/models/me/ckpts") for r in server.traffic.requests)
+    finally:
+        server.stop()
+
+
+def test_hf_reads_against_a_hub() -> None:
+    pytest.skip(
+        "reading hf:// needs the Hub's API (revisions, paths-info, tree listings, then ranged GETs of "
+        "resolve/ URLs, possibly through hf-xet): no hub is reachable from here and the tests hold no "
+        "fake of that API; hf:// goes through the same ranged reader as s3:// and http:// "
+        "(test_hf_urls_go_through_huggingface_hub_to_its_endpoint checks the way to the endpoint)"
+    )
