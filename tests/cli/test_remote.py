@@ -734,3 +734,25 @@ def test_hf_reads_against_a_hub() -> None:
         "fake of that API; hf:// goes through the same ranged reader as s3:// and http:// "
         "(test_hf_urls_go_through_huggingface_hub_to_its_endpoint checks the way to the endpoint)"
     )
+
+
+def test_remote_records_read_from_far_in_or_deflated_convert_as_local_ones(tmp_path: Path) -> None:
+    """A tensor that is the far end of its storage (its record's header is fetched first, on its
+    own) and a re-zipped checkpoint whose records are deflated (inflated through the deferred
+    address) convert from a URL to what they convert to from a local path."""
+    import zipfile
+
+    base = torch.arange(100000.0)
+    torch.save({"tail": base[60000:], "head": base[:10]}, tmp_path / "views.pth")
+    with zipfile.ZipFile(tmp_path / "views.pth") as z, zipfile.ZipFile(tmp_path / "zipped.pth", "w") as out:
+        for info in z.infolist():
+            out.writestr(info.filename, z.read(info), compress_type=zipfile.ZIP_DEFLATED)
+    for name in ("views.pth", "zipped.pth"):
+        outputs = {}
+        for where, source in (("local", tmp_path / name), ("remote", (tmp_path / name).as_uri())):
+            out = tmp_path / f"{where}-{name}.safetensors"
+            result = invoke_cli("convert", source, out)
+            assert result.returncode == 0, result.stderr
+            outputs[where] = load_file(out)
+        assert_values(outputs["remote"], outputs["local"])
+        assert_values(outputs["remote"], {"tail": base[60000:], "head": base[:10]})
