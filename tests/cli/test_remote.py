@@ -316,6 +316,24 @@ def test_force_replaces_an_existing_object(s3: tuple[Server, Any], local: Path) 
     assert_values(load(fs.cat(key)), load_file(local / "model.safetensors"))
 
 
+def test_a_pth_uploaded_as_written_is_the_local_output(s3: tuple[Server, Any], local: Path, tmp_path: Path) -> None:
+    """A .pth streamed to S3 (its records' CRCs and sizes in data descriptors after the data, as
+    torch writes them: nothing seeks back) is byte for byte the local output, and torch loads it."""
+    import io
+
+    server, fs = s3
+    args = ("--strip-prefix", "module.")
+    result = invoke_cli("strip-module", local / "train.pth", f"s3://{BUCKET}/pth/bare.pth", *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    assert invoke_cli("convert", local / "train.pth", tmp_path / "bare.pth", *args).returncode == 0
+    uploaded = fs.cat(f"{BUCKET}/pth/bare.pth")
+    assert uploaded == (tmp_path / "bare.pth").read_bytes()
+    loaded = torch.load(io.BytesIO(uploaded), weights_only=True)
+    expected = torch.load(local / "train.pth", weights_only=True)
+    assert loaded["epoch"] == 3
+    assert_values(loaded["state_dict"], {k.removeprefix("module."): v for k, v in expected["state_dict"].items()})
+
+
 def test_a_failed_upload_leaves_no_object_and_no_multipart_upload(s3: tuple[Server, Any], local: Path) -> None:
     server, fs = s3
 
@@ -641,7 +659,7 @@ def test_an_upload_failing_mid_way_leaves_no_object_and_no_upload(
     assert any(r[0] == "DELETE" and "uploadId=" in r[1] for r in server.traffic.requests)  # aborted
 
 
-def test_a_dropped_upload_connection_is_retried(s3: tuple[Server, Any], eight_mb: Path, tmp_path: Path) -> None:
+def test_a_dropped_upload_connection_is_retried(s3: tuple[Server, Any], local: Path, tmp_path: Path) -> None:
     """A part whose connection drops once is sent again (an UploadPart can be repeated): the
     object is complete, the bytes a local output holds."""
     from remote_servers import DROP
@@ -658,13 +676,13 @@ def test_a_dropped_upload_connection_is_retried(s3: tuple[Server, Any], eight_mb
 
     server.traffic.on_request = drop_once
     try:
-        result = invoke_cli("convert", eight_mb, f"s3://{key}", *_s3_args(server))
+        result = invoke_cli("convert", local / "train.pth", f"s3://{key}", "--select", "state_dict", *_s3_args(server))
     finally:
         server.traffic.on_request = None
     assert result.returncode == 0, result.stderr
     assert dropped
     here = tmp_path / "here.safetensors"
-    assert invoke_cli("convert", eight_mb, here).returncode == 0
+    assert invoke_cli("convert", local / "train.pth", here, "--select", "state_dict").returncode == 0
     assert fs.cat(key) == here.read_bytes()
     assert _uploads_in_progress(fs, BUCKET) == []
 
