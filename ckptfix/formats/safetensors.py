@@ -506,12 +506,40 @@ def write_safetensors(
                 elif span is None:
                     for piece in tensor_c_chunks(t, files):
                         stream.write(piece)
+                elif _whole_remote_record(t):  # streamed from an object: checked against its CRC32
+                    _check_record_crc(t, stream.copy(FileRange(span[0], span[1], t.nbytes), files, want_crc=True))
                 else:  # file to file, in the kernel; the stream merges tensors that lie back to back
                     stream.copy(FileRange(span[0], span[1], t.nbytes), files)
                 if progress:
                     progress(t.nbytes)
         stream.flush()  # before the input files close: the last copy may still be pending
     return plan
+
+
+def _whole_remote_record(t: TensorRef) -> bool:
+    """Whether ``t`` is all of a zip record (one that recorded its CRC32) in a remote object: its
+    bytes stream through Python anyway, so they are checked as a .pth output checks them (a
+    server answering other bytes than asked is otherwise unseen where the backend hides the
+    range it sent)."""
+    source = t.storage.source
+    return (
+        isinstance(source, FileRange)
+        and bool(source.crc)
+        and is_url(source.path)
+        and t.storage_offset == 0
+        and t.nbytes == source.size
+    )
+
+
+def _check_record_crc(t: TensorRef, actual: int | None) -> None:
+    source = t.storage.source
+    assert isinstance(source, FileRange)
+    if actual != source.crc:
+        raise BadInputError(
+            f"{source.path}: the bytes copied for a tensor have CRC32 {actual or 0:08x}, but the input's record "
+            f"says {source.crc:08x}: the input is corrupt or was served wrong (run `ckptfix verify` on it); "
+            "nothing was written"
+        )
 
 
 def _planned_reads(tensors: Iterable[tuple[str, TensorRef]]) -> Iterator[FileRange | None]:

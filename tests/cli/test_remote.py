@@ -416,17 +416,21 @@ def _crc_broken(src: Path, dest: Path, suffix: str) -> Path:
     return dest
 
 
+@pytest.mark.parametrize("suffix", [".pth", ".safetensors"])
 @pytest.mark.parametrize("record", ["data/0", "data/1"])  # small (one read) and big (streamed in parts)
-def test_a_remote_record_whose_crc_is_wrong_is_refused(tmp_path: Path, record: str) -> None:
+def test_a_remote_record_whose_crc_is_wrong_is_refused(tmp_path: Path, record: str, suffix: str) -> None:
+    """Into a .pth or a .safetensors, a remote record's bytes are checked against its CRC32
+    (where its server's Content-Range is not seen, this is what catches other bytes served)."""
     torch.save({"module.small": torch.ones(3), "module.big": torch.arange(40000.0)}, tmp_path / "in.pth")
     bad = _crc_broken(tmp_path / "in.pth", tmp_path / "bad.pth", record)
-    out = tmp_path / "out.pth"
-    result = invoke_cli("convert", bad.as_uri(), out, "--format", "pth", "--strip-prefix", "module.")
+    out = tmp_path / f"out{suffix}"
+    result = invoke_cli("convert", bad.as_uri(), out, "--strip-prefix", "module.")
     assert result.returncode == 3 and "CRC32" in result.stderr, result.stderr
     assert not out.exists()
-    good = invoke_cli("convert", (tmp_path / "in.pth").as_uri(), out, "--format", "pth", "--strip-prefix", "module.")
+    good = invoke_cli("convert", (tmp_path / "in.pth").as_uri(), out, "--strip-prefix", "module.")
     assert good.returncode == 0, good.stderr
-    assert_values(torch.load(out, weights_only=True), {"small": torch.ones(3), "big": torch.arange(40000.0)})
+    loaded = torch.load(out, weights_only=True) if suffix == ".pth" else load_file(out)
+    assert_values(loaded, {"small": torch.ones(3), "big": torch.arange(40000.0)})
 
 
 def _local_header_broken(src: Path, dest: Path, suffix: str, how: str) -> Path:
