@@ -60,6 +60,11 @@ def main() -> None:
     parser.add_argument("--size-mb", type=float, default=256)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=Path(__file__).parent / "_work")
+    parser.add_argument(
+        "--serve",
+        action="store_true",
+        help="only start the servers with the input uploaded, print their settings and wait (for farm-bench)",
+    )
     args = parser.parse_args()
     ckptfix = shutil.which("ckptfix") or sys.exit("ckptfix is not installed (pip install -e '.[remote]')")
     work = args.workdir / "remote"
@@ -79,6 +84,14 @@ def main() -> None:
     fs.mkdir("bench")
     fs.put(str(src), "bench/run/train.pth")
     url, http_url = "s3://bench/run/train.pth", f"{http.endpoint}/train.pth"
+    if args.serve:  # e.g. farm-bench -n 5 --vs "python -c GET ..." -- ckptfix convert ... (see RESULTS.md)
+        keys = "AWS_ACCESS_KEY_ID=testing AWS_SECRET_ACCESS_KEY=testing"
+        print(f"export FSSPEC_S3_ENDPOINT_URL={server.endpoint} {keys}")
+        print(f"input: {url} {http_url} {src}", flush=True)
+        import time
+
+        while True:
+            time.sleep(3600)
     local_out, copy = work / "out.safetensors", work / "copy.pth"
     select = ["--select", "state_dict"]
     contenders = {

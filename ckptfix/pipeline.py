@@ -45,6 +45,7 @@ from .fileio.remote import (
     metadata_only,
     output_urls,
     refuse_existing,
+    remote_outputs,
     staged_output,
 )
 from .fileio.sizes import parse_size
@@ -701,15 +702,23 @@ def _local_output(out: str | os.PathLike[str] | None, command: str) -> None:
 
 
 def _write_to(out_path: str, opts: ConvertOptions, report: Report, write: Callable[[Path], None]) -> None:
-    """``write(OUT)`` for a local OUT; for a URL, ``write`` into a local staging path that is
-    then uploaded, each object atomically and a folder's index last (see
-    :func:`~ckptfix.fileio.remote.staged_output`), and the report names the URLs."""
+    """``write(OUT)`` for a local OUT; for a URL, ``write`` to it as a :class:`RemotePath`: each
+    object is uploaded as it is written and committed when complete (see
+    :func:`~ckptfix.fileio.remote.upload_output`), a folder's index last. With ``--verify`` the
+    output is written to a local staging path first, checked, then uploaded
+    (:func:`~ckptfix.fileio.remote.staged_output`)."""
     if not is_url(out_path):
         write(Path(out_path))
         return
     if opts.dry_run:
         write(as_path(out_path))  # only named in the message
         return
+    if not opts.verify:  # uploaded as written: each object by atomic_output, a folder's index last
+        with remote_outputs(force=opts.force):
+            write(as_path(out_path))
+        report.shared_bytes = None
+        return
+    # --verify reads the output back before it is committed: written locally, then uploaded
     with staged_output(out_path, force=opts.force) as local:
         write(local)
         staged = list(report.outputs)
@@ -887,11 +896,12 @@ def _write(
         report.output_bytes = sum(p.stat().st_size for p in files)
         report.shared_bytes = shared_bytes_of(report.outputs)
     elif kind == "sharded":
-        if out.exists() and not out.is_dir():
-            raise CannotWriteError(f"{out}: exists and is not a folder")
-        if not out.parent.is_dir():
-            raise CannotWriteError(f"{out}: the folder {out.parent} does not exist")
-        out.mkdir(exist_ok=True)
+        if not is_url(str(out)):  # a bucket has no folders to check or make: objects name their prefix
+            if out.exists() and not out.is_dir():
+                raise CannotWriteError(f"{out}: exists and is not a folder")
+            if not out.parent.is_dir():
+                raise CannotWriteError(f"{out}: the folder {out.parent} does not exist")
+            out.mkdir(exist_ok=True)
         assert flat is not None  # shards are safetensors-shaped: flattened above
         written = write_sharded(
             flat,

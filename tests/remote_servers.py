@@ -11,6 +11,7 @@ import hashlib
 import http.server
 import os
 import re
+import socket
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -61,6 +62,9 @@ class _Counting:
         query = environ.get("QUERY_STRING", "")
         path = environ.get("PATH_INFO", "") + (f"?{query}" if query else "")
         status = self.traffic.add(environ["REQUEST_METHOD"], path, environ.get("HTTP_RANGE", ""))
+        if status == DROP:  # the connection closes with no answer, as a network failure leaves it
+            environ["werkzeug.socket"].shutdown(socket.SHUT_RDWR)
+            return
         if status is not None:  # a fault the test asked for
             start_response(f"{status} Injected", [("Content-Type", "application/xml"), ("Content-Length", "0")])
             return
@@ -108,6 +112,12 @@ def start_s3() -> Server:
 _RANGE = re.compile(r"bytes=(\d+)-(\d*)$")
 #: what an ``on_request`` hook returns to make the HTTP server send a short body and drop the connection
 SHORT_BODY = -1
+#: what an ``on_request`` hook returns to make the S3 server drop the connection without answering
+DROP = -2
+#: ... to make the HTTP server send the bytes one further on than asked, as many, saying so in
+#: its Content-Range (WRONG_RANGE) or claiming the range asked for (LYING_RANGE)
+WRONG_RANGE = -3
+LYING_RANGE = -4
 
 
 def start_http(root: Path) -> Server:
@@ -154,7 +164,7 @@ def start_http(root: Path) -> Server:
                 self.wfile.write(b"x" * 10)
                 self.close_connection = True
                 return
-            if fault is not None:
+            if fault is not None and fault not in (WRONG_RANGE, LYING_RANGE):
                 self.send_response(fault)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
@@ -176,7 +186,12 @@ def start_http(root: Path) -> Server:
                     self.end_headers()
                     return
                 self.send_response(206)
-                self.send_header("Content-Range", f"bytes {start}-{end - 1}/{size}")
+                said = f"bytes {start}-{end - 1}/{size}"
+                if fault in (WRONG_RANGE, LYING_RANGE):  # the bytes one further on (or back), as many
+                    shift = 1 if end < size else -1
+                    start, end = start + shift, end + shift
+                    said = f"bytes {start}-{end - 1}/{size}" if fault == WRONG_RANGE else said
+                self.send_header("Content-Range", said)
             else:
                 self.send_response(200)
             self.send_header("Content-Length", str(end - start))

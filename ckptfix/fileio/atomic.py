@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import CannotWriteError, UsageError
+from .urls import is_url
 
 TEMP_SUFFIX = ".ckptfix-tmp"
 
@@ -76,6 +77,8 @@ def atomic_output(
     dest: str | Path, check: Callable[[Path], None] | None = None, *, in_place: bool = False
 ) -> Iterator[BinaryIO]:
     """Yield a binary file to write; on success it becomes ``dest`` with a umask-honouring mode.
+    A URL ``dest`` (a :class:`~ckptfix.fileio.remote.RemotePath`) is an upload, streamed and
+    committed the same way: complete or absent (:func:`~ckptfix.fileio.remote.upload_output`).
 
     ``check`` runs on the complete temporary file before the rename; if it raises, the
     temporary file is removed and ``dest`` is left as it was.
@@ -87,6 +90,16 @@ def atomic_output(
     original's permission bits (a private 0600 file must not become world-readable) and, where
     allowed (root, or a group the user is in), its owner and group.
     """
+    if is_url(os.fspath(dest)):  # an object in a store: uploaded as it is written, committed at the end
+        if check is not None or in_place:
+            raise UsageError(
+                f"{dest}: an output URL is uploaded as it is written; it cannot be checked or replaced in place"
+            )
+        from .remote import upload_output
+
+        with upload_output(os.fspath(dest)) as out:
+            yield out
+        return
     dest = Path(dest)
     target = Path(os.path.realpath(dest)) if in_place else dest
     original = _stat_or_none(target) if in_place else None

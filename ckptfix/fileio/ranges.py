@@ -25,6 +25,7 @@ from functools import partial
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeGuard, cast, runtime_checkable
 
 from ..errors import BadInputError
+from .deferred import DeferredRecords
 from .positional import PositionalFile
 from .urls import is_url
 
@@ -55,6 +56,7 @@ class RangeSource(Protocol):
     it instead; it can be told what is about to be read, and streams big ranges itself."""
 
     metadata_only: bool
+    defers: bool
 
     def pread(self, size: int, offset: int) -> bytes: ...
 
@@ -65,6 +67,8 @@ class RangeSource(Protocol):
     def check_unchanged(self) -> None: ...
 
     def plan(self, ranges: list[tuple[int, int]]) -> None: ...
+
+    def defer(self, records: DeferredRecords) -> None: ...
 
 
 @dataclass(slots=True, unsafe_hash=True)
@@ -289,7 +293,10 @@ class OutputStream:
 
     def __init__(self, out: BinaryIO) -> None:
         self._out = out
-        self._fd = out.fileno()
+        try:
+            self._fd: int | None = out.fileno()
+        except (OSError, ValueError):  # an upload stream: bytes go through it, none by the kernel
+            self._fd = None
         self.offset = out.tell()
         self._pending: _PendingCopy | None = None
 
@@ -342,7 +349,7 @@ class OutputStream:
             if not want_crc:
                 return None
             return source.crc if source.crc is not None else zlib.crc32(data)
-        if not is_local_range(source):  # a remote object: no descriptor to copy from, so streamed
+        if not is_local_range(source) or self._fd is None:  # no descriptor to copy from or to: streamed
             return self._stream(iter_chunks(source, files), want_crc)
         crc = files.crc_in_background(source) if want_crc and source.crc is None else None
         pending = self._pending
@@ -366,6 +373,7 @@ class OutputStream:
     def _copy_pending(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
+            assert self._fd is not None  # copies are held back only for an output with a descriptor
             src_fd = pending.files.file(pending.path).fileno()
             copy_range(src_fd, pending.offset, self._fd, pending.dst, pending.size)
             self._out.seek(pending.dst + pending.size)

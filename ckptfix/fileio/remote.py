@@ -18,8 +18,10 @@ when it is first opened within one command (:func:`consistent_reads`) and checke
 every later open and when a reader is done with it; a change is bad input (exit 3), and an
 output being written from it is then never committed.
 
-Outputs (:func:`staged_output`) are written locally, then uploaded object by object, each a
-multipart upload completed after its last part or aborted; a folder's index goes last.
+Outputs (:func:`upload_output`) are uploaded as they are written, each a multipart upload
+completed after its last part or aborted; a folder's index goes last. An output that must be
+read back before it is committed (``--verify``) is written locally first
+(:func:`staged_output`), then uploaded the same way.
 
 ``fsspec`` and the backends of the common schemes are the optional ``ckptfix[remote]`` extra
 (``[gcs]`` and ``[azure]`` add gcsfs and adlfs): the core install stays small, and a URL given
@@ -28,6 +30,7 @@ without them is one line naming what to install (exit 2).
 
 from __future__ import annotations
 
+import io
 import os
 import posixpath
 import re
@@ -39,9 +42,10 @@ from contextvars import ContextVar
 from dataclasses import dataclass, field
 from functools import wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from ..errors import BadInputError, CannotWriteError, CkptfixError, UsageError
+from .deferred import VIRTUAL, DeferredRecords
 from .positional import PositionalFile
 from .urls import is_url
 
@@ -83,6 +87,9 @@ PART = 1 << 23
 #: planned small reads (zip local headers) closer than this are fetched as one request: the
 #: bytes between them (tensor data the conversion fetches again) cost less than a request
 SMALL_GAP = 1 << 13
+#: what is fetched past a local header's fixed part and name when the header is read on its
+#: own: torch's padding extra field is at most 68 bytes (a zip64 one adds 28)
+_HEADER_SLACK = 256
 #: a failed ranged read is tried again this many times, after BACKOFF, 2x, 4x ... seconds
 RETRIES = 3
 BACKOFF = 0.1
@@ -183,6 +190,12 @@ def _identity(info: dict[str, Any]) -> tuple[Any, ...]:
 
 _seen: ContextVar[dict[str, tuple[Any, ...]] | None] = ContextVar("ckptfix_remote_seen", default=None)
 _metadata_only: ContextVar[bool] = ContextVar("ckptfix_remote_metadata_only", default=False)
+#: within one command, the deferred zip records of each object (by URL: its identity, the
+#: records, their data offsets once checked), for every RemoteFile opened on it: the reader
+#: that found them and the writer that reads their data are two opens of one object
+_deferrals: ContextVar[dict[str, tuple[tuple[Any, ...], DeferredRecords, dict[int, int]]] | None] = ContextVar(
+    "ckptfix_remote_deferrals", default=None
+)
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -195,6 +208,7 @@ def consistent_reads(func: F) -> F:
     def run(*args: Any, **kwargs: Any) -> Any:
         seen: dict[str, tuple[Any, ...]] = {}
         token = _seen.set(seen)
+        deferrals = _deferrals.set({})
         try:
             return func(*args, **kwargs)
         except BadInputError:
@@ -202,6 +216,7 @@ def consistent_reads(func: F) -> F:
             _refuse_changed(seen)
             raise
         finally:
+            _deferrals.reset(deferrals)
             _seen.reset(token)
 
     return cast(F, run)
@@ -319,6 +334,14 @@ class RemoteFile(PositionalFile):
         self._cached = 0
         self._lock = threading.Lock()
         self._ahead: _Readahead | None = None
+        self._deferred: DeferredRecords | None = None
+        self._resolved: dict[int, int] = {}  # deferred record -> its data offset, once checked
+        shared = _deferrals.get()
+        #: whether a zip reader may defer its tensor records' headers (:meth:`defer`): only
+        #: within a command (:func:`consistent_reads`), where a later open finds them again
+        self.defers = shared is not None
+        if shared is not None and url in shared and shared[url][0] == self.identity:
+            _, self._deferred, self._resolved = shared[url]
 
     # -- ranges
     def fetch(self, start: int, end: int) -> bytes:
@@ -334,11 +357,12 @@ class RemoteFile(PositionalFile):
         import time
 
         data: bytes = b""
+        wrong: str | None = None
         for attempt in range(RETRIES + 1):
             if attempt:
                 time.sleep(BACKOFF * 2 ** (attempt - 1))
             try:
-                data = self.fs.cat_file(self._path, start=start, end=end)
+                data, answered = self._get(start, end)
             except (FileNotFoundError, PermissionError) as exc:
                 raise _remote_error(self.url, exc) from None
             except Exception as exc:
@@ -350,12 +374,32 @@ class RemoteFile(PositionalFile):
                     self.requests += 1
             with self._lock:
                 self.bytes_fetched += len(data)
+            if answered is not None and not _is_range(answered, start, end, self.size):
+                wrong = answered  # another range (or another object's), whatever its length: try again
+                continue
             if len(data) == end - start:
                 return data
+        if wrong is not None:
+            raise BadInputError(
+                f"{self.url}: asked for bytes {start}-{end - 1} and the server answered {wrong!r}, {RETRIES + 1} "
+                "times: a server or proxy that serves the wrong range; nothing written"
+            )
         raise BadInputError(
             f"{self.url}: asked for bytes {start}-{end} and got {len(data)}, {RETRIES + 1} times: the object changed "
             "or was truncated while being read; nothing written"
         )
+
+    def _get(self, start: int, end: int) -> tuple[bytes, str | None]:
+        """``[start, end)`` and the range the server says it sent (its ``Content-Range``), where the
+        backend lets that be seen (s3fs, fsspec's http); else None (fsspec's ``cat_file`` drops
+        it): then a wrong range of the right length is caught only by the CRC32 each copied zip
+        record is checked against."""
+        getter = _RANGE_GETTERS.get(type(self.fs).__name__)
+        if getter is None:
+            return cast(bytes, self.fs.cat_file(self._path, start=start, end=end)), None
+        from fsspec.asyn import sync
+
+        return cast(tuple[bytes, "str | None"], sync(self.fs.loop, getter, self.fs, self._path, start, end))
 
     def _cached_read(self, size: int, offset: int) -> bytes | None:
         import bisect
@@ -387,9 +431,7 @@ class RemoteFile(PositionalFile):
     def pread(self, size: int, offset: int) -> bytes:
         """``size`` bytes at ``offset`` (short at the end of the object), from what was fetched
         or with one request for a window around them."""
-        if offset < 0:
-            # a record whose local header was not read (metadata_only): no reader may need it
-            raise RuntimeError(f"{self.url}: a read of tensor bytes in a metadata-only read")
+        offset = self._real(offset)
         size = max(0, min(size, self.size - offset))
         if size == 0:
             return b""
@@ -450,10 +492,16 @@ class RemoteFile(PositionalFile):
         """The ``(offset, size)`` ranges a writer is about to read, in its order: from now on they
         are fetched ahead, coalesced (neighbours in that order less than :data:`SMALL_GAP`
         apart, up to :data:`PART` bytes a request) and at most ``max_concurrency`` requests at
-        once, and reads are served from them as the writer gets there (:class:`_Readahead`)."""
+        once, and reads are served from them as the writer gets there (:class:`_Readahead`).
+
+        A range of a deferred zip record (see :meth:`defer`) is fetched from the record's local
+        header on, to where the next record starts: header, data and descriptor in the same
+        requests, neighbours coalesced, however many records there are. Only a range that starts
+        far into its record (a slice of a storage) has its header fetched first, on its own."""
+        real = self._real_ranges(ranges)
         spans: list[tuple[int, int]] = []
-        for offset, size in ranges:
-            end = min(self.size, offset + size)
+        for offset, end in real:
+            end = min(self.size, end)
             if offset < 0 or offset >= end:
                 continue
             last = spans[-1] if spans else None
@@ -463,11 +511,94 @@ class RemoteFile(PositionalFile):
             spans.extend((at, min(end, at + PART)) for at in range(offset, end, PART))
         self._ahead = _Readahead(self, spans) if spans else None
 
+    def _real_ranges(self, ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+        """``ranges`` as ``[start, end)`` of the object (see :meth:`plan`)."""
+        deferred = self._deferred
+        if deferred is None or all(offset < VIRTUAL for offset, _ in ranges):
+            return [(offset, offset + size) for offset, size in ranges]
+        late = []  # deferred records read from far into their data: their headers first
+        for offset, _ in ranges:
+            if offset >= VIRTUAL:
+                index, within = deferred.find(offset)
+                if within > SMALL_GAP and index not in self._resolved:
+                    late.append(index)
+        if late:
+            self.prefetch([(deferred.span(i)[0], deferred.span(i)[1] + _HEADER_SLACK) for i in late])
+            for index in late:
+                self._resolve(index)
+        real = []
+        for offset, size in ranges:
+            if offset < VIRTUAL:
+                real.append((offset, offset + size))
+                continue
+            index, within = deferred.find(offset)
+            data_offset = self._resolved.get(index)
+            if data_offset is not None:
+                real.append((data_offset + within, data_offset + within + size))
+                continue
+            header, head, following = deferred.span(index)
+            # the data starts after the header and its extra field (at most 64 KiB): the range
+            # ends before the next record in any archive that passes the check
+            real.append((header, min(following, header + head + 0xFFFF + within + size)))
+        return real
+
+    def defer(self, records: DeferredRecords) -> None:
+        """Take ``records`` (a zip's tensor records: their data is addressed from
+        :data:`~ckptfix.fileio.ranges.VIRTUAL` until their local headers are read). A read of
+        such an address first reads the record's header -- from the planned request that
+        holds it, else with one request -- and has the archive check it; no byte of the data
+        is handed out before that check passed."""
+        self._deferred = records
+        self._resolved = {}
+        shared = _deferrals.get()
+        if shared is not None:
+            shared[self.url] = (self.identity, records, self._resolved)
+
+    def _real(self, offset: int) -> int:
+        """Where the address ``offset`` is in the object (see :meth:`defer`)."""
+        if offset < VIRTUAL:
+            return offset
+        if self._deferred is None:
+            raise RuntimeError(f"{self.url}: a read at an address no zip record was given")
+        index, within = self._deferred.find(offset)
+        data_offset = self._resolved.get(index)
+        if data_offset is None:
+            data_offset = self._resolve(index)
+        return data_offset + within
+
+    def _resolve(self, index: int) -> int:
+        """Read and check a deferred record's local header: its data offset."""
+        deferred = self._deferred
+        assert deferred is not None
+        if self.metadata_only:  # nothing in a metadata-only command reads tensor bytes
+            raise RuntimeError(f"{self.url}: a read of tensor bytes in a metadata-only read")
+        header, _, _ = deferred.span(index)
+        held = self._ahead.peek(header) if self._ahead is not None else None
+
+        def read(offset: int, size: int) -> bytes:
+            if held is not None and held[0] <= offset and offset + size <= held[0] + len(held[1]):
+                return held[1][offset - held[0] : offset - held[0] + size]
+            return self.pread(size, offset)
+
+        data_offset = deferred.resolve(index, read)
+        self._resolved[index] = data_offset
+        return data_offset
+
+    def read(self, size: int | None = -1) -> bytes:
+        """As a file's ``read`` (from :meth:`seek`'s position, which may be a deferred record's
+        address: compressed records are inflated through this)."""
+        if self._pos < VIRTUAL:
+            return super().read(size)
+        at = self._real(self._pos)
+        left = max(0, self.size - at)
+        data = self.pread(left if size is None or size < 0 else min(size, left), at)
+        self._pos += len(data)
+        return data
+
     def iter_range(self, offset: int, size: int) -> Iterator[bytes]:
         """``size`` bytes at ``offset`` as parts of at most :data:`PART` bytes, in order, fetched
         concurrently; the caller writes each as it arrives."""
-        if offset < 0:
-            raise RuntimeError(f"{self.url}: a read of tensor bytes in a metadata-only read")
+        offset = self._real(offset)
         if offset + size > self.size:
             raise BadInputError(f"{self.url}: the object ended inside tensor data (truncated?)")
         ahead = self._ahead
@@ -502,6 +633,47 @@ class RemoteFile(PositionalFile):
             )
 
 
+def _is_range(answered: str, start: int, end: int, size: int) -> bool:
+    """Whether a ``Content-Range`` answer is ``bytes start-(end-1)/size`` (or ``/*``)."""
+    match = re.fullmatch(r"bytes (\d+)-(\d+)/(\d+|\*)", answered.strip())
+    if match is None:
+        return False
+    first, last, total = match.groups()
+    return (int(first), int(last)) == (start, end - 1) and total in ("*", str(size))
+
+
+async def _s3_range(fs: Any, path: str, start: int, end: int) -> tuple[bytes, str | None]:
+    """A ranged GetObject through s3fs (its retries, its error translation), keeping the
+    ``ContentRange`` that ``cat_file`` drops."""
+    bucket, key, version = fs.split_path(path)
+    extra = {"VersionId": version} if version else {}
+    response = await fs._call_s3("get_object", Bucket=bucket, Key=key, Range=f"bytes={start}-{end - 1}", **extra)
+    body = response["Body"]
+    try:
+        data = await body.read()
+    finally:
+        body.close()
+    return data, response.get("ContentRange") or "(none)"
+
+
+async def _http_range(fs: Any, url: str, start: int, end: int) -> tuple[bytes, str | None]:
+    """A ranged GET through fsspec's http session, keeping the ``Content-Range`` (a server that
+    ignores the range answers 200 and the whole object: that is said as its range)."""
+    options = dict(fs.kwargs)
+    headers = {**options.pop("headers", {}), "Range": f"bytes={start}-{end - 1}"}
+    session = await fs.set_session()
+    async with session.get(fs.encode_url(url), headers=headers, **options) as response:
+        data = await response.read()
+        fs._raise_not_found_for_status(response, url)
+        if response.status != 206:
+            return data, f"the whole object ({response.status}, {len(data)} bytes)"
+        return data, response.headers.get("Content-Range", "(none)")
+
+
+#: ranged GETs that show which range the server sent, by fsspec file system class
+_RANGE_GETTERS = {"S3FileSystem": _s3_range, "HTTPFileSystem": _http_range}
+
+
 class _Readahead:
     """Planned spans of one object fetched ahead of a writer that reads them in order.
 
@@ -527,6 +699,14 @@ class _Readahead:
                 return
             start, end = span
             self._window.append((start, end, self._pool.submit(self._source.fetch, start, end)))
+
+    def peek(self, offset: int) -> tuple[int, bytes] | None:
+        """(start, bytes) of the planned span holding ``offset``, if it is in the window, leaving
+        it there (a deferred record's header, checked before its data is taken)."""
+        for start, end, future in self._window:
+            if start <= offset < end:
+                return start, future.result()
+        return None
 
     def take(self, offset: int, size: int) -> bytes | None:
         """Up to ``size`` bytes at ``offset`` from the span holding ``offset``, if planned."""
@@ -619,6 +799,17 @@ class RemotePath:
     def is_symlink(self) -> bool:
         return False
 
+    def unlink(self, missing_ok: bool = False) -> None:
+        """Remove the object (a folder write that failed removes the shards it committed)."""
+        fs, path = filesystem(str(self))
+        try:
+            fs.rm_file(path)
+        except FileNotFoundError:
+            if not missing_ok:
+                raise
+        except Exception as exc:
+            raise CannotWriteError(f"{self}: cannot remove: {type(exc).__name__}: {exc}") from None
+
     def stat(self) -> os.stat_result:
         return stat_url(str(self))
 
@@ -688,22 +879,30 @@ def _staged_files(local: Path) -> list[Path]:
     return sorted(files, key=lambda p: p.name.endswith(".index.json"))
 
 
-def upload_file(local: Path, fs: Any, path: str, url: str) -> None:
-    """Copy ``local`` to ``path`` so that the object is either complete or absent: the bytes go
-    up as a multipart upload (parts sent as they are read), completed only after the last part
-    and aborted on any failure, Ctrl-C included -- never a partial object, never an orphaned
-    upload. Filesystems without uncommitted writes (no ``autocommit=False``) are refused."""
+def _open_upload(fs: Any, path: str, url: str) -> Any:
+    """``path`` opened for an upload that commits nothing until :meth:`commit` (an S3 multipart
+    upload; a temporary file for ``file://``); storage that cannot hold a write back is refused."""
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     if "file" in protocols:  # a local folder must exist (object stores have none to make)
         fs.makedirs(posixpath.dirname(path), exist_ok=True)
+    if "memory" in protocols:  # its files exist from the moment they are opened: held until commit
+        return _HeldUntilCommit(fs, path)
     try:
-        out = fs.open(path, "wb", autocommit=False, block_size=UPLOAD_PART)
+        return fs.open(path, "wb", autocommit=False, block_size=UPLOAD_PART)
     except (TypeError, NotImplementedError):
         raise UsageError(
             f"{url}: this storage cannot commit a write atomically; write to s3:// or local disk"
         ) from None
     except Exception as exc:
         raise CannotWriteError(f"{url}: cannot write: {type(exc).__name__}: {exc}") from None
+
+
+def upload_file(local: Path, fs: Any, path: str, url: str) -> None:
+    """Copy ``local`` to ``path`` so that the object is either complete or absent: the bytes go
+    up as a multipart upload (parts sent as they are read), completed only after the last part
+    and aborted on any failure, Ctrl-C included -- never a partial object, never an orphaned
+    upload. Filesystems without uncommitted writes (no ``autocommit=False``) are refused."""
+    out = _open_upload(fs, path, url)
     try:
         with open(local, "rb") as f:
             while chunk := f.read(UPLOAD_PART):
@@ -715,6 +914,102 @@ def upload_file(local: Path, fs: Any, path: str, url: str) -> None:
             out.discard()  # aborts the multipart upload: its parts are deleted
         if isinstance(exc, Exception) and not isinstance(exc, CkptfixError):
             raise CannotWriteError(f"{url}: upload failed: {type(exc).__name__}: {exc}; nothing written") from None
+        raise
+
+
+#: whether an upload may replace an existing object (``--force``), within :func:`remote_outputs`
+_overwrite: ContextVar[bool] = ContextVar("ckptfix_remote_overwrite", default=False)
+
+
+@contextmanager
+def remote_outputs(*, force: bool) -> Iterator[None]:
+    """Within this, outputs named by URL (:func:`upload_output`) may replace existing objects
+    when ``force``; otherwise an object that appeared while the output was written is refused
+    before the upload is committed (the command refused an existing one before reading)."""
+    token = _overwrite.set(force)
+    try:
+        yield
+    finally:
+        _overwrite.reset(token)
+
+
+class _HeldUntilCommit(io.BytesIO):
+    """An upload to ``memory://``, whose files appear when opened (fsspec's memory file system
+    ignores ``autocommit``): the bytes are held here and stored at :meth:`commit` (they are in
+    memory either way)."""
+
+    def __init__(self, fs: Any, path: str) -> None:
+        super().__init__()
+        self._fs, self._path = fs, path
+
+    def close(self) -> None:
+        pass  # the bytes are kept for commit
+
+    def commit(self) -> None:
+        self._fs.pipe_file(self._path, self.getvalue())
+        super().close()
+
+    def discard(self) -> None:
+        super().close()
+
+
+class _UploadStream(io.RawIOBase):
+    """What a writer writes an upload through: bytes go into the upload's current part, sent as
+    soon as it holds :data:`UPLOAD_PART` bytes (memory stays at about one part); no ``seek``,
+    no ``fileno`` (so tensor bytes of a local input are streamed through it, not copied by the
+    kernel). A failure to send is :class:`CannotWriteError` (exit 4)."""
+
+    def __init__(self, out: Any, url: str) -> None:
+        super().__init__()
+        self._out, self._url = out, url
+        self._offset = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        try:
+            self._out.write(data)
+        except Exception as exc:
+            raise _upload_failed(self._url, exc) from None
+        size = len(data) if not isinstance(data, memoryview) else data.nbytes
+        self._offset += size
+        return size
+
+    def tell(self) -> int:
+        return self._offset
+
+
+def _upload_failed(url: str, exc: BaseException) -> CannotWriteError:
+    return CannotWriteError(f"{url}: upload failed: {type(exc).__name__}: {exc}; nothing written")
+
+
+@contextmanager
+def upload_output(url: str) -> Iterator[BinaryIO]:
+    """A stream to write the object ``url`` through, uploaded as it is written: each part of
+    :data:`UPLOAD_PART` bytes is sent once written, so memory stays at about one part whatever
+    the output's size and no local copy is made; the upload is completed only after the last
+    part, when the writer is done, and aborted on any failure or interrupt (Ctrl-C, SIGTERM):
+    the object is complete or absent, and no upload is left in progress.
+
+    Every writer here writes front to back -- a zip's sizes and CRCs follow each record in a
+    data descriptor, as torch's own writer does (and torch.load reads), a safetensors header is
+    planned before the first tensor byte -- so nothing needs to seek back."""
+    fs, path = filesystem(url)
+    path = path.rstrip("/")
+    if not _overwrite.get() and _exists(fs, path, url):  # (an existing OUT was refused before reading)
+        raise CannotWriteError(f"{url}: already exists", hint="pass --force to overwrite it")
+    out = _open_upload(fs, path, url)
+    try:
+        yield cast(BinaryIO, _UploadStream(out, url))
+        try:
+            out.close()  # sends the last part; with autocommit off the object does not exist yet
+            out.commit()
+        except Exception as exc:
+            raise _upload_failed(url, exc) from None
+    except BaseException:
+        with suppress(Exception):
+            out.discard()  # aborts the multipart upload: its parts are deleted
         raise
 
 

@@ -23,9 +23,10 @@ from array import array
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import BinaryIO, NamedTuple, TypeGuard
+from typing import BinaryIO, NamedTuple, TypeGuard, cast
 
 from ..errors import BadInputError
+from .deferred import VIRTUAL
 from .ranges import (
     BLOCK,
     SMALL_COPY,
@@ -141,36 +142,107 @@ def read_directory(f: BinaryIO, file_size: int, path: str) -> ZipDirectory:
     _refuse_name_clashes(names, path)
     records = ZipDirectory()
     view = WindowedReader.over(f)
-    deferred = _plan_remote_reads(f, names, entries)
+    deferred = _deferred_records(f, names, entries)
     for name, entry in zip(names, entries):
         _check_entry(entry, name, path)
-        if name in deferred:  # see _plan_remote_reads: the record's data is never read
-            records.add(name, -1, entry.compressed_size, entry.size, entry.method, entry.crc, entry.header_offset)
-            continue
-        data_offset = _check_local_header(view, entry, name, file_size, path)
-        if data_offset + entry.compressed_size > end.cd_offset:
-            raise BadInputError(
-                f"{path}: record {name!r} extends past the end of its data: the file is truncated or corrupt"
-            )
+        if name in deferred:  # see _deferred_records: its header is read with its data
+            data_offset = VIRTUAL + entry.header_offset
+        else:
+            data_offset = _check_local_header(view, entry, name, file_size, path)
+            if data_offset + entry.compressed_size > end.cd_offset:
+                raise BadInputError(
+                    f"{path}: record {name!r} extends past the end of its data: the file is truncated or corrupt"
+                )
         records.add(name, data_offset, entry.compressed_size, entry.size, entry.method, entry.crc, entry.header_offset)
     _refuse_overlaps(records, path)
+    if deferred:
+        cast(RangeSource, f).defer(_DeferredHeaders(records, end.cd_offset, file_size, path))
     return records
 
 
-def _plan_remote_reads(f: BinaryIO, names: list[str], entries: list[_Entry]) -> frozenset[str]:
-    """For a remote archive, plan the local-header reads below (one request each otherwise).
+def _deferred_records(f: BinaryIO, names: list[str], entries: list[_Entry]) -> frozenset[str]:
+    """For a remote archive, the records whose local headers are not read now.
 
-    Reading only metadata (``inspect``, ``scan``: :func:`~ckptfix.fileio.remote.metadata_only`),
-    the headers of tensor records (``*/data/*``) are not read at all, so a checkpoint of any
-    size costs a few requests: those records get data offset -1, which no read accepts, and
-    stay out of the overlap check. Otherwise every header is fetched ahead, coalesced and
-    concurrently, and checked as for a local file. Returns the names not read."""
+    A local header says where the record's data starts (its extra field's length is not in the
+    directory), so a reader of a local file checks every header up front. Remotely that is a
+    request per record: a training checkpoint has ~4 records per parameter. Tensor records
+    (``*/data/*``; a record named .pkl in any case is read, as scan reads every one) are
+    therefore addressed from :data:`~ckptfix.fileio.ranges.VIRTUAL` until their data is
+    read: the remote file then fetches ``[local header, next record)`` in the same coalesced
+    ranged reads as the data, and checks the header (:class:`_DeferredHeaders`) before any of
+    the data is used. Reading only metadata (``inspect``, ``scan``), they are never read at all.
+    The other records' headers are fetched ahead (coalesced, concurrent) and checked now."""
     if not isinstance(f, RangeSource):
         return frozenset()
-    if f.metadata_only:  # a record named .pkl in any case is read (scan reads every one)
-        return frozenset(name for name in names if _tensor_record(name) and not name.lower().endswith(".pkl"))
-    f.prefetch([(e.header_offset, _LOCAL_HEADER.size + len(e.raw_name)) for e in entries])
-    return frozenset()
+    if not f.defers:  # outside a command: no later open would find them (see RemoteFile.defers)
+        f.prefetch([(e.header_offset, _LOCAL_HEADER.size + len(e.raw_name)) for e in entries])
+        return frozenset()
+    deferred = frozenset(name for name in names if _tensor_record(name) and not name.lower().endswith(".pkl"))
+    f.prefetch(
+        [(e.header_offset, _LOCAL_HEADER.size + len(e.raw_name)) for n, e in zip(names, entries) if n not in deferred]
+    )
+    return deferred
+
+
+class _DeferredHeaders:
+    """The tensor records of a remote archive whose local headers are checked when their data
+    is read (see :func:`_deferred_records`, :class:`~ckptfix.fileio.ranges.DeferredRecords`).
+
+    Every record is sorted by header offset here, so each deferred one knows the next record's
+    start: its header and data must end before it, which with :func:`_refuse_overlaps` (run on
+    the least extent of each deferred record) is the same no-shared-byte rule a local archive
+    is held to, and with the same messages."""
+
+    def __init__(self, records: ZipDirectory, cd_offset: int, file_size: int, path: str) -> None:
+        order = sorted(range(len(records)), key=records._header_offset.__getitem__)
+        self._records = records
+        self._names = list(records)
+        self._sorted = array("q", order)  # rows of ``records`` by header offset
+        self._starts = array("q", (records._header_offset[i] for i in order))
+        self._cd_offset, self._file_size, self._path = cd_offset, file_size, path
+
+    def find(self, offset: int) -> tuple[int, int]:
+        import bisect
+
+        at = offset - VIRTUAL
+        index = bisect.bisect_right(self._starts, at) - 1
+        row = self._sorted[index] if index >= 0 else -1
+        records = self._records
+        if row < 0 or records._data_offset[row] < VIRTUAL or at - self._starts[index] > records._compressed_size[row]:
+            raise RuntimeError(f"{self._path}: a read at no record's data ({at})")
+        return index, at - self._starts[index]
+
+    def span(self, index: int) -> tuple[int, int, int]:
+        row = self._sorted[index]
+        head = _LOCAL_HEADER.size + len(self._names[row].encode())
+        return self._starts[index], head, self._next_start(index)
+
+    def _next_start(self, index: int) -> int:
+        return self._starts[index + 1] if index + 1 < len(self._starts) else self._cd_offset
+
+    def resolve(self, index: int, read: Callable[[int, int], bytes]) -> int:
+        row = self._sorted[index]
+        name, r = self._names[row], self._records
+        entry = _Entry(
+            name.encode(), 0, r._method[row], r._crc[row], r._compressed_size[row], r._size[row], r._header_offset[row]
+        )
+        data_offset = _check_local_header(_Reads(read), entry, name, self._file_size, self._path)
+        end = data_offset + entry.compressed_size
+        if end > self._cd_offset:
+            raise BadInputError(
+                f"{self._path}: record {name!r} extends past the end of its data: the file is truncated or corrupt"
+            )
+        if end > self._next_start(index):
+            following = self._names[self._sorted[index + 1]]
+            raise BadInputError(_overlap_message(self._path, name, following))
+        return data_offset
+
+
+@dataclass(frozen=True)
+class _Reads:
+    """``read(offset, size)`` as the object :func:`_check_local_header` reads through."""
+
+    read: Callable[[int, int], bytes]
 
 
 def _tensor_record(name: str) -> bool:
@@ -236,9 +308,12 @@ class ZipDirectory(Mapping[str, ZipRecord]):
         return len(self._index)
 
     def spans(self) -> Iterator[tuple[int, int, str]]:
-        """(first byte, one past the last, name) of each record, local header included."""
+        """(first byte, one past the last, name) of each record, local header included; for a
+        record whose header is not read yet (:class:`_DeferredHeaders`), its least extent."""
         for name, i in self._index.items():
-            if self._data_offset[i] >= 0:  # -1: a remote record whose header was not read (metadata only)
+            if self._data_offset[i] >= VIRTUAL:  # a remote record whose header is read with its data
+                yield self._header_offset[i], self._header_offset[i] + _LOCAL_HEADER.size + len(name.encode()), name
+            else:
                 yield self._header_offset[i], self._data_offset[i] + self._compressed_size[i], name
 
 
@@ -449,7 +524,7 @@ def _check_entry(entry: _Entry, name: str, path: str) -> None:
         )
 
 
-def _check_local_header(view: WindowedReader, entry: _Entry, name: str, file_size: int, path: str) -> int:
+def _check_local_header(view: WindowedReader | _Reads, entry: _Entry, name: str, file_size: int, path: str) -> int:
     """Return where the record's data starts, after checking its local header agrees with
     the directory on what any reader uses: the name, the method and (unless a data
     descriptor follows the data) the sizes and CRC."""
@@ -491,11 +566,15 @@ def _refuse_overlaps(records: ZipDirectory, path: str) -> None:
     previous: tuple[int, int, str] | None = None
     for span in sorted(records.spans()):
         if previous is not None and span[0] < previous[1]:
-            raise BadInputError(
-                f"{path}: records {previous[2]!r} and {span[2]!r} overlap in the file (a zip bomb "
-                "or an archive that reads differently in different tools); refusing"
-            )
+            raise BadInputError(_overlap_message(path, previous[2], span[2]))
         previous = span
+
+
+def _overlap_message(path: str, first: str, second: str) -> str:
+    return (
+        f"{path}: records {first!r} and {second!r} overlap in the file (a zip bomb "
+        "or an archive that reads differently in different tools); refusing"
+    )
 
 
 #: how many times larger than its compressed bytes a deflated record may inflate: real data
@@ -545,12 +624,14 @@ def shares_blocks(source: FileRange | ComputedSource) -> TypeGuard[FileRange]:
     :data:`~ckptfix.fileio.ranges.BLOCK` (so a copy-on-write file system shares its blocks)
     rather than at the next 64-byte boundary.
 
-    Only bytes copied as they are (a plain range) can be shared; only records of at least
+    Only bytes copied as they are from a local file (a plain range; a remote object's bytes
+    are streamed, and its tensor records' offsets are not known before they are read: see
+    :func:`_deferred_records`) can be shared; only records of at least
     :data:`~ckptfix.fileio.ranges.SMALL_COPY` are worth up to 4 KiB of padding; and only a
     64-aligned source offset keeps the 64-byte alignment torch needs (a 4096-congruent offset
     is 64-aligned exactly when the source one is: safetensors tensors often are not).
     """
-    return is_plain_range(source) and source.size >= SMALL_COPY and source.offset % RECORD_ALIGNMENT == 0
+    return is_local_range(source) and source.size >= SMALL_COPY and source.offset % RECORD_ALIGNMENT == 0
 
 
 def _check_crc(name: str, source: FileRange | ComputedSource, recorded: int | None, actual: int) -> None:

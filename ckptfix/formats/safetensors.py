@@ -257,11 +257,12 @@ def _best_placement(pieces: Iterable[_Run | TensorRef]) -> tuple[int | None, int
 
     A run shares blocks when the data section starts at its file offset minus its offset in
     the section (mod 4096); with the section 8-aligned, as the library writes it, and runs of
-    at least 64 KiB (as for zip records: smaller ones are not worth it). None: nothing can be.
+    at least 64 KiB (as for zip records: smaller ones are not worth it) of local files (a
+    remote object's bytes are streamed, never shared). None: nothing can be.
     """
     shared: dict[int, int] = {}
     for piece in pieces:
-        if isinstance(piece, _Run) and piece.size >= SMALL_COPY:
+        if isinstance(piece, _Run) and piece.size >= SMALL_COPY and not is_url(piece.path):
             residue = (piece.offset - piece.start) % BLOCK
             if residue % _ALIGN == 0:
                 shared[residue] = shared.get(residue, 0) + piece.size
@@ -269,6 +270,13 @@ def _best_placement(pieces: Iterable[_Run | TensorRef]) -> tuple[int | None, int
         return None, 0
     residue = max(shared, key=lambda r: (shared[r], -r))
     return residue, shared[residue]
+
+
+def _all_remote(kept: list[tuple[str, TensorRef]]) -> bool:
+    """Whether every tensor's bytes are in remote objects: written in their order, they are read
+    in one pass, neighbours coalesced into few ranged requests (in name order, a request or more
+    per jump; nothing is shared with a remote object anyway)."""
+    return all(isinstance(t.storage.source, FileRange) and is_url(t.storage.source.path) for _, t in kept)
 
 
 def _in_source_order(kept: list[tuple[str, TensorRef]]) -> list[tuple[str, TensorRef]] | None:
@@ -437,7 +445,7 @@ def plan_safetensors(
     as_stored = _in_source_order(kept)
     if as_stored is not None:
         stored_residue, stored_shared = _best_placement(_runs(as_stored))
-        if stored_shared > shared:
+        if stored_shared > shared or (not shared and _all_remote(kept)):
             kept, residue = as_stored, stored_residue
     meta = hub_metadata(metadata or {})
     for alias, keep in aliases.items():
@@ -498,12 +506,40 @@ def write_safetensors(
                 elif span is None:
                     for piece in tensor_c_chunks(t, files):
                         stream.write(piece)
+                elif _whole_remote_record(t):  # streamed from an object: checked against its CRC32
+                    _check_record_crc(t, stream.copy(FileRange(span[0], span[1], t.nbytes), files, want_crc=True))
                 else:  # file to file, in the kernel; the stream merges tensors that lie back to back
                     stream.copy(FileRange(span[0], span[1], t.nbytes), files)
                 if progress:
                     progress(t.nbytes)
         stream.flush()  # before the input files close: the last copy may still be pending
     return plan
+
+
+def _whole_remote_record(t: TensorRef) -> bool:
+    """Whether ``t`` is all of a zip record (one that recorded its CRC32) in a remote object: its
+    bytes stream through Python anyway, so they are checked as a .pth output checks them (a
+    server answering other bytes than asked is otherwise unseen where the backend hides the
+    range it sent)."""
+    source = t.storage.source
+    return (
+        isinstance(source, FileRange)
+        and bool(source.crc)
+        and is_url(source.path)
+        and t.storage_offset == 0
+        and t.nbytes == source.size
+    )
+
+
+def _check_record_crc(t: TensorRef, actual: int | None) -> None:
+    source = t.storage.source
+    assert isinstance(source, FileRange)
+    if actual != source.crc:
+        raise BadInputError(
+            f"{source.path}: the bytes copied for a tensor have CRC32 {actual or 0:08x}, but the input's record "
+            f"says {source.crc:08x}: the input is corrupt or was served wrong (run `ckptfix verify` on it); "
+            "nothing was written"
+        )
 
 
 def _planned_reads(tensors: Iterable[tuple[str, TensorRef]]) -> Iterator[FileRange | None]:
