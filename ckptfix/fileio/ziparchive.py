@@ -150,14 +150,15 @@ def read_directory(f: BinaryIO, file_size: int, path: str) -> ZipDirectory:
 def _read_directory_native(f: BinaryIO, file_size: int, path: str) -> native_zip.Columns | None:
     """The native reader's columns for a local file (a remote one's reads are planned by
     :func:`_plan_remote_reads`, in Python), or None for the Python engine."""
+    limit: int | None
     if isinstance(f, FileSlice):
-        where = (f.fileno(), f.base, f.size)
+        base, limit = f.base, f.size
     elif isinstance(f, (io.BufferedReader, io.FileIO)):
-        where = (f.fileno(), 0, None)
+        base, limit = 0, None
     else:
         return None
     try:
-        return native_zip.read_directory(where[0], where[1], file_size, where[2])
+        return native_zip.read_directory(f.fileno(), base, file_size, limit)
     except BadInputError as exc:
         raise BadInputError(f"{path}: {exc.message}") from None
 

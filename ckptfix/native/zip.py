@@ -58,9 +58,7 @@ def read_directory(fd: int, base: int, size: int, limit: int | None) -> Columns 
     """The directory of the zip in the open file ``fd`` (``size`` bytes from ``base``; reads stop
     ``limit`` bytes past ``base`` when given), or None for the Python engine. A refusal raises
     :class:`~ckptfix.errors.BadInputError` with the reference's message, less the file name."""
-    fn = function(
-        "ckptfix_zip_read_directory", ctypes.c_int32, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64
-    )
+    fn = function("ckptfix_zip_read_directory", ctypes.c_int32, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64)
     if fn is None:
         return None
     data = call(fn, fd, base, size, -1 if limit is None else limit)
@@ -93,7 +91,9 @@ def small_records(
     """The bytes ``ZipWriter.add_small`` writes for each of these records, one after another
     from ``offset`` (local header, padding, data, descriptor), and each one's header offset; or
     None for the Python writer (the library is not loaded, or a value does not fit its field)."""
-    fn = function("ckptfix_zip_small_records", *(ctypes.c_void_p, ctypes.c_size_t) * 5, ctypes.c_uint64, ctypes.c_uint64)
+    fn = function(
+        "ckptfix_zip_small_records", *(ctypes.c_void_p, ctypes.c_size_t) * 5, ctypes.c_uint64, ctypes.c_uint64
+    )
     if fn is None or not 0 <= offset < 1 << 63 or not 0 <= threshold < 1 << 64:
         return None
     name_blob, name_ends = _items(names)

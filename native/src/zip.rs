@@ -12,6 +12,7 @@
 //! The result is columns (see [`Directory::encode`]): one names blob and packed arrays that
 //! `ZipDirectory` adopts without building a Python object per record.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
@@ -258,7 +259,7 @@ fn read_zip64_end<S: Source + ?Sized>(f: &S, eocd_at: u64) -> Res<Option<(End, u
 }
 
 /// One central directory entry (zip64 values applied); the name is a range of the directory.
-struct Entry {
+struct DirEntry {
     name: (usize, usize),
     flags: u16,
     method: u16,
@@ -305,7 +306,7 @@ fn apply_zip64_extra(extra: &[u8], values: [u64; 3], raw_name: &[u8]) -> Res<[u6
     Ok(out)
 }
 
-fn parse_central_directory(directory: &[u8], count: u64) -> Res<Vec<Entry>> {
+fn parse_central_directory(directory: &[u8], count: u64) -> Res<Vec<DirEntry>> {
     let end = directory.len();
     // count * 46 <= cd_size was checked, and a short read only makes the loop stop sooner
     let mut entries = Vec::with_capacity((count as usize).min(end / CENTRAL_HEADER));
@@ -335,7 +336,7 @@ fn parse_central_directory(directory: &[u8], count: u64) -> Res<Vec<Entry>> {
             let extra = &directory[name_at + name_len..name_at + name_len + extra_len];
             values = apply_zip64_extra(extra, values, raw_name)?;
         }
-        entries.push(Entry {
+        entries.push(DirEntry {
             name: (name_at, name_at + name_len),
             flags,
             method,
@@ -354,16 +355,20 @@ fn parse_central_directory(directory: &[u8], count: u64) -> Res<Vec<Entry>> {
     Ok(entries)
 }
 
+/// `_PLAIN_NAME.fullmatch(raw) and b".." not in raw`, in one pass.
 fn plain_name(raw: &[u8]) -> bool {
-    let first_ok = |c: u8| c.is_ascii_alphanumeric() || c == b'_' || c == b'.' || c == b'-';
-    match raw.split_first() {
-        Some((&first, rest)) => {
-            first_ok(first)
-                && rest.iter().all(|&c| first_ok(c) || c == b'/')
-                && !raw.windows(2).any(|w| w == b"..")
-        }
-        None => false,
+    let Some((&first, _)) = raw.split_first() else { return false };
+    if first == b'/' {
+        return false;
     }
+    let mut previous = 0u8;
+    for &c in raw {
+        if !(c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b'-' | b'/')) || (c == b'.' && previous == b'.') {
+            return false;
+        }
+        previous = c;
+    }
+    true
 }
 
 /// `_checked_name` for an ASCII name.
@@ -400,9 +405,14 @@ impl Eq for Caseless<'_> {}
 
 impl Hash for Caseless<'_> {
     fn hash<H: Hasher>(&self, state: &mut H) {
+        // lowered a chunk at a time: one hasher write per chunk, not per byte
         state.write_usize(self.0.len());
-        for &c in self.0 {
-            state.write_u8(c.to_ascii_lowercase());
+        let mut lowered = [0u8; 64];
+        for chunk in self.0.chunks(lowered.len()) {
+            let part = &mut lowered[..chunk.len()];
+            part.copy_from_slice(chunk);
+            part.make_ascii_lowercase();
+            state.write(part);
         }
     }
 }
@@ -410,7 +420,14 @@ impl Hash for Caseless<'_> {
 fn refuse_name_clashes<'a>(names: impl Iterator<Item = &'a [u8]>, capacity: usize) -> Res<()> {
     let mut seen: HashMap<Caseless<'a>, &'a [u8]> = HashMap::with_capacity(capacity);
     for name in names {
-        if let Some(&other) = seen.get(&Caseless(name)) {
+        let other = match seen.entry(Caseless(name)) {
+            Entry::Vacant(slot) => {
+                slot.insert(name);
+                continue;
+            }
+            Entry::Occupied(slot) => *slot.get(),
+        };
+        {
             if other == name {
                 return bad(format!("the zip holds two records named {}; refusing", py_repr(name)));
             }
@@ -421,12 +438,11 @@ fn refuse_name_clashes<'a>(names: impl Iterator<Item = &'a [u8]>, capacity: usiz
                 py_repr(name)
             ));
         }
-        seen.insert(Caseless(name), name);
     }
     Ok(())
 }
 
-fn check_entry(entry: &Entry, name: &[u8]) -> Res<()> {
+fn check_entry(entry: &DirEntry, name: &[u8]) -> Res<()> {
     if entry.flags & ENCRYPTED_FLAGS != 0 {
         return bad(format!("record {} is encrypted", py_repr(name)));
     }
@@ -451,7 +467,7 @@ fn check_entry(entry: &Entry, name: &[u8]) -> Res<()> {
 /// `_check_local_header`: where the record's data starts.
 fn check_local_header<S: Source + ?Sized>(
     view: &mut Window<'_, S>,
-    entry: &Entry,
+    entry: &DirEntry,
     name: &[u8],
     file_size: u64,
 ) -> Res<u64> {
@@ -565,7 +581,7 @@ pub fn read_directory<S: Source + ?Sized>(f: &S, file_size: u64) -> Res<Director
     // cd_offset + cd_size <= the end record's offset < file_size (checked): a real allocation
     let directory = f.read_at(end.cd_offset, end.cd_size as usize).ok_or(Stop::Python)?;
     let entries = parse_central_directory(&directory, end.count)?;
-    let name_of = |e: &Entry| &directory[e.name.0..e.name.1];
+    let name_of = |e: &DirEntry| &directory[e.name.0..e.name.1];
     for entry in &entries {
         let name = name_of(entry);
         if !name.is_ascii() {
@@ -727,5 +743,76 @@ fn finish(result: Res<Directory>) -> Result<Option<Vec<u8>>, String> {
         Ok(directory) => Ok(Some(directory.encode())),
         Err(Stop::Bad(message)) => Err(message),
         Err(Stop::Python) => Ok(None),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::zipwrite::{central_directory, small_records, Items};
+
+    /// An archive of `names` (as ZipWriter lays it out), each record's data its name.
+    fn archive(names: &[&str], threshold: u64) -> Vec<u8> {
+        let full: Vec<u8> = names.iter().flat_map(|n| n.bytes()).collect();
+        let ends: Vec<u64> = names
+            .iter()
+            .scan(0u64, |at, n| {
+                *at += n.len() as u64;
+                Some(*at)
+            })
+            .collect();
+        let items = Items::new(&full, &ends).unwrap();
+        let crcs = vec![7u32; names.len()];
+        let mut out = small_records(&items, &items, &crcs, 0, threshold).unwrap();
+        let offsets: Vec<u64> =
+            out.split_off(out.len() - 8 * names.len()).chunks_exact(8).map(|c| u64_at(c, 0)).collect();
+        let sizes: Vec<u64> = names.iter().map(|n| n.len() as u64).collect();
+        let cd_offset = out.len() as u64;
+        out.extend(central_directory(&items, &offsets, &sizes, &crcs, cd_offset, threshold).unwrap());
+        out
+    }
+
+    fn refusal(data: &[u8]) -> String {
+        match read_directory(data, data.len() as u64) {
+            Err(Stop::Bad(message)) => message,
+            other => panic!("not refused: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn reads_back_what_the_writer_lays_out_with_and_without_zip64() {
+        for threshold in [u64::from(u32::MAX), 100, 1] {
+            let data = archive(&["a/data.pkl", "a/data/0", "a/version"], threshold);
+            let directory = read_directory(&data[..], data.len() as u64).unwrap();
+            assert_eq!(directory.len(), 3);
+            assert_eq!(directory.name(1), b"a/data/0");
+            assert_eq!(directory.size, vec![10, 8, 9]);
+            assert!(directory.data_offset.iter().all(|o| o % 64 == 0));
+            assert_eq!(&data[directory.data_offset[2] as usize..][..9], b"a/version");
+        }
+    }
+
+    #[test]
+    fn refuses_what_the_reference_refuses() {
+        let data = archive(&["a/x", "a/X"], u64::from(u32::MAX));
+        assert!(refusal(&data).starts_with("records 'a/x' and 'a/X' differ only in case"));
+        let data = archive(&["a/../x"], u64::from(u32::MAX));
+        assert!(refusal(&data).contains("climbs out of the archive"));
+        let data = archive(&["a/x"], u64::from(u32::MAX));
+        assert!(refusal(&data[..data.len() - 1]).contains("the zip directory at the end of the file is missing"));
+        let mut other = data.clone();
+        other[8] = 8; // the local header's method
+        assert!(refusal(&other).contains("compression method 8 in its local header but 0 in the zip directory"));
+        let mut encrypted = data.clone();
+        encrypted[6] |= 1; // in the local header only: the directory's flags decide
+        assert!(read_directory(&encrypted[..], encrypted.len() as u64).is_ok());
+    }
+
+    #[test]
+    fn names_in_messages_are_shown_as_python_shows_them() {
+        assert_eq!(py_repr(b"a'b"), "\"a'b\"");
+        assert_eq!(py_repr(b"a'\"b\\\n\x7f"), "'a\\'\"b\\\\\\n\\x7f'");
+        assert_eq!(shown(b"ab\xff").unwrap(), "'ab\\\\xff'");
+        assert_eq!(shown("é".as_bytes()), Err(Stop::Python));
     }
 }
