@@ -37,6 +37,9 @@ const DATA_DESCRIPTOR_FLAG: u16 = 0x0008;
 const ZIP64_EXTRA: u16 = 0x0001;
 /// ranges.WindowedReader's window
 const WINDOW: usize = 1 << 16;
+/// the most a descriptor read asks the kernel for at once
+#[cfg(unix)]
+const CHUNK: usize = 1 << 22;
 
 /// Positioned reads of the archive: a short result only where the bytes end; `Err` for an I/O
 /// error (`None`: left to the Python engine, which raises it as `OSError`).
@@ -578,7 +581,8 @@ impl Directory {
 /// `read_directory`: the archive's records, or why not.
 pub fn read_directory<S: Source + ?Sized>(f: &S, file_size: u64) -> Res<Directory> {
     let end = read_end(f, file_size)?;
-    // cd_offset + cd_size <= the end record's offset < file_size (checked): a real allocation
+    // cd_offset + cd_size <= the end record's offset < file_size (checked), and reads grow with
+    // the bytes really there
     let directory = f.read_at(end.cd_offset, end.cd_size as usize).ok_or(Stop::Python)?;
     let entries = parse_central_directory(&directory, end.count)?;
     let name_of = |e: &DirEntry| &directory[e.name.0..e.name.1];
@@ -671,17 +675,19 @@ impl Source for FdSource {
             None => len,
         };
         let at = self.base.checked_add(offset)?;
-        let mut buffer = vec![0u8; len];
-        let mut done = 0usize;
-        while done < len {
-            match self.file.read_at(&mut buffer[done..], at + done as u64) {
+        // grown by what the file really holds, a chunk at a time: `len` is the caller's size
+        // (a FileSlice's from a container's metadata), not a number to allocate up front
+        let mut buffer = Vec::with_capacity(len.min(CHUNK));
+        let mut chunk = vec![0u8; len.min(CHUNK)];
+        while buffer.len() < len {
+            let want = (len - buffer.len()).min(CHUNK);
+            match self.file.read_at(&mut chunk[..want], at.checked_add(buffer.len() as u64)?) {
                 Ok(0) => break,
-                Ok(k) => done += k,
+                Ok(k) => buffer.extend_from_slice(&chunk[..k]),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
                 Err(_) => return None,
             }
         }
-        buffer.truncate(done);
         Some(buffer)
     }
 }
