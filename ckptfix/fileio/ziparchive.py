@@ -240,7 +240,7 @@ class ZipDirectory(Mapping[str, ZipRecord]):
     def adopt(cls, columns: native_zip.Columns) -> ZipDirectory:
         """The native reader's columns as a directory (no object per record is made)."""
         records = cls.__new__(cls)
-        records._index = dict(zip(columns.names, range(len(columns.names)), strict=True))
+        records._index = dict(zip(columns.names, range(len(columns.names))))  # unique: checked
         records._data_offset = columns.data_offset
         records._compressed_size = columns.compressed_size
         records._size = columns.size

@@ -46,7 +46,8 @@ def _decode(data: bytes) -> Columns:
     crc = array("I")
     crc.frombytes(view[at : at + 4 * n])
     at += 4 * n
-    method = array("B", view[at : at + n])
+    method = array("B")
+    method.frombytes(view[at : at + n])  # array("B", view) would iterate it
     at += n
     names = bytes(view[at:]).decode("ascii").split("\x00") if n else []
     if len(names) != n or crc.itemsize != 4:
