@@ -14,6 +14,8 @@
 #![forbid(clippy::undocumented_unsafe_blocks)]
 
 pub mod ffi;
+pub mod zip;
+pub mod zipwrite;
 
 /// Bumped whenever an exported function changes its signature or meaning; the Python side
 /// refuses a library built for another ABI (a stale build left in an editable checkout).

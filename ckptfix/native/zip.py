@@ -1,0 +1,131 @@
+"""The zip container's hot loops in the native core (native/src/zip*.rs).
+
+:func:`read_directory` reads a zip's whole directory -- end records, every entry, names, local
+headers, overlaps -- with the checks of ``fileio/ziparchive.py``'s Python reader (the
+reference) and hands back columns: the names as one string and the numbers as packed arrays,
+which :class:`~ckptfix.fileio.ziparchive.ZipDirectory` adopts without a Python object per
+record (a training checkpoint has ~4 records per parameter). ``None`` means "the Python engine
+reads it": the library is not loaded, or the archive has something the native reader leaves
+to the reference (a non-ASCII name, an I/O error).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from array import array
+from itertools import accumulate
+from typing import NamedTuple
+
+from . import Input, call, function, library
+
+
+class Columns(NamedTuple):
+    """A directory as columns, in directory order (``ZipDirectory``'s own layout)."""
+
+    names: list[str]
+    data_offset: array[int]
+    compressed_size: array[int]
+    size: array[int]
+    header_offset: array[int]
+    crc: array[int]
+    method: array[int]
+
+
+def _decode(data: bytes) -> Columns:
+    """zip.rs's ``Directory::encode``: ``u64 n``, four ``i64[n]`` columns, ``u32[n]``, ``u8[n]``,
+    then the names joined by NUL (which no accepted name holds)."""
+    view = memoryview(data)
+    n = int.from_bytes(view[:8], "little")
+    at = 8
+    wide = []
+    for _ in range(4):
+        column = array("q")
+        column.frombytes(view[at : at + 8 * n])
+        wide.append(column)
+        at += 8 * n
+    crc = array("I")
+    crc.frombytes(view[at : at + 4 * n])
+    at += 4 * n
+    method = array("B")
+    method.frombytes(view[at : at + n])  # array("B", view) would iterate it
+    at += n
+    names = bytes(view[at:]).decode("ascii").split("\x00") if n else []
+    if len(names) != n or crc.itemsize != 4:
+        raise RuntimeError("native engine bug: a zip directory's columns do not add up")
+    return Columns(names, wide[0], wide[1], wide[2], wide[3], crc, method)
+
+
+def read_directory(fd: int, base: int, size: int, limit: int | None) -> Columns | None:
+    """The directory of the zip in the open file ``fd`` (``size`` bytes from ``base``; reads stop
+    ``limit`` bytes past ``base`` when given), or None for the Python engine. A refusal raises
+    :class:`~ckptfix.errors.BadInputError` with the reference's message, less the file name."""
+    fn = function("ckptfix_zip_read_directory", ctypes.c_int32, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_int64)
+    if fn is None:
+        return None
+    data = call(fn, fd, base, size, -1 if limit is None else limit)
+    return None if data is None else _decode(data)
+
+
+def read_directory_bytes(archive: bytes) -> Columns | None:
+    """The directory of a zip held in memory (differential tests and fuzzing)."""
+    fn = function("ckptfix_zip_read_directory_bytes", ctypes.c_void_p, ctypes.c_size_t)
+    if fn is None:
+        return None
+    source = Input(archive)
+    data = call(fn, source.address, source.length)
+    return None if data is None else _decode(data)
+
+
+def available() -> bool:
+    """Whether the native engine runs (the writer then lets small records wait for it)."""
+    return library() is not None
+
+
+def _items(items: list[bytes]) -> tuple[bytes, array[int]]:
+    """Variable-length items as one blob and the end offset of each (``u64``)."""
+    return b"".join(items), array("Q", accumulate(map(len, items)))
+
+
+def small_records(
+    names: list[bytes], data: list[bytes], crcs: array[int], offset: int, threshold: int
+) -> tuple[bytes, array[int]] | None:
+    """The bytes ``ZipWriter.add_small`` writes for each of these records, one after another
+    from ``offset`` (local header, padding, data, descriptor), and each one's header offset; or
+    None for the Python writer (the library is not loaded, or a value does not fit its field)."""
+    fn = function(
+        "ckptfix_zip_small_records", *(ctypes.c_void_p, ctypes.c_size_t) * 5, ctypes.c_uint64, ctypes.c_uint64
+    )
+    if fn is None or not 0 <= offset < 1 << 63 or not 0 <= threshold < 1 << 64:
+        return None
+    name_blob, name_ends = _items(names)
+    data_blob, data_ends = _items(data)
+    inputs = [Input(b) for b in (name_blob, name_ends, data_blob, data_ends, crcs)]
+    built = call(fn, *(v for i in inputs for v in (i.address, i.length)), offset, threshold)
+    if built is None:
+        return None
+    cut = len(built) - 8 * len(crcs)
+    offsets = array("q")
+    offsets.frombytes(memoryview(built)[cut:])
+    return built[:cut], offsets
+
+
+def central_directory(
+    names: list[bytes],
+    header_offsets: array[int],
+    sizes: array[int],
+    crcs: array[int],
+    cd_offset: int,
+    threshold: int,
+) -> bytes | None:
+    """``ZipWriter.close``'s central directory and end records for these records, the directory
+    starting at ``cd_offset``; or None for the Python writer."""
+    fn = function(
+        "ckptfix_zip_central_directory", *(ctypes.c_void_p, ctypes.c_size_t) * 5, ctypes.c_uint64, ctypes.c_uint64
+    )
+    if fn is None or not 0 <= cd_offset < 1 << 63 or not 0 <= threshold < 1 << 64:
+        return None
+    if header_offsets.itemsize != 8 or sizes.itemsize != 8 or crcs.itemsize != 4:
+        return None
+    name_blob, name_ends = _items(names)
+    inputs = [Input(b) for b in (name_blob, name_ends, header_offsets, sizes, crcs)]
+    return call(fn, *(v for i in inputs for v in (i.address, i.length)), cd_offset, threshold)

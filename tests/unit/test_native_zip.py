@@ -1,0 +1,314 @@
+"""The zip container in both engines: the native reader (native/src/zip.rs) against the Python
+reference (``read_directory_python``) on mutated real archives, and the native writer's bytes
+(native/src/zipwrite.rs) against the Python writer's.
+
+The reader must give the same columns or the same refusal (the same message: the native engine
+words them as the reference does), or leave the archive to the Python engine (``None``); the
+writer must give the same bytes. Both engines run in one process whatever CKPTFIX_ENGINE says:
+the library is loaded here for the comparison when it is built at all.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import random
+import struct
+import sys
+import tempfile
+import zipfile
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import FIXTURES
+from hostile import make_base_zip, with_data_pkl
+
+from ckptfix import native
+from ckptfix.errors import BadInputError
+from ckptfix.fileio import ziparchive
+from ckptfix.fileio.ranges import FileSlice
+from ckptfix.native import zip as native_zip
+
+pytestmark = pytest.mark.skipif(native.library_path() is None, reason="no native library in this install")
+
+
+@pytest.fixture(autouse=True)
+def native_engine(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Load the library for these tests even in the CKPTFIX_ENGINE=python pass."""
+    monkeypatch.setenv("CKPTFIX_ENGINE", "native")
+    native.library.cache_clear()
+    yield
+    monkeypatch.undo()
+    native.library.cache_clear()
+
+
+# -- the reader ---------------------------------------------------------------------------------
+
+Outcome = tuple[str, object]
+
+
+def _python_outcome(f: io.FileIO, size: int, path: str) -> Outcome:
+    try:
+        return "ok", ziparchive.read_directory_python(f, size, path).columns()
+    except BadInputError as exc:
+        return "bad", exc.message
+    except Exception as exc:
+        return "other", type(exc).__name__
+
+
+def _native_outcome(data: bytes, path: str) -> Outcome | None:
+    try:
+        columns = native_zip.read_directory_bytes(data)
+    except BadInputError as exc:
+        return "bad", f"{path}: {exc.message}"
+    return None if columns is None else ("ok", columns)
+
+
+def _hostile_cases() -> list[bytes]:
+    """tests/cli/test_zip_hostile.py's hostile archives, made from a fresh torch.save file."""
+    spec = importlib.util.spec_from_file_location(
+        "_zip_hostile_cases", Path(__file__).parents[1] / "cli" / "test_zip_hostile.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    buffer = io.BytesIO()
+    torch.save(module._STATE, buffer)
+    base = buffer.getvalue()
+    return [base, *(make(base) for make, _ in module.HOSTILE.values())]
+
+
+def _written(fill: Callable[[ziparchive.ZipWriter], None], threshold: int, use_native: bool = True) -> bytes:
+    """The bytes of an archive ``fill`` adds records to (the writer needs a real file)."""
+    with tempfile.TemporaryFile() as out:
+        writer = ziparchive.ZipWriter(out, "archive", zip64_threshold=threshold)
+        writer._native = use_native
+        fill(writer)
+        writer.close()
+        out.seek(0)
+        return out.read()
+
+
+def _writer_zip(threshold: int) -> bytes:
+    """An archive from ckptfix's own writer, with zip64 fields from ``threshold`` bytes on."""
+
+    def fill(writer: ziparchive.ZipWriter) -> None:
+        writer.add_bytes("data.pkl", b"\x80\x02}q\x00.")
+        for i in range(6):
+            writer.add_small(f"data/{i}", bytes(range(i * 40 % 256)) * 3, i)
+        writer.add_bytes("version", b"3\n")
+
+    return _written(fill, threshold)
+
+
+@pytest.fixture(scope="module")
+def bases(tmp_path_factory: pytest.TempPathFactory) -> list[bytes]:
+    folder = tmp_path_factory.mktemp("bases")
+    real = [p.read_bytes() for p in sorted(FIXTURES.glob("*.p*")) if p.read_bytes()[:2] == b"PK"]
+    base_zip = make_base_zip(folder)
+    stored = io.BytesIO()
+    with zipfile.ZipFile(base_zip) as z, zipfile.ZipFile(stored, "w", zipfile.ZIP_DEFLATED) as out:
+        for info in z.infolist():
+            out.writestr(info, z.read(info))
+    with_pkl = with_data_pkl(base_zip, b"\x80\x02]q\x00.", folder / "with.pth", zipfile.ZIP_DEFLATED)
+    made = [base_zip.read_bytes(), stored.getvalue(), with_pkl.read_bytes(), _writer_zip(300), _writer_zip(1 << 32)]
+    return real[:3] + made + _hostile_cases()
+
+
+_SIGNATURES = (b"PK\x01\x02", b"PK\x03\x04", b"PK\x05\x06", b"PK\x06\x06", b"PK\x06\x07")
+_WIDTHS = {1: "<B", 2: "<H", 4: "<I", 8: "<Q"}
+
+
+def _mutate(rng: random.Random, data: bytes) -> bytes:
+    """One to three edits, mostly to the zip structures (fields near a signature)."""
+    out = bytearray(data)
+    for _ in range(rng.choice((1, 1, 2, 3))):
+        sigs = [m for s in _SIGNATURES for m in _find_all(bytes(out), s)]
+        kind = rng.random()
+        if sigs and kind < 0.6:  # a field of a header: a boundary value, or the old one +-1
+            width = rng.choice((1, 2, 2, 4, 4, 8))
+            at = rng.choice(sigs) + rng.randrange(4, 60)
+            if at + width > len(out):
+                continue
+            (old,) = struct.unpack_from(_WIDTHS[width], out, at)
+            top = (1 << 8 * width) - 1
+            value = rng.choice(
+                (0, 1, top, top - 1, old + 1, old - 1, old * 2, rng.randrange(top + 1), 1 << 8 * width - 1)
+            )
+            struct.pack_into(_WIDTHS[width], out, at, value & top)
+        elif kind < 0.7:  # a byte anywhere
+            if out:
+                out[rng.randrange(len(out))] = rng.randrange(256)
+        elif kind < 0.8:  # cut the end, or the start
+            cut = rng.randrange(len(out) + 1)
+            out = out[:cut] if rng.random() < 0.7 else out[cut:]
+        elif kind < 0.9:  # bytes inserted or removed somewhere
+            at = rng.randrange(len(out) + 1)
+            if rng.random() < 0.5:
+                out[at:at] = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 48)))
+            else:
+                del out[at : at + rng.randrange(1, 48)]
+        elif sigs:  # a name's character changed (case, separators, dots, a non-ASCII byte)
+            at = rng.choice(sigs) + rng.choice((30, 46)) + rng.randrange(0, 12)
+            if at < len(out):
+                out[at] = rng.choice(b"/\\.:AZaz\x00\x7f\xc3\x80 ")
+    return bytes(out)
+
+
+def _find_all(data: bytes, needle: bytes) -> Iterator[int]:
+    at = data.find(needle)
+    while at >= 0:
+        yield at
+        at = data.find(needle, at + 1)
+
+
+def test_native_reader_agrees_with_the_reference_on_mutated_archives(bases: list[bytes], tmp_path: Path) -> None:
+    """~2500 archives: each the same columns or the same refusal in both engines; the native
+    one declines (leaves it to Python) only where the reference does something it does not
+    imitate (non-ASCII names, a struct too short to unpack)."""
+    rng = random.Random(26)
+    path = str(tmp_path / "fuzzed.pth")
+    outcomes: Counter[str] = Counter()
+    messages: set[str] = set()
+    mismatches = []
+    with open(path, "w+b", buffering=0) as f:
+        assert isinstance(f, io.FileIO)
+        inputs = [*bases, *(_mutate(rng, rng.choice(bases)) for _ in range(2500))]
+        for i, data in enumerate(inputs):
+            f.seek(0)
+            f.truncate()
+            f.write(data)
+            expected = _python_outcome(f, len(data), path)
+            got = _native_outcome(data, path)
+            outcomes["declined" if got is None else got[0]] += 1
+            if got is not None and got[0] == "bad":
+                messages.add(str(got[1]).split("'")[0])
+            if got is not None and got != expected:
+                mismatches.append((i, expected, got))
+            if i % 8 == 0:  # the descriptor path, as read_directory takes it
+                try:
+                    fd_outcome: Outcome | None = _native_fd_outcome(f, len(data), path)
+                except Exception as exc:
+                    fd_outcome = "other", type(exc).__name__
+                if fd_outcome is not None and fd_outcome != expected:
+                    mismatches.append((i, expected, fd_outcome))
+    assert not mismatches, mismatches[:3]
+    assert outcomes["ok"] >= 150 and outcomes["bad"] >= 1500 and len(messages) >= 25, (outcomes, len(messages))
+    assert outcomes["declined"] < 0.1 * len(inputs), outcomes
+
+
+def _native_fd_outcome(f: io.FileIO, size: int, path: str) -> Outcome | None:
+    try:
+        columns = ziparchive._read_directory_native(f, size, path)
+    except BadInputError as exc:
+        return "bad", exc.message
+    return None if columns is None else ("ok", columns)
+
+
+def test_every_refusal_of_the_reference_is_reached_natively(bases: list[bytes], tmp_path: Path) -> None:
+    """The hostile archives (one per refusal in tests/cli/test_zip_hostile.py, a non-UTF-8 name
+    included) are refused by the native reader itself with the reference's message, none left
+    to Python."""
+    path = tmp_path / "hostile.pth"
+    refused = []
+    for data in bases:
+        path.write_bytes(data)
+        with open(path, "rb", buffering=0) as f:
+            expected = _python_outcome(f, len(data), str(path))
+        if expected[0] == "bad":
+            assert _native_outcome(data, str(path)) == expected
+            refused.append(expected[1])
+    assert len(refused) >= 15 and any("not valid UTF-8" in str(m) for m in refused), refused
+
+
+def test_a_zip_inside_a_file_is_read_within_its_slice(tmp_path: Path) -> None:
+    """A FileSlice (a .distcp item): offsets relative to the slice, no read outside it."""
+    inner = (FIXTURES / "dataparallel_tinynet.pth").read_bytes()
+    path = tmp_path / "outer.bin"
+    path.write_bytes(b"x" * 1000 + inner + b"PK\x05\x06" + b"\0" * 40)
+    with open(path, "rb") as f:
+        part = FileSlice(f, 1000, len(inner))
+        expected = ziparchive.read_directory_python(part, len(inner), str(path)).columns()
+        got = ziparchive._read_directory_native(part, len(inner), str(path))
+        cut = FileSlice(f, 1000, len(inner) - 1)  # the end record cut short: refused, as in Python
+        with pytest.raises(BadInputError) as python_error:
+            ziparchive.read_directory_python(cut, len(inner) - 1, str(path))
+        with pytest.raises(BadInputError) as native_error:
+            ziparchive._read_directory_native(cut, len(inner) - 1, str(path))
+    assert got == expected and len(expected.names) == 15
+    assert native_error.value.message == python_error.value.message
+
+
+def test_read_directory_uses_the_native_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the library loaded, read_directory's result is the native reader's (never parsed
+    in Python), and a ZipDirectory built from columns answers like one built record by record."""
+    monkeypatch.setattr(ziparchive, "read_directory_python", lambda *args: pytest.fail("Python engine ran"))
+    path = FIXTURES / "lightning_tinynet.ckpt"
+    with open(path, "rb") as f:
+        records = ziparchive.read_directory(f, path.stat().st_size, str(path))
+    monkeypatch.undo()
+    with open(path, "rb", buffering=0) as f:
+        reference = ziparchive.read_directory_python(f, path.stat().st_size, str(path))
+    assert list(records) == list(reference) and all(records[n] == reference[n] for n in reference)
+    assert sorted(records.spans()) == sorted(reference.spans())
+
+
+# -- the writer ---------------------------------------------------------------------------------
+
+
+def _write(rng: random.Random, use_native: bool, threshold: int) -> bytes:
+    def fill(writer: ziparchive.ZipWriter) -> None:
+        writer.add_bytes("data.pkl", rng.randbytes(rng.randrange(200)))
+        for i in range(rng.randrange(1, 400)):
+            name = f"data/{i}" + "x" * rng.choice((0, 0, 0, 1, 7, 63, 300))
+            writer.add_small(name, rng.randbytes(rng.choice((0, 1, 3, 64, 500, 4000))), rng.getrandbits(32))
+            if rng.random() < 0.05:
+                writer.add_bytes(f"mid/{i}", rng.randbytes(rng.randrange(100)))  # between runs of small ones
+        writer.add_bytes("version", b"3\n")
+
+    return _written(fill, threshold, use_native)
+
+
+@pytest.mark.parametrize("threshold", [0xFFFFFFFF, 1 << 40, 100_000, 20_000, 1_000, 1])
+def test_native_writer_bytes_are_the_python_writers(threshold: int) -> None:
+    """Small records laid out natively, and the central directory with zip64 and classic end
+    records, are the Python writer's bytes -- zip64 fields included, wherever the threshold
+    falls (in a record, in its 4 KiB margin, or at every offset)."""
+    for seed in range(4):
+        native_bytes = _write(random.Random(seed), True, threshold)
+        python_bytes = _write(random.Random(seed), False, threshold)
+        assert native_bytes == python_bytes, (threshold, seed)
+    if threshold >= 1 << 32:
+        with zipfile.ZipFile(io.BytesIO(native_bytes)) as z:  # CRCs here are random: names only
+            assert z.namelist()[0] == "archive/data.pkl" and z.namelist()[-1] == "archive/version"
+
+
+def test_native_writer_declines_what_python_refuses() -> None:
+    """A name too long for its 16-bit field: the Python writer's struct.error either way
+    (the native writer leaves it to Python rather than writing a different file)."""
+    for use_native in (True, False):
+        with pytest.raises(struct.error):
+            _written(lambda writer: writer.add_small("x" * 70_000, b"abc", 0), 0xFFFFFFFF, use_native)
+
+
+def test_the_native_writers_archive_reads_back_in_both_readers(tmp_path: Path) -> None:
+    data = _write(random.Random(7), True, 5_000)
+    path = tmp_path / "written.zip"
+    path.write_bytes(data)
+    with open(path, "rb", buffering=0) as f:
+        reference = ziparchive.read_directory_python(f, len(data), str(path)).columns()
+    assert native_zip.read_directory_bytes(data) == reference
+    assert os.path.getsize(path) == len(data) and len(reference.names) >= 3
+
+
+def test_the_native_writer_lays_out_small_records_and_the_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The comparison above holds because the native writer ran, not because it declined."""
+    monkeypatch.setattr(ziparchive.ZipWriter, "_add_small_python", lambda *args: pytest.fail("Python add_small"))
+    monkeypatch.setattr(ziparchive.ZipWriter, "_close_python", lambda *args: pytest.fail("Python directory"))
+    for threshold in (0xFFFFFFFF, 1_000):
+        assert _write(random.Random(3), True, threshold)[:4] == b"PK\x03\x04"
