@@ -25,6 +25,7 @@ from functools import partial
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeGuard, cast, runtime_checkable
 
 from ..errors import BadInputError
+from ..native.crc import crc32
 from .positional import PositionalFile
 from .urls import is_url
 
@@ -243,8 +244,9 @@ class OpenFiles:
 
     def crc_in_background(self, source: FileRange) -> Future[int]:
         """Start computing ``source``'s CRC32 on a worker thread (one per write, made on first
-        use). ``zlib.crc32`` and ``pread`` release the GIL, so this runs on another core while
-        the caller's ``copy_file_range`` copies the same bytes in the kernel."""
+        use). The CRC (:func:`ckptfix.native.crc.crc32`: the native core's, else zlib's) and
+        ``pread`` release the GIL, so this runs on another core while the caller's
+        ``copy_file_range`` copies the same bytes in the kernel."""
         if self._worker is None:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -326,7 +328,7 @@ class OutputStream:
         crc_value = 0
         for chunk in chunks:
             if want_crc:
-                crc_value = zlib.crc32(chunk, crc_value)
+                crc_value = crc32(chunk, crc_value)
             self.write(chunk)
         return crc_value if want_crc else None
 
@@ -341,7 +343,7 @@ class OutputStream:
             self.write(data)
             if not want_crc:
                 return None
-            return source.crc if source.crc is not None else zlib.crc32(data)
+            return source.crc if source.crc is not None else crc32(data)
         if not is_local_range(source):  # a remote object: no descriptor to copy from, so streamed
             return self._stream(iter_chunks(source, files), want_crc)
         crc = files.crc_in_background(source) if want_crc and source.crc is None else None
@@ -481,7 +483,7 @@ def crc_of_range(fd: int, offset: int, size: int) -> int:
             got = len(chunk)
         if got == 0:
             raise BadInputError("the input file ended while its data was being copied (truncated?)")
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         done += got
     return crc
 
@@ -489,7 +491,7 @@ def crc_of_range(fd: int, offset: int, size: int) -> int:
 def crc_of(source: FileRange, files: OpenFiles) -> int:
     crc = 0
     for chunk in iter_chunks(source, files):
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
     return crc
 
 

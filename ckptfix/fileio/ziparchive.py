@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import re
 import struct
-import zlib
 from array import array
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple, TypeGuard
 
 from ..errors import BadInputError
+from ..native.crc import crc32
 from .ranges import (
     BLOCK,
     SMALL_COPY,
@@ -637,7 +637,7 @@ class ZipWriter:
         header_offset = self._offset
         full = self._start_record(name, len(data))
         self._write(data)
-        crc = zlib.crc32(data)
+        crc = crc32(data)
         self._finish_record(full, header_offset, len(data), crc)
         return crc
 
@@ -677,7 +677,7 @@ class ZipWriter:
             data = files.small_read(source.path, source.offset, source.size)
             if len(data) != source.size:
                 raise BadInputError(f"{source.path}: the file ended inside tensor data (truncated?)")
-            crc = 0 if recorded == 0 else zlib.crc32(data)
+            crc = 0 if recorded == 0 else crc32(data)
             _check_crc(name, source, recorded, crc)
             self.add_small(name, data, crc)
             return crc
