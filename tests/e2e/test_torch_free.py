@@ -23,6 +23,7 @@ import torch
 from conftest import FIXTURES, ROOT
 
 from ckptfix.errors import NEEDS_TORCH
+from ckptfix.native import engine
 
 NEEDS_TORCH_LINE = f"ckptfix: error: {NEEDS_TORCH}"
 
@@ -130,7 +131,8 @@ def test_without_torch(tmp_path: Path) -> None:
     for result in results[: len(works)]:
         assert result["code"] == 0, result
         assert "torch" not in result["stderr"], result
-    assert results[0]["stdout"] == f"ckptfix, version {version('ckptfix')}\n"
+    # the child inherits this process's CKPTFIX_ENGINE and finds the same library
+    assert results[0]["stdout"] == f"ckptfix, version {version('ckptfix')} ({engine()} engine)\n"
     assert len(list((t / "shards").glob("*.safetensors"))) > 1
     measured, mismatched = (json.loads(r["stdout"]) for r in results[len(works) : len(works) + len(fails)])
     assert all(r["code"] == 1 for r in results[len(works) : len(works) + len(fails)])
