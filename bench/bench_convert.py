@@ -1,6 +1,7 @@
 """Time `ckptfix convert x.pth x.safetensors` against `cp` and safetensors' own torch path.
 
     python bench/bench_convert.py [--size-gb 1.2] [--runs 7] [--workdir bench/_work]
+                                  [--sync] [--engine auto|native|python|both] [--no-torch]
 
 The torch contender is what users write: ``save_file(torch.load(path))``. Also times the
 way back (safetensors -> .pth). The page cache is warm for all contenders.
@@ -11,7 +12,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from harness import compare, setup
+from harness import compare, engines, setup
 
 TO_ST = """
 import sys, torch
@@ -35,16 +36,10 @@ def main() -> None:
         if a == st:
             subprocess.run([ckptfix, "convert", str(src), str(st)], check=True, capture_output=True)
         print(f"## {title}\n")
-        compare(
-            {
-                "cp": ["cp", str(a), str(b)],
-                ours: [ckptfix, "convert", str(a), str(b)],
-                theirs: [sys.executable, "-c", script, str(a), str(b)],
-            },
-            [b],
-            args.runs,
-            a,
-        )
+        contenders = {"cp": ["cp", str(a), str(b)], **engines(args, ours, [ckptfix, "convert", str(a), str(b)])}
+        if not args.no_torch:
+            contenders[theirs] = [sys.executable, "-c", script, str(a), str(b)]
+        compare(contenders, [b], args.runs, a, sync=args.sync, last_is_torch=not args.no_torch)
         print()
     st.unlink(missing_ok=True)
 

@@ -11,7 +11,6 @@ from ..fileio.extents import shared_bytes_of
 from ..fileio.sizes import format_size
 from ..fileio.urls import is_url
 from ..formats.checkpoint import Checkpoint
-from ..native import engine
 from ..model.paths import Path, format_path
 from ..model.refs import (
     Global,
@@ -25,6 +24,7 @@ from ..model.refs import (
 )
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts, is_optimizer_state, looks_like_state_dict
 from ..model.walk import iter_tensors, walk
+from ..native import engine
 from ..transforms.foreign import unallowed_globals
 
 #: how many layout entries the text report shows (``--full``: all; ``--json`` always has all)

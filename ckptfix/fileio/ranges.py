@@ -16,6 +16,7 @@ therefore place big ranges at an output offset congruent to their source offset 
 
 from __future__ import annotations
 
+import functools
 import os
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -25,6 +26,7 @@ from functools import partial
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeGuard, cast, runtime_checkable
 
 from ..errors import BadInputError
+from ..native.crc import crc32
 from .deferred import DeferredRecords
 from .positional import PositionalFile
 from .urls import is_url
@@ -247,8 +249,9 @@ class OpenFiles:
 
     def crc_in_background(self, source: FileRange) -> Future[int]:
         """Start computing ``source``'s CRC32 on a worker thread (one per write, made on first
-        use). ``zlib.crc32`` and ``pread`` release the GIL, so this runs on another core while
-        the caller's ``copy_file_range`` copies the same bytes in the kernel."""
+        use). The CRC (:func:`ckptfix.native.crc.crc32`: the native core's, else zlib's) and
+        ``pread`` release the GIL, so this runs on another core while the caller's
+        ``copy_file_range`` copies the same bytes in the kernel."""
         if self._worker is None:
             from concurrent.futures import ThreadPoolExecutor
 
@@ -333,7 +336,7 @@ class OutputStream:
         crc_value = 0
         for chunk in chunks:
             if want_crc:
-                crc_value = zlib.crc32(chunk, crc_value)
+                crc_value = crc32(chunk, crc_value)
             self.write(chunk)
         return crc_value if want_crc else None
 
@@ -348,7 +351,7 @@ class OutputStream:
             self.write(data)
             if not want_crc:
                 return None
-            return source.crc if source.crc is not None else zlib.crc32(data)
+            return source.crc if source.crc is not None else crc32(data)
         if not is_local_range(source) or self._fd is None:  # no descriptor to copy from or to: streamed
             return self._stream(iter_chunks(source, files), want_crc)
         crc = files.crc_in_background(source) if want_crc and source.crc is None else None
@@ -489,7 +492,7 @@ def crc_of_range(fd: int, offset: int, size: int) -> int:
             got = len(chunk)
         if got == 0:
             raise BadInputError("the input file ended while its data was being copied (truncated?)")
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         done += got
     return crc
 
@@ -497,7 +500,7 @@ def crc_of_range(fd: int, offset: int, size: int) -> int:
 def crc_of(source: FileRange, files: OpenFiles) -> int:
     crc = 0
     for chunk in iter_chunks(source, files):
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
     return crc
 
 
@@ -511,7 +514,18 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count
     to the next boundary is copied first and the aligned rest handed over in one call (the
     kernel shares blocks only for a call that starts on a boundary; it returns short at a
     partial last block, and the loop copies that tail).
+
+    When they are not congruent, nothing can be shared, and on a local file system the
+    kernel's copy costs about twice a buffered one: it splices whole source pages, each of
+    which lands across two destination pages (measured on ext4, 1.2 GB in 200 ranges 8 bytes
+    out of step: 0.9-1.3 s of CPU, against 0.5-0.7 s through a 256 KiB buffer and 0.55 s for
+    ranges in step). Such ranges go through :func:`_bounce_copy` instead, where
+    :func:`_page_cache_copy` says the kernel's copy is a page-cache copy too (not a network
+    file system's server-side copy, which moves no bytes through this machine).
     """
+    if count >= SMALL_COPY and (src_offset - dst_offset) % BLOCK and _page_cache_copy(src_fd, dst_fd):
+        _bounce_copy(src_fd, src_offset, dst_fd, dst_offset, count)
+        return
     head = -dst_offset % BLOCK if (src_offset - dst_offset) % BLOCK == 0 else 0
     done = 0
     copier = getattr(os, "copy_file_range", None)
@@ -527,9 +541,61 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count
         if n == 0:
             raise BadInputError("the input file ended while its data was being copied (truncated?)")
         done += n
+    if done < count:
+        _bounce_copy(src_fd, src_offset + done, dst_fd, dst_offset + done, count - done)
+
+
+#: the buffer :func:`_bounce_copy` moves bytes through: small enough to stay in the CPU's cache
+#: between the read and the write (measured: 256 KiB beat 1 MiB by ~20%)
+_BOUNCE = 1 << 18
+
+
+def _bounce_copy(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> None:
+    """Copy through one reused buffer (``preadv`` into it where the OS has it)."""
+    buffer = bytearray(min(count, _BOUNCE))
+    view = memoryview(buffer)
+    preadv = getattr(os, "preadv", None)
+    done = 0
     while done < count:
-        chunk = os.pread(src_fd, min(count - done, 1 << 20), src_offset + done)
-        if not chunk:
+        want = min(count - done, len(buffer))
+        if preadv is not None:
+            got = preadv(src_fd, [view[:want]], src_offset + done)
+            chunk: bytes | memoryview = view[:got]
+        else:
+            chunk = os.pread(src_fd, want, src_offset + done)
+            got = len(chunk)
+        if got == 0:
             raise BadInputError("the input file ended while its data was being copied (truncated?)")
-        os.pwrite(dst_fd, chunk, dst_offset + done)
-        done += len(chunk)
+        written = 0
+        while written < got:
+            written += os.pwrite(dst_fd, chunk[written:], dst_offset + done + written)
+        done += got
+
+
+#: file systems whose ``copy_file_range`` copies through this machine's page cache (or shares
+#: blocks, which out-of-step ranges never can): a buffered copy is no worse there. Anything
+#: else -- NFS and SMB copy on the server, FUSE and cluster file systems do what they do --
+#: keeps the kernel's copy.
+_LOCAL_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "tmpfs", "bcachefs", "jfs"})
+
+
+def _page_cache_copy(src_fd: int, dst_fd: int) -> bool:
+    """Whether both files are on a file system of :data:`_LOCAL_FILE_SYSTEMS` (Linux)."""
+    return all(_file_system(os.fstat(fd).st_dev) in _LOCAL_FILE_SYSTEMS for fd in (src_fd, dst_fd))
+
+
+@functools.cache
+def _file_system(device: int) -> str | None:
+    """The type of the file system mounted from ``device`` (``/proc/self/mountinfo``: "ID
+    PARENT MAJOR:MINOR ROOT MOUNTPOINT OPTIONS [TAGS...] - TYPE SOURCE OPTIONS"), or None
+    where that cannot be told (not Linux, not mounted as seen from here)."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                major, _, minor = fields[2].partition(":")
+                if os.makedev(int(major), int(minor)) == device:
+                    return fields[fields.index("-") + 1]
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -19,7 +19,6 @@ from __future__ import annotations
 import io
 import re
 import struct
-import zlib
 from array import array
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future
@@ -28,6 +27,7 @@ from typing import BinaryIO, NamedTuple, TypeGuard, cast
 
 from ..errors import BadInputError
 from ..native import zip as native_zip
+from ..native.crc import crc32
 from .deferred import VIRTUAL
 from .ranges import (
     BLOCK,
@@ -810,7 +810,7 @@ class ZipWriter:
         header_offset = self._offset
         full = self._start_record(name, len(data))
         self._write(data)
-        crc = zlib.crc32(data)
+        crc = crc32(data)
         self._finish_record(full, header_offset, len(data), crc)
         return crc
 
@@ -865,7 +865,7 @@ class ZipWriter:
             data = files.small_read(source.path, source.offset, source.size)
             if len(data) != source.size:
                 raise BadInputError(f"{source.path}: the file ended inside tensor data (truncated?)")
-            crc = 0 if recorded == 0 else zlib.crc32(data)
+            crc = 0 if recorded == 0 else crc32(data)
             _check_crc(name, source, recorded, crc)
             self.add_small(name, data, crc)
             return crc

@@ -325,6 +325,7 @@ NOT_CKPTFIX_OPTIONS = {
         ["--standalone", "--nproc-per-node", "--nnodes", "--rdzv-backend", "--rdzv-endpoint", "--rdzv-id"], "torchrun's"
     ),
     **dict.fromkeys(["--nodes", "--ntasks-per-node"], "SLURM srun's"),
+    **dict.fromkeys(["--release", "--offline", "--all-targets"], "cargo's (docs/engine.md: building the native core)"),
 }
 
 

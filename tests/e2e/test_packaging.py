@@ -181,3 +181,25 @@ def test_pre_commit_hooks_through_try_repo(tmp_path: Path) -> None:
     assert "notes.txt" not in log
     good = try_repo("--files", "good.pth")
     assert good.returncode == 0 and (good.stdout + good.stderr).count("Passed") == 2, good.stdout + good.stderr
+
+
+@packaging
+def test_the_wheel_is_one_per_platform_and_carries_the_native_core_built_from_the_sdist(dist: tuple[Path, str]) -> None:
+    """``python -m build`` makes the wheel from the sdist, so a library in it was compiled from the
+    sdist's ``native/`` sources; the library has no Python ABI (ctypes loads it), hence one
+    ``py3-none-<platform>`` wheel for every Python 3 (docs/engine.md)."""
+    import sysconfig
+    import zipfile
+
+    out, log = dist
+    (wheel,) = out.glob("ckptfix-*.whl")
+    platform = sysconfig.get_platform().replace("-", "_").replace(".", "_")
+    assert wheel.name.endswith(f"-py3-none-{platform}.whl"), wheel.name
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "ckptfix/native/crc.py" in names
+    if shutil.which("cargo") is None:
+        assert "cargo not found" in log, log[-2000:]
+        return
+    (library,) = [n for n in names if n.startswith("ckptfix/native/") and "ckptfix_native" in n]
+    assert library.rsplit("/", 1)[1] in ("libckptfix_native.so", "libckptfix_native.dylib", "ckptfix_native.dll")
+    assert "Compiling ckptfix_native" in log or "Finished" in log, log[-2000:]

@@ -131,6 +131,7 @@ def test_without_torch(tmp_path: Path) -> None:
     for result in results[: len(works)]:
         assert result["code"] == 0, result
         assert "torch" not in result["stderr"], result
+    # the child inherits this process's CKPTFIX_ENGINE and finds the same library
     assert results[0]["stdout"] == f"ckptfix, version {version('ckptfix')} ({engine()} engine)\n"
     assert len(list((t / "shards").glob("*.safetensors"))) > 1
     measured, mismatched = (json.loads(r["stdout"]) for r in results[len(works) : len(works) + len(fails)])
