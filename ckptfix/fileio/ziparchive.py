@@ -574,9 +574,15 @@ class ZipWriter:
     the kernel (:meth:`add_copy`), so memory use does not depend on the record sizes.
     """
 
-    def __init__(self, out: BinaryIO, archive_name: str, *, zip64_threshold: int = _U32_MAX) -> None:
+    def __init__(
+        self, out: BinaryIO, archive_name: str, *, zip64_threshold: int = _U32_MAX, embedded: bool = False
+    ) -> None:
         self._stream = OutputStream(out)
         self._prefix = archive_name
+        #: ``embedded``: the archive starts at ``out``'s current position (one item among others
+        #: in a DCP ``.distcp`` file) and its offsets count from there, as torch.save writes
+        #: into a stream and as torch reads such an item back (through a view of its byte range)
+        self._base = self._stream.offset if embedded else 0
         # what the central directory needs of each record written, as columns (~4 records a
         # parameter in a training checkpoint: an object each would cost ~180 bytes)
         self._names: list[bytes] = []
@@ -589,7 +595,7 @@ class ZipWriter:
 
     @property
     def _offset(self) -> int:
-        return self._stream.offset
+        return self._stream.offset - self._base
 
     def _needs_zip64(self, value: int) -> bool:
         return value >= self._zip64_threshold
@@ -609,7 +615,8 @@ class ZipWriter:
                 body += struct.pack("<Q", offset)
             zip64 = struct.pack("<HH", 0x0001, len(body)) + body
         start = offset + _LOCAL_HEADER.size + len(full) + len(zip64) + 4
-        padding = -start % RECORD_ALIGNMENT if source_offset is None else (source_offset - start) % BLOCK
+        # the block a copy-on-write file system shares is a block of the whole file
+        padding = -start % RECORD_ALIGNMENT if source_offset is None else (source_offset - start - self._base) % BLOCK
         extra = zip64 + b"FB" + struct.pack("<H", padding) + b"Z" * padding
         header = _LOCAL_HEADER.pack(_LOCAL_SIG, 0, 0x0808, STORED, 0, 0, 0, 0, 0, len(full), len(extra))
         self._write(header + full + extra)
