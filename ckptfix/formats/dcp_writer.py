@@ -205,11 +205,25 @@ def _ref_chunk(t: TensorRef, start: int, stop: int, whole: bool) -> TensorRef:
         chunk = ComputedSource(0, lambda files: b"")
     elif plain and is_plain_range(source):
         chunk = source.sub(view.storage_offset * itemsize, nbytes)
-    elif plain and isinstance(source, JoinedSource) and view.storage_offset == 0 and nbytes == source.size:
-        chunk = source  # a ZeRO parameter straddling two partitions: copied piece by piece
+    elif plain and isinstance(source, JoinedSource):
+        # a ZeRO parameter straddling partitions: the pieces of the rows, copied by the kernel
+        chunk = _joined_part(source, view.storage_offset * itemsize, nbytes)
     else:
         chunk = ComputedSource(nbytes, _gathered(view))
     return _contiguous(t.dtype, view.shape, chunk)
+
+
+def _joined_part(source: JoinedSource, start: int, size: int) -> Source:
+    """Bytes ``start:start+size`` of ``source``, as the parts of its pieces that hold them."""
+    if start == 0 and size == source.size:
+        return source
+    parts, at = [], 0
+    for piece in source.pieces:
+        low, high = max(start, at), min(start + size, at + piece.size)
+        if low < high:
+            parts.append(piece.sub(low - at, high - low))
+        at += piece.size
+    return parts[0] if len(parts) == 1 else JoinedSource.of(tuple(parts))
 
 
 def _torch_chunk(t: Any, start: int, stop: int, whole: bool) -> TensorRef:
