@@ -34,3 +34,21 @@ def test_an_fsdp1_name_does_not_excuse_a_payload(tmp_path: Path) -> None:
     evil = with_data_pkl(FSDP1 / "local_state_dict_rank0.pt", payload, tmp_path / "evil.pt")
     result = invoke_cli("convert", evil, tmp_path / "out.safetensors")
     assert result.returncode == 3 and "os.system" in result.stderr and "FSDP1" not in result.stderr, result.stderr
+
+
+MEGATRON = FIXTURES / "megatron_torch_dist"
+
+
+def test_a_megatron_torch_dist_folder_is_refused_by_name(tmp_path: Path) -> None:
+    """A DCP folder underneath, but its keys are Megatron's sharded layout (stacked layers) and
+    half the state is in common.pt: refused as what it is, before its .metadata is read."""
+    for args in (["inspect", MEGATRON], ["convert", MEGATRON, tmp_path / "out.safetensors"]):
+        result = invoke_cli(*args)
+        assert result.returncode == 3, result.stderr
+        assert result.stderr.count("\n") == 1, result.stderr
+        assert "a Megatron-core distributed checkpoint (torch_dist backend" in result.stderr
+        assert "Megatron's own tools" in result.stderr and "--allow-global" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
+    scanned = invoke_cli("scan", MEGATRON)
+    assert "note: a Megatron-core distributed checkpoint" in scanned.stdout, scanned.stdout
+    assert "common.pt" in scanned.stdout  # its other files are scanned too
