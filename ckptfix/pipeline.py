@@ -892,6 +892,10 @@ def _write(
     report.tensors = len(flat) if flat is not None else sum(1 for _ in iter_tensors(root))
     changes = _describe_changes(report)
     if opts.dry_run:
+        if kind == "dcp":  # what the write would refuse (keys DCP cannot hold), refused now
+            from .formats.dcp_writer import plan_dcp
+
+            plan_dcp(root, opts.dcp_files or 1)
         what = f"{report.shard_format} shards" if report.shard_format else report.output_format
         report.message = f"would write {what} to {out}{changes}; nothing written (dry run)"
         return

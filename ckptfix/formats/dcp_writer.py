@@ -249,11 +249,9 @@ def _tensor_facts(value: Any, fqn: str) -> tuple[str, tuple[int, ...], bool]:
         if value.dtype not in DTYPE_ITEMSIZE:
             raise BadInputError(f"cannot write a DCP folder: {fqn} has dtype {value.dtype}")
         return value.dtype, value.shape, grad is True
-    if is_torch_tensor(value):
-        import torch
-
+    if is_torch_tensor(value):  # torch is imported already: it made the tensor
         if (
-            value.layout != torch.strided
+            str(value.layout) != "torch.strided"
             or value.is_quantized
             or value.is_meta
             or _torch_dtype(value) not in DTYPE_ITEMSIZE

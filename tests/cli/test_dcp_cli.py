@@ -57,6 +57,9 @@ def test_dcp_files_is_a_dcp_option(tmp_path: Path) -> None:
         assert result.returncode == 2 and said in result.stderr, result.stderr
     assert sorted(tmp_path.iterdir()) == []
     assert invoke_cli("publish", src, tmp_path, "--dcp-files", "2").returncode == 2  # not offered there
+    torch.save({"a.b": torch.ones(1), "a": {"b": torch.ones(1)}}, tmp_path / "clash.pth")
+    dry = invoke_cli("convert", tmp_path / "clash.pth", tmp_path / "out", "--format", "dcp", "--dry-run")
+    assert dry.returncode == 3 and "two entries flatten to the key 'a.b'" in dry.stderr, dry.stderr
 
 
 def test_average_writes_a_dcp_folder(tmp_path: Path) -> None:
@@ -67,5 +70,27 @@ def test_average_writes_a_dcp_folder(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr
     back = _through_torch(out, tmp_path)
     assert torch.equal(back["w"], torch.full((4, 2), 1.5)) and torch.equal(back["n"], torch.tensor(2))
+    with open(out / ".metadata", "rb") as f:
+        assert len(pickle.load(f).state_dict_metadata["w"].chunks) == 2  # written by ckptfix in this test
+
+
+def test_a_checkpoint_read_through_torch_is_written_too(tmp_path: Path) -> None:
+    """``--unsafe-load`` hands ckptfix real tensors (and a config object): the same writer cuts
+    them, and torch saves the values it alone can build."""
+    import argparse
+
+    source = {"w": torch.arange(12.0).reshape(4, 3).t(), "cfg": argparse.Namespace(lr=0.1), "n": torch.tensor(3)}
+    torch.save(source, tmp_path / "in.pth")
+    out = tmp_path / "out"
+    result = invoke_cli("convert", tmp_path / "in.pth", out, "--format", "dcp", "--dcp-files", "2", "--unsafe-load")
+    assert result.returncode == 0, result.stderr
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(out, tmp_path / "back.pth")
+    back = torch.load(tmp_path / "back.pth", weights_only=False)  # the test's own file, with a Namespace
+    assert back["cfg"] == source["cfg"]
+    assert_same_tree({k: back[k] for k in ("w", "n")}, {k: source[k] for k in ("w", "n")}, check_stride=False)
     with open(out / ".metadata", "rb") as f:
         assert len(pickle.load(f).state_dict_metadata["w"].chunks) == 2  # written by ckptfix in this test
