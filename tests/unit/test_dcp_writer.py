@@ -153,8 +153,8 @@ def test_memory_stays_at_one_tensor(tmp_path: Path) -> None:
     """Python memory stays far below the checkpoint's size: contiguous tensors are copied from
     the source by the kernel, a view is gathered one piece at a time."""
     mib = 1 << 20
-    state = {f"layer{i}.weight": torch.full((mib // 2,), float(i)) for i in range(8)}  # 8 x 2 MiB
-    state["view"] = torch.arange(float(mib // 2)).reshape(512, 1024).t()  # 2 MiB, gathered
+    state = {f"layer{i}.weight": torch.full((mib // 4,), float(i)) for i in range(8)}  # 8 x 1 MiB
+    state["view"] = torch.arange(float(mib // 4)).reshape(256, 1024).t()  # 1 MiB, gathered
     torch.save(state, tmp_path / "big.pth")
     root = ckptfix.read_checkpoint(tmp_path / "big.pth").root
     tracemalloc.start()
@@ -163,7 +163,7 @@ def test_memory_stays_at_one_tensor(tmp_path: Path) -> None:
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
-    assert peak < 5 * mib, peak  # the view's half (gathered, then joined), not the 18 MiB written
+    assert peak < 4 * mib, peak  # about the view (gathered in halves, then joined), not the 9 MiB written
     assert_same_tree(_through_torch(tmp_path / "out", tmp_path), state, check_stride=False)
 
 
