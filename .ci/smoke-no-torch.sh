@@ -98,10 +98,12 @@ mkdir release
 expect 0 ckptfix publish "$fx/lightning_tinynet.ckpt" release/ --name tinynet
 expect 0 ckptfix publish "$fx/lightning_tinynet.ckpt" release/ --name tinynet --format pth
 expect 0 ckptfix verify release/ --expect-prefix none --expect-device cpu
+# DCP folders are written by ckptfix's own emitter, and read back, without torch
+expect 0 ckptfix convert "$fx/bare_tinynet.pth" dcp/ --format dcp --dcp-files 2
+expect 0 ckptfix diff dcp/ "$fx/bare_tinynet.pth"
 
 # what runs through torch says so in one line, exit 2
 needs_torch ckptfix fit "$fx/bare_tinynet.pth" fitted.pth --model models:TinyNet --model-path "$fx"
-needs_torch ckptfix convert "$fx/bare_tinynet.pth" dcp/ --format dcp
 python - <<'PY'
 import ckptfix
 

@@ -128,6 +128,9 @@ class ConvertOptions:
     dtype_keep: Sequence[str] = ()
     out_format: str | None = None
     max_shard_size: str | int | None = None
+    #: a DCP output (``out_format="dcp"``): split it into this many ``.distcp`` files, every
+    #: tensor cut by rows for as many readers (see :mod:`ckptfix.formats.dcp_writer`); None: one
+    dcp_files: int | None = None
     #: the most tensor bytes a safetensors write may produce by writing views out in full
     #: (``2GB``, ``5GiB`` or bytes); None: 16x the input's size, at least 1 GiB
     max_expand: str | int | None = None
@@ -251,6 +254,18 @@ def read_input(path: str | os.PathLike[str], opts: ConvertOptions, *, inert_unkn
         tag=opts.tag,
         weights=opts.weights,
     )
+
+
+def check_dcp_files(dcp_files: int | None, kind: str) -> None:
+    """``--dcp-files N`` splits a DCP output; anywhere else it would be ignored: refused."""
+    from .formats.dcp_writer import MAX_FILES
+
+    if dcp_files is None:
+        return
+    if kind != "dcp":
+        raise UsageError("--dcp-files splits a DCP folder: add --format dcp")
+    if not 1 <= dcp_files <= MAX_FILES:
+        raise UsageError(f"--dcp-files takes 1 to {MAX_FILES}, not {dcp_files}")
 
 
 def output_target(out_path: str, out_format: str | None, max_shard_size: Any) -> tuple[str, str]:
@@ -570,6 +585,7 @@ def convert(
     out_path = str(out_path)
     max_bytes = _size_option(opts.max_shard_size)
     kind, file_format = output_target(out_path, opts.out_format, max_bytes)
+    check_dcp_files(opts.dcp_files, kind)
     _size_option(opts.max_expand)  # a bad SIZE is a usage error before any reading
     if opts.map_location:
         parse_map_location(opts.map_location)  # a bad SPEC is a usage error before any reading
@@ -885,13 +901,17 @@ def _write(
     report.tensors = len(flat) if flat is not None else sum(1 for _ in iter_tensors(root))
     changes = _describe_changes(report)
     if opts.dry_run:
+        if kind == "dcp":  # what the write would refuse (keys DCP cannot hold), refused now
+            from .formats.dcp_writer import plan_dcp
+
+            plan_dcp(root, opts.dcp_files or 1)
         what = f"{report.shard_format} shards" if report.shard_format else report.output_format
         report.message = f"would write {what} to {out}{changes}; nothing written (dry run)"
         return
     if kind == "dcp":
-        from .formats.dcp import write_dcp
+        from .formats.dcp_writer import write_dcp
 
-        files = write_dcp(lambda f: ckpt.write(root, f), out, overwrite=opts.force)
+        files = write_dcp(root, out, overwrite=opts.force, files=opts.dcp_files or 1, lazy=ckpt.lazy, progress=progress)
         report.outputs = [str(p) for p in files]
         report.output_bytes = sum(p.stat().st_size for p in files)
         report.shared_bytes = shared_bytes_of(report.outputs)
@@ -1316,7 +1336,10 @@ def publish(
 
 #: the ConvertOptions fields ``average`` uses (any other one set is a usage error: it would be ignored)
 AVERAGE_OPTIONS = frozenset(
-    {"select", "ema", "out_format", "max_shard_size", "max_expand", "dry_run", "force", "verify", "tag", "weights"}
+    {
+        *("select", "ema", "out_format", "max_shard_size", "dcp_files", "max_expand", "dry_run", "force", "verify"),
+        *("tag", "weights"),
+    }
 )
 
 
@@ -1415,6 +1438,7 @@ def average_checkpoints(
         raise UsageError("average needs at least two inputs (then OUT)")
     max_bytes = _size_option(opts.max_shard_size)
     kind, file_format = output_target(out, opts.out_format, max_bytes)
+    check_dcp_files(opts.dcp_files, kind)
     _size_option(opts.max_expand)
     if not opts.dry_run:
         for path in paths:

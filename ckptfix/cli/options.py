@@ -212,6 +212,14 @@ PIPELINE_OPTIONS: list[Decorator] = [
         "dcp: a torch.distributed.checkpoint folder).",
     ),
     click.option("--max-shard-size", metavar="SIZE", help="Write HF-style shards of at most SIZE (e.g. 2GB, 5GiB)."),
+    click.option(
+        "--dcp-files",
+        "dcp_files",
+        type=int,
+        metavar="N",
+        help="With --format dcp: split the folder into N .distcp files, each tensor cut by rows as FSDP2 "
+        "shards it over N ranks (each rank then reads one file).",
+    ),
     MAX_EXPAND,
     click.option(
         "--keep-metadata",
@@ -285,8 +293,8 @@ def option_names(options: Decorator) -> list[str]:
 #: the pipeline options a command that writes one new file (fit, publish) cannot honour: its help
 #: does not offer them, so every option a help lists is one the command takes
 REFUSED_BY = {
-    "fit": ("max_shard_size",),
-    "publish": ("max_shard_size", "in_place"),
+    "fit": ("max_shard_size", "dcp_files"),
+    "publish": ("max_shard_size", "in_place", "dcp_files"),
 }
 
 
@@ -327,6 +335,7 @@ AVERAGE = pick(
     "ema",
     "out_format",
     "max_shard_size",
+    "dcp_files",
     "max_expand",
     "dry_run",
     "force",

@@ -714,9 +714,15 @@ class ZipWriter:
     the kernel (:meth:`add_copy`), so memory use does not depend on the record sizes.
     """
 
-    def __init__(self, out: BinaryIO, archive_name: str, *, zip64_threshold: int = _U32_MAX) -> None:
+    def __init__(
+        self, out: BinaryIO, archive_name: str, *, zip64_threshold: int = _U32_MAX, embedded: bool = False
+    ) -> None:
         self._stream = OutputStream(out)
         self._prefix = archive_name
+        #: ``embedded``: the archive starts at ``out``'s current position (one item among others
+        #: in a DCP ``.distcp`` file) and its offsets count from there, as torch.save writes
+        #: into a stream and as torch reads such an item back (through a view of its byte range)
+        self._base = self._stream.offset if embedded else 0
         # what the central directory needs of each record written, as columns (~4 records a
         # parameter in a training checkpoint: an object each would cost ~180 bytes)
         self._names: list[bytes] = []
@@ -737,11 +743,11 @@ class ZipWriter:
 
     @property
     def _offset(self) -> int:
-        """Where the next record starts (once the small records waiting are written: every
-        other write reads this first)."""
+        """Where the next record starts, from the archive's first byte (once the small records
+        waiting are written: every other write reads this first)."""
         if self._pending_crcs:
             self._write_pending()
-        return self._stream.offset
+        return self._stream.offset - self._base
 
     def _write_pending(self) -> None:
         """Write the small records waiting, laid out by the native engine (the same bytes as
@@ -749,7 +755,7 @@ class ZipWriter:
         names, data, crcs = self._pending_names, self._pending_data, self._pending_crcs
         self._pending_names, self._pending_data, self._pending_crcs = [], [], array("I")
         self._pending_bytes = 0
-        offset = self._stream.offset
+        offset = self._stream.offset - self._base  # offsets count from the archive's first byte
         built = native_zip.small_records(names, data, crcs, offset, self._zip64_threshold)
         if built is None:
             for name, record, crc in zip(names, data, crcs, strict=True):
@@ -782,7 +788,8 @@ class ZipWriter:
                 body += struct.pack("<Q", offset)
             zip64 = struct.pack("<HH", 0x0001, len(body)) + body
         start = offset + _LOCAL_HEADER.size + len(full) + len(zip64) + 4
-        padding = -start % RECORD_ALIGNMENT if source_offset is None else (source_offset - start) % BLOCK
+        # the block a copy-on-write file system shares is a block of the whole file
+        padding = -start % RECORD_ALIGNMENT if source_offset is None else (source_offset - start - self._base) % BLOCK
         extra = zip64 + b"FB" + struct.pack("<H", padding) + b"Z" * padding
         header = _LOCAL_HEADER.pack(_LOCAL_SIG, 0, 0x0808, STORED, 0, 0, 0, 0, 0, len(full), len(extra))
         self._write(header + full + extra)

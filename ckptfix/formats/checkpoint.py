@@ -19,7 +19,15 @@ from ..pickling.globals import danger
 from ..pickling.reader import display_name
 from .dcp import is_dcp_folder, read_dcp, read_dcp_safely
 from .deepspeed import DeepSpeedInfo, is_deepspeed_folder, read_deepspeed
-from .detect import check_input, open_input, sniff_file
+from .detect import (
+    MEGATRON_HINT,
+    MEGATRON_NOT_READ,
+    NOT_READ_BY_GLOBAL,
+    check_input,
+    megatron_backend,
+    open_input,
+    sniff_file,
+)
 from .legacy import load_with_torch, save_with_torch
 from .legacy_pickle import read_legacy
 from .safetensors import read_safetensors
@@ -117,12 +125,14 @@ def read_checkpoint(
                     path, f, file_size, globals_seen, allow_globals, inert_unknown=inert_unknown
                 )
             except UnsafeInputError as exc:
+                refuse_not_read(path, globals_seen, exc)
                 if not unsafe_load:
                     raise
                 _refuse_hostile(
                     path, exc, lambda: read_torch_zip(path, f, file_size, set(), allow_globals, inert_unknown=True)
                 )
                 return _read_with_torch(path, FORMAT_TORCH_ZIP, file_size, unsafe=True)
+            refuse_not_read(path, globals_seen)
             return Checkpoint(path, FORMAT_TORCH_ZIP, root, file_size, globals_seen, archive, archive.notes())
         if what.kind == "safetensors":
             tensors, metadata = read_safetensors(path, f, file_size)
@@ -138,12 +148,14 @@ def read_checkpoint(
             try:
                 root = read_legacy(path, f, file_size, globals_seen, allow_globals, inert_unknown=inert_unknown)
             except UnsafeInputError as exc:
+                refuse_not_read(path, globals_seen, exc)
                 if not unsafe_load:
                     raise
                 _refuse_hostile(
                     path, exc, lambda: read_legacy(path, f, file_size, set(), allow_globals, inert_unknown=True)
                 )
                 return _read_with_torch(path, FORMAT_TORCH_LEGACY, file_size, unsafe=True)
+            refuse_not_read(path, globals_seen)
             return Checkpoint(path, FORMAT_TORCH_LEGACY, root, file_size, globals_seen)
     if what.kind == "tar":
         # torch reads the tar format only by running its pickles (it refuses weights_only=True
@@ -163,6 +175,26 @@ def read_checkpoint(
         _refuse_hostile_tar(path)
         return _read_with_torch(path, FORMAT_TORCH_TAR, file_size, unsafe=True)
     raise BadInputError(f"{path}: {what.description}")
+
+
+#: the one dangerous global a genuine FSDP1 file names: ``getattr(ShardedTensor, "ProcessGroupState")``,
+#: how protocol 2 pickles a nested class
+_NESTED_CLASS_GETTER = "builtins.getattr"
+
+
+def refuse_not_read(path: str, names: set[str], refused: UnsafeInputError | None = None) -> None:
+    """Refuse by name a file of a kind ckptfix recognises but does not read
+    (:data:`~ckptfix.formats.detect.NOT_READ_BY_GLOBAL`), from the globals its pickle named so
+    far. A refusal that found code-running globals beyond the one such files hold stays the
+    hostile refusal it is."""
+    seen = names | set(refused.global_names if refused else ())
+    known = next((NOT_READ_BY_GLOBAL[n] for n in sorted(seen) if n in NOT_READ_BY_GLOBAL), None)
+    if known is None:
+        return
+    if refused is not None and set(refused.hostile) - {_NESTED_CLASS_GETTER}:
+        return
+    what, hint = known
+    raise BadInputError(f"{path}: {what}", hint=hint)
 
 
 def _refuse_hostile_tar(path: str) -> None:
@@ -210,6 +242,9 @@ def _refuse_hostile(path: str, refused: UnsafeInputError, read_inert: Callable[[
 
 
 def _read_folder(folder: Path, unsafe_load: bool, allow_globals: Sequence[str], inert_unknown: bool) -> Checkpoint:
+    backend = megatron_backend(folder)
+    if backend is not None:
+        raise BadInputError(f"{folder}: {MEGATRON_NOT_READ.format(backend=backend)}", hint=MEGATRON_HINT)
     if is_dcp_folder(folder):
         if isinstance(folder, RemotePath):
             raise UsageError(

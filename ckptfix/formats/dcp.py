@@ -10,23 +10,21 @@ over that byte range. A tensor saved in one chunk is a lazy reference into its `
 file; one saved in several (FSDP with 2+ ranks) is assembled by placing each chunk's bytes when
 it is written, one tensor in memory at a time.
 
-Writing goes through torch's ``torch.distributed.checkpoint.save`` on tensors ckptfix loaded
-with ``weights_only=True``; ``--unsafe-load`` still reads a folder through torch's own code.
+Writing is :mod:`ckptfix.formats.dcp_writer` (no torch either); ``--unsafe-load`` still reads a
+folder through torch's own code.
 """
 
 from __future__ import annotations
 
-import os
-import shutil
 import tempfile
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 from typing import Any, BinaryIO, cast
 
-from ..errors import BadInputError, CannotWriteError
+from ..errors import BadInputError
 from ..fileio.ranges import ComputedSource, FileSlice, OpenFiles
 from ..model.data import is_c_contiguous, tensor_c_bytes
 from ..model.dtypes import DTYPE_ITEMSIZE
@@ -356,40 +354,3 @@ def read_dcp(folder: Path) -> Tree:
         except Exception as exc:  # torch raises many kinds on a broken folder
             raise BadInputError(f"{folder}: torch could not read this DCP folder: {exc}"[:300]) from exc
         return torch.load(flat, map_location="cpu", weights_only=False)
-
-
-def write_dcp(write_pth: Callable[[BinaryIO], None], dest: Path, *, overwrite: bool) -> list[Path]:
-    """Write a DCP folder at ``dest`` from a checkpoint that ``write_pth`` writes as .pth.
-
-    The state dict is materialised with ``torch.load(weights_only=True, mmap=True)`` from a
-    temporary .pth, saved with ``torch.distributed.checkpoint.save`` into a temporary folder
-    beside ``dest``, and renamed into place: ``dest`` is complete or untouched.
-    """
-    need_torch()
-    import torch
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
-    from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
-
-    if dest.exists() and not overwrite:
-        raise CannotWriteError(f"{dest}: already exists", hint="pass --force to overwrite it")
-    if not dest.parent.is_dir():
-        raise CannotWriteError(f"{dest}: the folder {dest.parent} does not exist")
-    work = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".ckptfix-tmp", dir=dest.parent))
-    try:
-        with open(work / "state.pth", "wb") as f:
-            write_pth(f)
-        state = torch.load(work / "state.pth", weights_only=True, mmap=True)
-        if not isinstance(state, dict):
-            raise CannotWriteError(f"{dest}: DCP needs a dict at the top level, not a {type(state).__name__}")
-        staged = work / "dcp"
-        with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
-            warnings.simplefilter("ignore")
-            dcp_save(state, storage_writer=FileSystemWriter(staged), no_dist=True)
-        del state
-        if dest.exists():
-            old = work / "previous"
-            os.replace(dest, old)
-        os.replace(staged, dest)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)
-    return sorted(p for p in dest.iterdir())

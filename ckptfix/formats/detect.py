@@ -38,6 +38,46 @@ FORMAT_NAMES = ("torch-zip", "torch-legacy", "torch-tar", "safetensors", "sharde
 #: the ``--format`` names that differ from what they write
 FORMAT_NAME_ALIASES = {"pth": "torch-zip"}
 
+#: checkpoints ckptfix recognises but does not read, by a pickle global only they name: what
+#: they are, and what to do instead (refused by name, exit 3; ``scan`` says it in a note)
+NOT_READ_BY_GLOBAL: dict[str, tuple[str, str]] = {
+    "torch.distributed._shard.sharded_tensor.api.ShardedTensor": (
+        "an FSDP1 per-rank state dict (torch.save of one rank's LOCAL_STATE_DICT flat parameter or "
+        "SHARDED_STATE_DICT shards, as ShardedTensor); ckptfix does not read these files",
+        "save FSDP1 state with torch.distributed.checkpoint (dcp.save of the SHARDED_STATE_DICT) and read that "
+        "folder, or gather a FULL_STATE_DICT and torch.save it",
+    ),
+}
+#: folders ckptfix recognises but does not read: Megatron-core's distributed checkpoints, a
+#: ``metadata.json`` naming the backend beside the data (``torch_dist``: a DCP folder of stacked
+#: layer tensors, with the rest of the state in ``common.pt``)
+MEGATRON_METADATA = "metadata.json"
+MEGATRON_NOT_READ = (
+    "a Megatron-core distributed checkpoint ({backend} backend: layer tensors stacked and resharded as "
+    "Megatron's sharded state dict lays them out, the rest in common.pt); ckptfix does not read it"
+)
+MEGATRON_HINT = (
+    "convert it with Megatron's own tools first (its checkpoint converter to the torch or HF format), "
+    "then run ckptfix on that"
+)
+
+
+def megatron_backend(folder: Path) -> str | None:
+    """The ``sharded_backend`` a Megatron-core checkpoint folder's ``metadata.json`` names, or
+    None for any other folder (no such file, or not Megatron's: a small JSON object with that key)."""
+    import json
+
+    marker = folder / MEGATRON_METADATA
+    try:
+        if not marker.is_file() or marker.stat().st_size > 1 << 16:
+            return None
+        document = json.loads(marker.read_bytes())
+    except (OSError, ValueError):
+        return None
+    backend = document.get("sharded_backend") if isinstance(document, dict) else None
+    return backend if isinstance(backend, str) and backend.isprintable() else None
+
+
 #: torch's legacy format begins with a pickled magic number (LONG1 0x1950a86a20f9469cfc6c), after
 #: the PROTO opcode of whatever ``pickle_protocol`` it was saved with (2-5; 4+ adds a FRAME)
 _LEGACY_MAGIC = b"\x8a\x0a\x6c\xfc\x9c\x46\xf9\x20\x6a\xa8\x50\x19"

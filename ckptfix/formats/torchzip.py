@@ -16,6 +16,7 @@ range; writing re-pickles the (transformed) tree and copies storage records byte
 
 from __future__ import annotations
 
+import contextlib
 import re
 import struct
 from collections.abc import Callable, Mapping, Sequence
@@ -255,6 +256,8 @@ def write_torch_zip(
     source: TorchZipArchive | None = None,
     progress: Callable[[int], None] | None = None,
     zip64_threshold: int | None = None,
+    embedded: bool = False,
+    files: OpenFiles | None = None,
 ) -> list[StorageRef]:
     """Write ``root`` as a torch zip checkpoint into the open file ``out``.
 
@@ -270,6 +273,10 @@ def write_torch_zip(
     layout, which torch's opt-in ``calculate_storage_offsets`` loader assumes: it would read
     wrong bytes, silently. That loader runs only for files that say ``.format_version`` >= 1,
     so those files leave the record out, as older torch versions did (nothing else reads it).
+
+    ``embedded``: the archive is one item among others in ``out`` (a DCP ``.distcp`` file), its
+    offsets counted from where it starts. ``files``: the caller's open inputs, for many small
+    archives written from the same files.
     """
     root, _ = compact_storages(root)
     pickled = dumps(root)
@@ -277,7 +284,8 @@ def write_torch_zip(
     if len(orders) > 1:
         raise BadInputError("cannot write storages of both byte orders into one checkpoint")
     byteorder = orders.pop() if orders else "little"
-    writer = ZipWriter(out, archive_name, **({"zip64_threshold": zip64_threshold} if zip64_threshold else {}))
+    threshold = {"zip64_threshold": zip64_threshold} if zip64_threshold else {}
+    writer = ZipWriter(out, archive_name, embedded=embedded, **threshold)
     crcs = [writer.add_bytes("data.pkl", pickled.data)]
     if not any(s.source is not None and shares_blocks(s.source) for s in pickled.storages):
         crcs.append(writer.add_bytes(".format_version", b"1"))
@@ -285,7 +293,9 @@ def write_torch_zip(
     if source is None or source.byteorder is not None or byteorder != "little":
         crcs.append(writer.add_bytes("byteorder", byteorder.encode()))
     total = 0
-    with OpenFiles() as files:
+    with contextlib.ExitStack() as stack:
+        if files is None:
+            files = stack.enter_context(OpenFiles())
         files.plan(s.source for s in pickled.storages)  # a remote input: fetched ahead, in this order
         for key, storage in enumerate(pickled.storages):
             if storage.source is None:

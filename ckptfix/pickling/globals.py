@@ -18,6 +18,8 @@ from __future__ import annotations
 import sys
 from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 
+from ..model.dtypes import DTYPE_ITEMSIZE
+
 #: modules a pickle may name for the one users know: the C modules behind ``os``, ``operator``
 #: and ``io``, and every Python 2 name that Python 3's unpickler maps (``fix_imports``, what
 #: ``torch.load`` does too): a protocol-2 pickle of ``subprocess.Popen`` says ``commands.Popen``
@@ -177,6 +179,18 @@ DCP_METADATA = (
     *(f"torch.distributed.checkpoint.metadata.{n}" for n in ("TensorProperties", "MetadataIndex", "StorageMeta")),
     "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
     "torch.distributed.checkpoint.filesystem._StorageInfo",
+)
+
+#: every global ckptfix's DCP writer may name in a ``.metadata`` it writes (and nothing else,
+#: checked as it is written): the dataclasses above and what their fields hold -- sizes, dtypes
+#: and the strided layout, spelled as torch pickles them (``torch.serialization._get_layout``)
+DCP_METADATA_WRITES = frozenset(
+    {
+        *DCP_METADATA,
+        "torch.Size",
+        "torch.serialization._get_layout",
+        *(f"torch.{dtype}" for dtype in DTYPE_ITEMSIZE),
+    }
 )
 
 _BUILTIN_TYPES = ("dict", "list", "tuple", "set", "frozenset", "int", "float", "complex", "str", "bytes", "bool")

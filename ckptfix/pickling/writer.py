@@ -80,8 +80,10 @@ class _Then:
 
 
 class _Emitter:
-    def __init__(self) -> None:
+    def __init__(self, only: frozenset[str] | None = None) -> None:
         self.out = bytearray(b"\x80\x02")
+        #: every global this pickle may name (None: any allowed one); see :func:`dumps`
+        self.only = only
         #: memo keys: id() of containers and records, the value of strings (ints and strs never
         #: compare equal); globals have their own table so no string can alias one
         self.memo: dict[Any, int] = {}
@@ -151,6 +153,8 @@ class _Emitter:
     def global_(self, value: Global) -> None:
         if not value.allowed:  # read as an inert record, never allowed: no output carries it
             raise UnsafeInputError(value.full, writing=True)
+        if self.only is not None and value.full not in self.only:
+            raise ValueError(f"ckptfix bug: {value.full} is not a global this pickle may name")
         index = self.global_memo.get(value.full)
         if index is not None:
             self.out += b"h" + bytes((index,)) if index < 256 else b"j" + _pack_I(index)
@@ -462,13 +466,17 @@ _SUBCLASS_WRITERS: tuple[tuple[type, Callable[[_Emitter, Any], None]], ...] = (
 )
 
 
-def dumps(root: Tree) -> PickleResult:
+def dumps(root: Tree, *, only: frozenset[str] | None = None) -> PickleResult:
     """Pickle ``root`` the way ``torch.save`` would; returns the bytes and storages in key order.
 
     One walk first finds the objects referred to more than once (shared, or in a cycle): only
     those get memo entries, so the memo stays small however many tensors there are.
+
+    ``only``: the globals the pickle may name, for pickles that are not a checkpoint (a DCP
+    folder's ``.metadata``: :data:`~ckptfix.pickling.globals.DCP_METADATA_WRITES`); naming any
+    other is a ckptfix bug, never written.
     """
-    emitter = _Emitter()
+    emitter = _Emitter(only)
     shared = emitter.shared
     for _ in walk(root, revisit=lambda value: shared.add(id(value))):
         pass

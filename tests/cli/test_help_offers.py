@@ -31,6 +31,7 @@ PARTNERS = {
     "model": ["--model-path", str(FIXTURES)],
     "model_path": ["--model", "models:TinyNet"],
     "dtype_keep": ["--dtype", "float16"],
+    "dcp_files": ["--format", "dcp"],
 }
 #: what torchrun sets for an option that only runs under it (else a usage error says so)
 ENV = {"distributed": {"RANK": "0", "WORLD_SIZE": "1"}}
