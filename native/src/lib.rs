@@ -14,6 +14,7 @@
 #![forbid(clippy::undocumented_unsafe_blocks)]
 
 pub mod ffi;
+pub mod vm;
 
 /// Bumped whenever an exported function changes its signature or meaning; the Python side
 /// refuses a library built for another ABI (a stale build left in an editable checkout).
