@@ -15,17 +15,20 @@ from . import Input, call, function
 
 @functools.cache
 def _load_function() -> Any | None:
-    return function(
-        "ckptfix_vm_load",
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_size_t,
-        ctypes.c_size_t,
-        ctypes.c_char_p,
-        ctypes.c_size_t,
-        ctypes.POINTER(ctypes.c_uint64),
-        ctypes.c_int32,
-    )
+    try:
+        return function(
+            "ckptfix_vm_load",
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.c_int32,
+        )
+    except AttributeError:  # a library built before the VM was added (same ABI): the Python VM reads
+        return None
 
 
 def available() -> bool:
