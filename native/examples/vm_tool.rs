@@ -38,8 +38,8 @@ impl Rng {
 }
 
 const INTERESTING: [u8; 24] = [
-    0, 1, 0x7f, 0x80, 0xff, b'(', b')', b't', b'.', 0x95, b'h', b'q', b'j', b'r', b'R', b'Q', b'b', b'u', b's', b'e',
-    b'0', b'2', 0x94, 0x85,
+    0, 1, 0x7f, 0x80, 0xff, b'(', b')', b't', b'.', 0x95, b'h', b'q', b'j', b'r', b'R', b'Q', b'b',
+    b'u', b's', b'e', b'0', b'2', 0x94, 0x85,
 ];
 
 fn mutate(rng: &mut Rng, seeds: &[Vec<u8>], m: &mut Vec<u8>) {
@@ -101,15 +101,23 @@ fn main() {
             for _ in 0..5 {
                 let t = Instant::now();
                 let out = load(&data, 0, data.len(), &config, budgets(data.len()), true);
-                println!("{:.3} s, {} bytes out", t.elapsed().as_secs_f64(), out.map_or(0, |o| o.len()));
+                println!(
+                    "{:.3} s, {} bytes out",
+                    t.elapsed().as_secs_f64(),
+                    out.map_or(0, |o| o.len())
+                );
             }
         }
         Some("fuzz") => {
             let config = table(&args[2]);
             let seconds: u64 = args[3].parse().expect("seconds");
-            let seeds: Vec<Vec<u8>> = args[4..].iter().map(|p| std::fs::read(p).expect("seed")).collect();
+            let seeds: Vec<Vec<u8>> = args[4..]
+                .iter()
+                .map(|p| std::fs::read(p).expect("seed"))
+                .collect();
             let mut rng = Rng(0x2545_f491_4f6c_dd1d);
-            let (start, mut runs, mut read, mut slowest) = (Instant::now(), 0u64, 0u64, Duration::ZERO);
+            let (start, mut runs, mut read, mut slowest) =
+                (Instant::now(), 0u64, 0u64, Duration::ZERO);
             let mut m = Vec::new();
             while start.elapsed() < Duration::from_secs(seconds) {
                 m.clear();

@@ -91,7 +91,11 @@ impl Config {
                 b'r' => Kind::Reduce,
                 _ => return None,
             };
-            let info = GlobalInfo { kind, storage: code.contains(&b's'), dtype: code.contains(&b'd') };
+            let info = GlobalInfo {
+                kind,
+                storage: code.contains(&b's'),
+                dtype: code.contains(&b'd'),
+            };
             names.insert((module.to_vec(), name.to_vec()), info);
         }
         Some(Config { names })
@@ -129,8 +133,8 @@ struct Tensor {
     /// `_rebuild_tensor_v3`'s dtype global
     v3: Option<u32>,
     metadata: Option<Val>,
-    /// `ParamInfo(requires_grad, hooks, state)`
-    param: Option<(Val, Val, Option<Val>)>,
+    /// `ParamInfo(requires_grad, hooks, state)` (boxed: rare)
+    param: Option<Box<(Val, Val, Option<Val>)>>,
 }
 
 enum Node {
@@ -140,11 +144,20 @@ enum Node {
     /// every pair set, duplicates included: the output replays them, so CPython's dict decides
     /// which key object stays (`1` and `True` are one key), as it does in the Python VM
     Dict(Vec<Val>),
-    ODict { items: Vec<Val>, attr: Option<Val>, has_dict: bool },
+    /// items, and its `__dict__`: [`NO_DICT`], [`EMPTY_DICT`] or an index into `attrs` (its
+    /// `_metadata`: kept aside, so a node stays 32 bytes)
+    ODict(Vec<Val>, u32),
     /// an index into `tensors`
     Tensor(u32),
-    Reduce { func: u32, args: Val },
+    Reduce {
+        func: u32,
+        args: Val,
+    },
 }
+
+/// An OrderedDict without a `__dict__` (never BUILT), and one BUILT without `_metadata`.
+const NO_DICT: u32 = u32::MAX;
+const EMPTY_DICT: u32 = u32::MAX - 1;
 
 /// The persistent ids of the table Python builds before the tree (native_tree.py: `_FIXED`).
 const PID_TENSOR: u64 = 0;
@@ -178,6 +191,8 @@ struct Vm<'a> {
     nodes: Vec<Node>,
     pool: Vec<Val>,
     tensors: Vec<Tensor>,
+    /// OrderedDicts' `_metadata` values
+    attrs: Vec<Val>,
     config: &'a Config,
     globals: Vec<(Vec<u8>, Vec<u8>)>,
     global_ids: HashMap<(Vec<u8>, Vec<u8>), u32>,
@@ -247,7 +262,10 @@ impl<'a> Vm<'a> {
         if pos > self.end {
             return Err(Unsup);
         }
-        let i = self.data[pos..self.end].iter().position(|&b| b == b'\n').ok_or(Unsup)?;
+        let i = self.data[pos..self.end]
+            .iter()
+            .position(|&b| b == b'\n')
+            .ok_or(Unsup)?;
         self.charge(0, i as u64)?;
         Ok((pos, pos + i, pos + i + 1))
     }
@@ -382,7 +400,7 @@ impl<'a> Vm<'a> {
             self.check_key(pair[0])?;
         }
         match &mut self.nodes[target as usize] {
-            Node::Dict(v) | Node::ODict { items: v, .. } => v.extend_from_slice(items),
+            Node::Dict(v) | Node::ODict(v, _) => v.extend_from_slice(items),
             _ => return Err(Unsup),
         }
         Ok(())
@@ -391,7 +409,7 @@ impl<'a> Vm<'a> {
     fn is_mapping(&self, v: Val) -> Option<u32> {
         match v {
             Val::Node(n) => match self.nodes[n as usize] {
-                Node::Dict(_) | Node::ODict { .. } => Some(n),
+                Node::Dict(_) | Node::ODict(..) => Some(n),
                 _ => None,
             },
             _ => None,
@@ -418,7 +436,9 @@ impl<'a> Vm<'a> {
         match v {
             Val::EmptyTuple => Some(&[]),
             Val::Node(n) => match &self.nodes[n as usize] {
-                Node::Tuple(start, len) => Some(&self.pool[*start as usize..*start as usize + *len as usize]),
+                Node::Tuple(start, len) => {
+                    Some(&self.pool[*start as usize..*start as usize + *len as usize])
+                }
                 Node::List(v) => Some(v),
                 _ => None,
             },
@@ -447,6 +467,17 @@ impl<'a> Vm<'a> {
         self.node(Node::Tuple(start, len))
     }
 
+    /// `v` if it is a tuple, else a new tuple of its items now (a list, which may change later).
+    fn frozen(&mut self, v: Val) -> R<Val> {
+        if self.is_tuple(v) {
+            return Ok(v);
+        }
+        let items = self.seq(v).ok_or(Unsup)?.to_vec();
+        let k = self.stack.len();
+        self.stack.extend_from_slice(&items);
+        self.tuple_from_stack(k)
+    }
+
     /// `_as_int_tuple`'s check: a tuple or list of non-negative ints (not bools).
     fn int_tuple(&self, v: Val) -> R<usize> {
         let items = self.seq(v).ok_or(Unsup)?;
@@ -462,7 +493,7 @@ impl<'a> Vm<'a> {
             Val::EmptyHooks => true,
             Val::Node(n) => matches!(
                 &self.nodes[n as usize],
-                Node::ODict { items, has_dict: false, .. } if items.is_empty()
+                Node::ODict(items, NO_DICT) if items.is_empty()
             ),
             _ => false,
         }
@@ -501,12 +532,19 @@ impl<'a> Vm<'a> {
                 if self.int_tuple(shape)? != self.int_tuple(stride)? {
                     return Err(Unsup);
                 }
+                // a list is copied now (`tuple(value)`): appending to it later changes nothing
+                let shape = self.frozen(shape)?;
+                let stride = self.frozen(stride)?;
                 let (requires_grad, hooks) = if f >= 6 {
                     let rg = match args[4] {
                         Val::Bool(b) => b,
                         _ => return Err(Unsup),
                     };
-                    let h = if self.is_empty_hooks(args[5]) { Val::EmptyHooks } else { args[5] };
+                    let h = if self.is_empty_hooks(args[5]) {
+                        Val::EmptyHooks
+                    } else {
+                        args[5]
+                    };
                     (rg, h)
                 } else {
                     (false, Val::EmptyHooks)
@@ -539,7 +577,9 @@ impl<'a> Vm<'a> {
                 }
                 let src = match args[0] {
                     Val::Node(n) => match self.nodes[n as usize] {
-                        Node::Tensor(t) if self.tensors[t as usize].param.is_none() => &self.tensors[t as usize],
+                        Node::Tensor(t) if self.tensors[t as usize].param.is_none() => {
+                            &self.tensors[t as usize]
+                        }
                         _ => return Err(Unsup),
                     },
                     _ => return Err(Unsup),
@@ -553,7 +593,11 @@ impl<'a> Vm<'a> {
                     hooks: src.hooks,
                     v3: src.v3,
                     metadata: src.metadata,
-                    param: Some((args[1], args[2], if with_state { Some(args[3]) } else { None })),
+                    param: Some(Box::new((
+                        args[1],
+                        args[2],
+                        if with_state { Some(args[3]) } else { None },
+                    ))),
                 };
                 self.tensor(t)
             }
@@ -561,7 +605,7 @@ impl<'a> Vm<'a> {
                 if !args.is_empty() {
                     return Err(Unsup);
                 }
-                self.node(Node::ODict { items: Vec::new(), attr: None, has_dict: false })
+                self.node(Node::ODict(Vec::new(), NO_DICT))
             }
             Kind::Other => Err(Unsup),
             Kind::Reduce => {
@@ -615,7 +659,7 @@ impl<'a> Vm<'a> {
     /// BUILD: only an OrderedDict's `_metadata` (what `Module.state_dict()` pickles).
     fn build(&mut self, inst: Val, state: Val) -> R<()> {
         let target = match inst {
-            Val::Node(n) if matches!(self.nodes[n as usize], Node::ODict { .. }) => n,
+            Val::Node(n) if matches!(self.nodes[n as usize], Node::ODict(..)) => n,
             _ => return Err(Unsup),
         };
         let pairs = match state {
@@ -632,10 +676,22 @@ impl<'a> Vm<'a> {
                 _ => return Err(Unsup),
             }
         }
-        if let Node::ODict { attr, has_dict, .. } = &mut self.nodes[target as usize] {
-            *has_dict = true;
-            if value.is_some() {
-                *attr = value;
+        let slot = match value {
+            Some(v) => {
+                let i = u32::try_from(self.attrs.len()).map_err(|_| Unsup)?;
+                if i >= EMPTY_DICT {
+                    return Err(Unsup);
+                }
+                self.attrs.push(v);
+                Some(i)
+            }
+            None => None,
+        };
+        if let Node::ODict(_, attr) = &mut self.nodes[target as usize] {
+            match slot {
+                Some(i) => *attr = i,
+                None if *attr == NO_DICT => *attr = EMPTY_DICT,
+                None => {}
             }
         }
         Ok(())
@@ -658,7 +714,9 @@ impl<'a> Vm<'a> {
                     let size = u64_at(d, pos);
                     pos += 8;
                     let in_frame = self.limit < self.end;
-                    let fits = (pos as u64).checked_add(size).is_some_and(|s| s <= self.limit as u64);
+                    let fits = (pos as u64)
+                        .checked_add(size)
+                        .is_some_and(|s| s <= self.limit as u64);
                     if fits && in_frame {
                         continue;
                     }
@@ -710,7 +768,11 @@ impl<'a> Vm<'a> {
                     }
                     let mut v: i64 = 0;
                     if size > 0 {
-                        let mut b = [if d[pos + size - 1] & 0x80 != 0 { 0xff } else { 0 }; 8];
+                        let mut b = [if d[pos + size - 1] & 0x80 != 0 {
+                            0xff
+                        } else {
+                            0
+                        }; 8];
                         b[..size].copy_from_slice(&d[pos..pos + size]);
                         v = i64::from_le_bytes(b);
                     }
@@ -906,7 +968,9 @@ impl<'a> Vm<'a> {
                 0x93 => {
                     let name = self.pop()?;
                     let module = self.pop()?;
-                    let (Val::Str(m), Val::Str(n)) = (module, name) else { return Err(Unsup) };
+                    let (Val::Str(m), Val::Str(n)) = (module, name) else {
+                        return Err(Unsup);
+                    };
                     let g = self.global(self.text(m), self.text(n))?;
                     self.push(g);
                 }
@@ -929,7 +993,7 @@ impl<'a> Vm<'a> {
                         Val::Global(g) if self.global_info[g as usize].kind == Kind::ODict => {}
                         _ => return Err(Unsup),
                     }
-                    let v = self.node(Node::ODict { items: Vec::new(), attr: None, has_dict: false })?;
+                    let v = self.node(Node::ODict(Vec::new(), NO_DICT))?;
                     let last = self.stack.len() - 1;
                     self.stack[last] = v;
                 }
@@ -1041,6 +1105,8 @@ enum Task {
 
 const NOT_SEEN: u32 = u32::MAX;
 const IN_PROGRESS: u32 = u32::MAX - 1;
+/// written once and not memoized (the count said it is reached once)
+const WRITTEN: u32 = u32::MAX - 2;
 
 struct Emitter<'v, 'a> {
     vm: &'v Vm<'a>,
@@ -1066,17 +1132,19 @@ impl<'v, 'a> Emitter<'v, 'a> {
     /// Push the values node `n` writes (its children in the output) onto `todo`.
     fn children(vm: &Vm, n: u32, todo: &mut Vec<Val>) {
         match &vm.nodes[n as usize] {
-            Node::Tuple(..) | Node::List(_) => todo.extend_from_slice(vm.seq(Val::Node(n)).unwrap_or(&[])),
+            Node::Tuple(..) | Node::List(_) => {
+                todo.extend_from_slice(vm.seq(Val::Node(n)).unwrap_or(&[]))
+            }
             Node::Dict(v) => todo.extend_from_slice(v),
-            Node::ODict { items, attr, .. } => {
+            Node::ODict(items, attr) => {
                 todo.extend_from_slice(items);
-                todo.extend(attr.iter().copied());
+                todo.extend(vm.attrs.get(*attr as usize).copied());
             }
             Node::Tensor(t) => {
                 let t = &vm.tensors[*t as usize];
                 todo.push(t.hooks);
                 todo.extend(t.metadata.iter().copied());
-                if let Some((a, b, c)) = t.param {
+                if let Some((a, b, c)) = t.param.as_deref().copied() {
                     todo.push(a);
                     todo.push(b);
                     todo.extend(c.iter().copied());
@@ -1144,8 +1212,8 @@ impl<'v, 'a> Emitter<'v, 'a> {
             Val::EmptyHooks => self.out.pid(PID_EMPTY_HOOKS),
             Val::Node(n) => {
                 let m = self.node_memo[n as usize];
-                if m == IN_PROGRESS {
-                    return Err(Unsup); // a cycle: the Python VM builds those
+                if m == IN_PROGRESS || m == WRITTEN {
+                    return Err(Unsup); // a cycle: the Python VM builds those (WRITTEN: never, by the count)
                 }
                 if m != NOT_SEEN {
                     self.out.get(m);
@@ -1159,7 +1227,11 @@ impl<'v, 'a> Emitter<'v, 'a> {
     }
 
     fn finish(&mut self, n: u32) {
-        self.node_memo[n as usize] = if self.node_refs[n as usize] > 1 { self.out.put() } else { NOT_SEEN - 2 };
+        self.node_memo[n as usize] = if self.node_refs[n as usize] > 1 {
+            self.out.put()
+        } else {
+            WRITTEN
+        };
     }
 
     /// A tensor's size or stride, checked by the VM (ints >= 0), as a tuple shared by value.
@@ -1170,7 +1242,11 @@ impl<'v, 'a> Emitter<'v, 'a> {
             return;
         }
         self.tmp.clear();
-        self.tmp.extend(items.iter().map(|x| if let Val::Int(i) = x { *i } else { 0 }));
+        self.tmp.extend(
+            items
+                .iter()
+                .map(|x| if let Val::Int(i) = x { *i } else { 0 }),
+        );
         if let Some(&m) = self.shapes.get(self.tmp.as_slice()) {
             self.out.get(m);
             return;
@@ -1204,7 +1280,7 @@ impl<'v, 'a> Emitter<'v, 'a> {
                     self.finish(n);
                 }
             }
-            Node::ODict { attr, has_dict, .. } => match stage {
+            Node::ODict(_, attr) => match stage {
                 0 => {
                     self.out.pid(PID_ODICT);
                     self.out.op(b")\x81(");
@@ -1213,18 +1289,18 @@ impl<'v, 'a> Emitter<'v, 'a> {
                 }
                 1 => {
                     self.out.op(b"u");
-                    match (attr, has_dict) {
-                        (Some(v), _) => {
-                            self.out.op(b"}(");
-                            self.out.str(b"_metadata");
-                            self.tasks.push(Task::Stage(n, 2));
-                            self.tasks.push(Task::Val(*v));
-                        }
-                        (None, true) => {
+                    match *attr {
+                        NO_DICT => self.finish(n),
+                        EMPTY_DICT => {
                             self.out.op(b"}b");
                             self.finish(n);
                         }
-                        (None, false) => self.finish(n),
+                        i => {
+                            self.out.op(b"}(");
+                            self.out.str(b"_metadata");
+                            self.tasks.push(Task::Stage(n, 2));
+                            self.tasks.push(Task::Val(vm.attrs[i as usize]));
+                        }
                     }
                 }
                 _ => {
@@ -1295,7 +1371,7 @@ impl<'v, 'a> Emitter<'v, 'a> {
                     Some(v) => self.tasks.push(Task::Val(v)),
                 }
             }
-            2 => match t.param {
+            2 => match t.param.as_deref().copied() {
                 None => {
                     self.out.op(b"NtR");
                     self.finish(n);
@@ -1326,7 +1402,7 @@ impl<'v, 'a> Emitter<'v, 'a> {
         let items: &[Val] = match &vm.nodes[n as usize] {
             Node::Tuple(..) | Node::List(_) => vm.seq(Val::Node(n)).unwrap_or(&[]),
             Node::Dict(v) => v,
-            Node::ODict { items, .. } => items,
+            Node::ODict(items, _) => items,
             _ => &[],
         };
         if let Some(&v) = items.get(i as usize) {
@@ -1356,7 +1432,10 @@ impl<'v, 'a> Emitter<'v, 'a> {
 
 /// The meta pickle: `(end, [(module, name)...], kinds, keys, locations, numels)`.
 fn meta(vm: &Vm, end: usize) -> Vec<u8> {
-    let mut o = Out { buf: Vec::new(), memo: 0 };
+    let mut o = Out {
+        buf: Vec::new(),
+        memo: 0,
+    };
     o.op(b"(");
     o.int(i64::try_from(end).unwrap_or(i64::MAX));
     o.op(b"(");
@@ -1424,6 +1503,7 @@ pub fn load(
         nodes: Vec::new(),
         pool: Vec::new(),
         tensors: Vec::new(),
+        attrs: Vec::new(),
         config,
         globals: Vec::new(),
         global_ids: HashMap::new(),
@@ -1436,7 +1516,10 @@ pub fn load(
     let storage_base = PID_GLOBALS + vm.globals.len() as u64;
     let mut em = Emitter {
         vm: &vm,
-        out: Out { buf: Vec::with_capacity(data.len().saturating_mul(3) / 2), memo: 0 },
+        out: Out {
+            buf: Vec::with_capacity(data.len().saturating_mul(3) / 2),
+            memo: 0,
+        },
         tasks: Vec::new(),
         node_refs: vec![0; vm.nodes.len()],
         atom_refs: vec![0; vm.atoms.len()],
@@ -1488,12 +1571,19 @@ pub unsafe extern "C" fn ckptfix_vm_load(
                 b.copy_from_slice(&limits[8 * i..8 * i + 8]);
                 u64::from_ne_bytes(b)
             };
-            let budgets = Budgets { max_objects: word(0), max_alloc: word(1), max_memo: word(2) };
-            let config = Config::parse(config).ok_or_else(|| "native VM: malformed allow-list table".to_string())?;
+            let budgets = Budgets {
+                max_objects: word(0),
+                max_alloc: word(1),
+                max_memo: word(2),
+            };
+            let config = Config::parse(config)
+                .ok_or_else(|| "native VM: malformed allow-list table".to_string())?;
             Ok(load(data, start, end, &config, budgets, has_loader != 0))
         })
     }
 }
+
+const _: () = assert!(std::mem::size_of::<Node>() <= 32 && std::mem::size_of::<Val>() <= 16);
 
 #[cfg(test)]
 #[path = "vm_tests.rs"]

@@ -9,7 +9,11 @@ fn config() -> Config {
 
 fn budgets(len: usize) -> Budgets {
     let len = len as u64;
-    Budgets { max_objects: (1 << 16) + len, max_alloc: (64 << 20) + 32 * len, max_memo: (1 << 16) + len }
+    Budgets {
+        max_objects: (1 << 16) + len,
+        max_alloc: (64 << 20) + 32 * len,
+        max_memo: (1 << 16) + len,
+    }
 }
 
 fn run(data: &[u8]) -> Option<Vec<u8>> {
@@ -45,7 +49,11 @@ fn budgets_are_enforced() {
     let mut p = b"\x80\x02(".to_vec();
     p.extend(std::iter::repeat_n(b']', 100));
     p.extend_from_slice(b"l.");
-    let tight = Budgets { max_objects: 50, max_alloc: 1 << 30, max_memo: 10 };
+    let tight = Budgets {
+        max_objects: 50,
+        max_alloc: 1 << 30,
+        max_memo: 10,
+    };
     assert!(load(&p, 0, p.len(), &config(), tight, true).is_none());
     assert!(run(&p).is_some());
 }
@@ -58,7 +66,10 @@ fn mutation_fuzz_loop() {
         b"\x80\x02}q\x00(X\x01\x00\x00\x00aq\x01](K\x01G@\x04\x00\x00\x00\x00\x00\x00N\x88eX\x01\x00\x00\x00bC\x02xyu.".to_vec(),
         tensor_pickle(),
     ];
-    let rounds: u64 = std::env::var("CKPTFIX_FUZZ_ROUNDS").ok().and_then(|v| v.parse().ok()).unwrap_or(20_000);
+    let rounds: u64 = std::env::var("CKPTFIX_FUZZ_ROUNDS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(20_000);
     let mut rng = 0x9e3779b97f4a7c15u64;
     let mut next = move || {
         rng ^= rng << 13;
@@ -96,7 +107,10 @@ fn mutation_fuzz_loop() {
             ok += 1;
         }
     }
-    assert!(rounds < 100 || ok > 0, "no mutant was read at all: the fuzzer explores nothing");
+    assert!(
+        rounds < 100 || ok > 0,
+        "no mutant was read at all: the fuzzer explores nothing"
+    );
 }
 
 /// `{'w': _rebuild_tensor_v2(('storage', FloatStorage, '0', 'cpu', 4), 0, (4,), (1,), False, OrderedDict())}`

@@ -294,6 +294,17 @@ def test_hostile_builders_and_pickle_programs(engines: Engines) -> None:
         hostile.ckpt(weight=hostile.tensor(size=b"(\x88t", stride=b"(K\x01t")),
         hostile.key_of(hostile.u("x") + b"\x85" * 200),
         hostile.system_call(Path("/nonexistent/marker")),
+        # a size list appended to after the tensor was built (the tensor keeps the old shape)
+        hostile.ckpt(
+            hostile.get(210) + hostile.n(7) + b"a",
+            weight=hostile.tensor(size=b"](" + hostile.n(2) + hostile.n(2) + b"e" + hostile.put(210), stride=(2, 1)),
+        ),
+        # an empty hooks OrderedDict filled after the tensor was built, and one BUILT empty before
+        hostile.ckpt(
+            hostile.get(211) + hostile.u("k") + hostile.n(1) + b"s",
+            weight=hostile.tensor().replace(hostile.HOOKS, hostile.HOOKS + hostile.put(211)),
+        ),
+        hostile.ckpt(weight=hostile.tensor().replace(hostile.HOOKS, hostile.HOOKS + b"}b")),
     ]
     for data in builders:
         engines.check(data)
