@@ -6,8 +6,9 @@ tree as a plain pickle without a single GLOBAL, in which every record is a persi
 table made here: the record classes, the :class:`Global` records (made by the reader's own
 ``find_global``), the storages (made by the caller's ``load_storage``, called once per persistent
 id in pickle order, as the Python VM calls it -- so its caching and its errors are the same) and
-their dtypes. CPython's C unpickler builds the tree from it, ``TensorRef`` records included
-(``NEWOBJ`` + ``BUILD`` of their slots), so no Python code runs per tensor but ``load_storage``.
+their dtypes. CPython's C unpickler builds the tree from it; a ``TensorRef`` is a REDUCE of the
+class itself, so the Python code that runs per tensor is its dataclass ``__init__`` and
+``load_storage`` (measured: ~0.7 and ~0.4 us; bench/RESULTS.md "Native core: pickle VM").
 
 Why this is safe to hand to ``pickle``: the bytes are the native VM's, not the file's; they name
 no global (:class:`_TreeUnpickler` refuses any), every persistent id is an index into the table,
@@ -48,6 +49,10 @@ def load(
 ) -> tuple[Any, int] | None:
     """The tree of the pickle at ``data[start:]`` and the offset after its STOP, or None where the
     Python VM is to read it (no native library, or a pickle using what the native VM leaves to it)."""
+    if type(data) is not bytes:
+        # a legacy file's memory map: its tree's persistent ids carry views, which the native VM
+        # leaves to Python anyway, and passing a read-only map would import numpy (native/Input)
+        return None
     limits = (budgets.max_objects, budgets.max_alloc, budgets.max_memo)
     out = native_vm.load(data, start, len(data), table, limits, load_storage is not None)
     if out is None:

@@ -19,10 +19,11 @@
 //!    ended, the globals it named (in first-use order), and each storage persistent id as
 //!    columns (storage class as an index into the globals, key, location, numel);
 //! 2. `tree`: a plain pickle of the tree, with no GLOBAL: every record is a persistent id into
-//!    a table Python builds from `meta` (`TABLE` below + globals + storages + their dtypes), and
-//!    tensors, `Reduce` records and `ParamInfo`s are built by the C unpickler itself
-//!    (`NEWOBJ` + `BUILD` of the record's slots): no Python code runs per tensor. Memo sharing is
-//!    kept: every object the input pickle reaches twice is one object in the output.
+//!    a table Python builds from `meta` (the `PID_*` entries below + globals + storages + their
+//!    dtypes); tensors, `Reduce` records and `ParamInfo`s are REDUCE calls of the record classes
+//!    themselves (their dataclass `__init__`: the only Python code that runs per tensor, besides
+//!    `load_storage`). Memo sharing is kept: every object the input pickle reaches twice is one
+//!    object in the output.
 //!
 //! Everything is iterative; every length is checked against the bytes there before it is used;
 //! memory is bounded by the input's length (the objects budget) and the output by the objects.
