@@ -10,7 +10,8 @@ import ctypes
 import functools
 from typing import Any
 
-from . import Input, call, function
+from ..errors import UsageError
+from . import ENGINE_VARIABLE, Input, call, function, requested_engine
 
 
 @functools.cache
@@ -28,6 +29,11 @@ def _load_function() -> Any | None:
             ctypes.c_int32,
         )
     except AttributeError:  # a library built before the VM was added (same ABI): the Python VM reads
+        if requested_engine() == "native":  # ... but never in silence where the native engine is asked for
+            raise UsageError(
+                f"{ENGINE_VARIABLE}=native: the native library has no pickle VM (a stale build)",
+                hint="rebuild it (pip install -e ., or cargo build --release in native/)",
+            ) from None
         return None
 
 
