@@ -26,8 +26,10 @@ bytes) is never allowed, not even by ``--allow-global``.
 from __future__ import annotations
 
 import fnmatch
+import functools
 import gc
 import mmap
+from _compat_pickle import IMPORT_MAPPING, NAME_MAPPING
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -38,6 +40,7 @@ from ..model.dtypes import DTYPE_ITEMSIZE, QSCHEMES, STORAGE_DTYPE, TENSOR_CLASS
 from ..model.paths import Path
 from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef, Tree
 from ..model.walk import check_nesting, walk
+from . import native_tree
 from .globals import (
     MODULE_ALIASES,
     SANITIZABLE,
@@ -513,12 +516,18 @@ def restricted_load(
     """
     seen = globals_seen if globals_seen is not None else set()
     hooks = ReaderHooks(load_storage, seen, allow, inert_unknown)
-    vm = PickleVM(data, hooks, budgets, start)
-    try:
-        with collector_paused():  # the VM makes ~10 objects per tensor and no garbage cycles
-            tree = vm.run()
-    except UnsafeInputError as first:
-        raise _every_refused(data, start, allow, inert_unknown) or first from None
+    limits = budgets or Budgets.for_length(len(data) - start)
+    fast = native_tree.load(data, start, limits, native_table(), hooks.find_global, load_storage)
+    if fast is not None:  # the native engine read it (same tree); else the Python VM reads it
+        tree, end = fast
+    else:
+        vm = PickleVM(data, hooks, limits, start)
+        try:
+            with collector_paused():  # the VM makes ~10 objects per tensor and no garbage cycles
+                tree = vm.run()
+        except UnsafeInputError as first:
+            raise _every_refused(data, start, allow, inert_unknown) or first from None
+        end = vm.pos
     if check_depth:
         check_nesting(tree)
     if hooks._opaque and hooks.unknown:
@@ -527,7 +536,38 @@ def restricted_load(
                 object.__setattr__(found, "allowed", True)  # kept along: see the docstring
     if hooks._opaque or hooks.unknown:
         _check_nested_pickles(tree, hooks)
-    return tree, vm.pos
+    return tree, end
+
+
+#: the builders the native VM runs itself (vm.rs's ``Kind``), by global name
+_NATIVE_KINDS = {
+    "torch._utils._rebuild_tensor": "1",
+    "torch._utils._rebuild_tensor_v2": "2",
+    "torch._utils._rebuild_tensor_v3": "3",
+    "torch._utils._rebuild_parameter": "p",
+    "torch._utils._rebuild_parameter_with_state": "q",
+    "collections.OrderedDict": "o",
+}
+
+
+@functools.cache
+def native_table() -> bytes:
+    """The allow-list as the native VM takes it: ``kind[flags]\\tmodule\\tname`` per line.
+
+    Names the Python VM renames before looking them up (Python 2 spellings, ``torch.tensor``) are
+    left out: the native VM meets them as unknown names and leaves such a pickle to the Python VM.
+    Kinds: a builder it runs (:data:`_NATIVE_KINDS`), ``x`` a Python builder it leaves to Python
+    when called, ``r`` a torch name whose call is a :class:`Reduce` record; flags ``s`` a storage
+    class, ``d`` a dtype."""
+    lines = []
+    for full in sorted(TORCH_GLOBALS | PYTHON_GLOBALS):
+        module, name = full.rsplit(".", 1)
+        if (module, name) in NAME_MAPPING or module in IMPORT_MAPPING or module == "torch.tensor":
+            continue
+        kind = _NATIVE_KINDS.get(full) or ("x" if full in PYTHON_GLOBALS else "r")
+        kind += ("s" if full in STORAGE_GLOBALS else "") + ("d" if full in DTYPE_GLOBALS else "")
+        lines.append(f"{kind}\t{module}\t{name}\n")
+    return "".join(lines).encode()
 
 
 def _refused(name: str, allow: Sequence[str], inert_unknown: bool = False) -> bool:

@@ -56,7 +56,7 @@ def protocol2_bytes(args: tuple[Any, ...]) -> bytes | None:
             return None  # bytes-to-bytes codecs (zlib, base64...) are not read
         data: bytes = codecs.encode(*args)
         return data
-    except (LookupError, UnicodeError):
+    except (LookupError, ValueError):  # ValueError: an encoding name with a NUL in it (UnicodeError too)
         return None
 
 

@@ -15,6 +15,7 @@
 
 pub mod crc;
 pub mod ffi;
+pub mod vm;
 pub mod zip;
 pub mod zipwrite;
 

@@ -1,0 +1,56 @@
+"""The native pickle VM (``native/src/vm.rs``): bytes in, two pickles out, or None.
+
+This module only moves bytes across the C ABI; what the bytes mean -- the allow-list table going
+in, the tree and storage columns coming out -- is :mod:`ckptfix.pickling.native_tree`'s.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+from ..errors import UsageError
+from . import ENGINE_VARIABLE, Input, call, function, requested_engine
+
+
+@functools.cache
+def _load_function() -> Any | None:
+    try:
+        return function(
+            "ckptfix_vm_load",
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_size_t,
+            ctypes.c_char_p,
+            ctypes.c_size_t,
+            ctypes.POINTER(ctypes.c_uint64),
+            ctypes.c_int32,
+        )
+    except AttributeError:  # a library built before the VM was added (same ABI): the Python VM reads
+        if requested_engine() == "native":  # ... but never in silence where the native engine is asked for
+            raise UsageError(
+                f"{ENGINE_VARIABLE}=native: the native library has no pickle VM (a stale build)",
+                hint="rebuild it (pip install -e ., or cargo build --release in native/)",
+            ) from None
+        return None
+
+
+def available() -> bool:
+    """True when the native engine runs (the library is built and not switched off)."""
+    return _load_function() is not None
+
+
+def load(
+    data: Any, start: int, end: int, table: bytes, budgets: tuple[int, int, int], has_loader: bool
+) -> bytes | None:
+    """Run the native VM over ``data[start:end]`` (bytes or a read-only mmap) with the allow-list
+    ``table`` and ``(max_objects, max_alloc, max_memo)``; its output, or None where the Python VM
+    is to read this pickle (no library, or something the native VM leaves to it)."""
+    fn = _load_function()
+    if fn is None:
+        return None
+    source = Input(data)
+    limits = (ctypes.c_uint64 * 3)(*(min(b, (1 << 64) - 1) for b in budgets))
+    return call(fn, source.address, source.length, start, end, table, len(table), limits, int(has_loader))
