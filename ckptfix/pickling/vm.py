@@ -1143,7 +1143,7 @@ class PickleVM:
                 pos = table[data[pos]](pos + 1)
                 if pos < 0:
                     self.pos = -pos - 1
-                    return stack[0]
+                    return stack[-1]
             raise _bad("it ends before its STOP opcode (truncated)")
         while pos < end:
             op = data[pos]
@@ -1234,7 +1234,7 @@ class PickleVM:
                 pos = table[op](pos)
                 if pos < 0:
                     self.pos = -pos - 1
-                    return stack[0]
+                    return stack[-1]
         raise _bad("it ends before its STOP opcode (truncated)")
 
 

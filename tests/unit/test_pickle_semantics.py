@@ -315,3 +315,30 @@ def test_a_key_built_level_by_level_still_has_its_depth_counted() -> None:
         data = b"\x80\x04}" + b"(" * depth + b"\x91" * depth + b"Ns."
         with pytest.raises(BadInputError, match="nested more than"):
             restricted_load(data, None)
+
+
+@pytest.mark.parametrize(
+    "under",
+    [
+        pickle.dumps({"w": 1}, protocol=2)[:-1],  # a whole dict under the returned one
+        b"\x80\x02N(",  # None, then an open MARK: neither is what STOP returns
+        b"\x80\x02]q\x00K\x01a",  # a list built with APPEND, left under
+    ],
+)
+def test_stop_returns_the_top_of_the_stack_as_torch_loads_it(tmp_path: Path, under: bytes) -> None:
+    """CPython's STOP pops the top item whatever lies under it; torch.load therefore returns the
+    last object pushed, and so must the reader (it once returned the bottom one: a pickle of two
+    dicts converted to the one torch never sees)."""
+    import zipfile
+
+    import torch
+
+    path = tmp_path / "two.pth"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("two/data.pkl", under + pickle.dumps({"v": 2}, protocol=2)[2:])
+        z.writestr("two/version", "3\n")
+        z.writestr("two/byteorder", "little")
+    expected = torch.load(path, weights_only=True)
+    assert expected == {"v": 2}
+    data = under + pickle.dumps({"v": 2}, protocol=2)[2:]
+    assert restricted_load(data, None)[0] == expected
