@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import BadInputError, UnsafeInputError
-from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, Reduce, StorageRef, TensorRef, Tree
+from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef, Tree
 from ..model.walk import walk
+from ..native import emit as native_emit
 from .names import is_dotted_identifier
 
 _MARK, _TUPLE, _EMPTY_TUPLE = b"(", b"t", b")"
@@ -462,12 +463,50 @@ _SUBCLASS_WRITERS: tuple[tuple[type, Callable[[_Emitter, Any], None]], ...] = (
 )
 
 
+#: what the native emitter (native/src/emit.rs) reads the tree with: the types and markers it
+#: knows and the attribute names of the records (anything else in a tree: the Python emitter)
+_NATIVE_OBJECTS: dict[str, Any] = {
+    "none": None,
+    "true_": True,
+    "false_": False,
+    "empty_hooks": EMPTY_HOOKS,
+    "absent": ABSENT,
+    "int": int,
+    "float": float,
+    "str_": str,
+    "tuple": tuple,
+    "list": list,
+    "dict": dict,
+    "ordered_dict": OrderedDict,
+    "tensor": TensorRef,
+    "storage": StorageRef,
+    "global": Global,
+    "param": ParamInfo,
+    "reduce": Reduce,
+    **{f"a_{name}": name for name in ("storage", "storage_offset", "shape", "stride", "requires_grad", "hooks")},
+    **{f"a_{name}": name for name in ("rebuild", "dtype_global", "metadata", "param", "storage_type", "location")},
+    **{f"a_{name}": name for name in ("numel", "module", "name", "allowed", "state", "func", "args", "items")},
+    "a_dict": "__dict__",
+}
+
+
 def dumps(root: Tree) -> PickleResult:
     """Pickle ``root`` the way ``torch.save`` would; returns the bytes and storages in key order.
 
     One walk first finds the objects referred to more than once (shared, or in a cycle): only
     those get memo entries, so the memo stays small however many tensors there are.
+
+    With the native engine the library writes the same bytes (native/src/emit.rs mirrors this
+    module step by step); a tree holding anything it leaves to Python comes back here.
     """
+    native = native_emit.torch_pickle(root, _NATIVE_OBJECTS)
+    if native is not None:
+        return PickleResult(native[0], native[1])
+    return dumps_python(root)
+
+
+def dumps_python(root: Tree) -> PickleResult:
+    """:func:`dumps` in Python: the reference engine, and the fallback for rare records."""
     emitter = _Emitter()
     shared = emitter.shared
     for _ in walk(root, revisit=lambda value: shared.add(id(value))):

@@ -13,6 +13,8 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![forbid(clippy::undocumented_unsafe_blocks)]
 
+pub mod emit;
+pub mod emit_py;
 pub mod ffi;
 
 /// Bumped whenever an exported function changes its signature or meaning; the Python side
