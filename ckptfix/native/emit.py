@@ -15,7 +15,9 @@ markers the tree may hold and their attribute names (:data:`OBJECT_FIELDS`).
 from __future__ import annotations
 
 import ctypes
+import functools
 import gc
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -33,7 +35,6 @@ _API_FUNCTIONS = (
     "PyLong_AsLongLongAndOverflow",
     "PyFloat_AsDouble",
     "PyObject_GetAttr",
-    "PyObject_Type",
     "PyObject_CallObject",
     "PyObject_GetIter",
     "PyIter_Next",
@@ -43,7 +44,7 @@ _API_FUNCTIONS = (
 )
 
 #: the objects the caller supplies, in native/src/emit_py.rs ``PyTypes`` order: markers and
-#: types first, then attribute names (``a_...``: the library reads ``getattr(obj, name)``)
+#: types, then the attribute names read with ``getattr`` (``a_...``)
 OBJECT_FIELDS = (
     "none",
     "true_",
@@ -62,28 +63,67 @@ OBJECT_FIELDS = (
     "global",
     "param",
     "reduce",
-    "a_storage",
-    "a_storage_offset",
-    "a_shape",
-    "a_stride",
-    "a_requires_grad",
-    "a_hooks",
-    "a_rebuild",
-    "a_dtype_global",
-    "a_metadata",
-    "a_param",
-    "a_storage_type",
-    "a_location",
-    "a_numel",
-    "a_module",
-    "a_name",
-    "a_allowed",
-    "a_state",
-    "a_func",
-    "a_args",
     "a_items",
     "a_dict",
 )
+
+#: the record slots the library reads directly, in ``PyTypes`` order after ``ob_type``: the
+#: caller maps each to (class, attribute) and :func:`slot_offset` finds where it is
+SLOT_FIELDS = (
+    "t_storage",
+    "t_storage_offset",
+    "t_shape",
+    "t_stride",
+    "t_requires_grad",
+    "t_hooks",
+    "t_rebuild",
+    "t_dtype_global",
+    "t_metadata",
+    "t_param",
+    "s_storage_type",
+    "s_location",
+    "s_numel",
+    "g_module",
+    "g_name",
+    "g_allowed",
+    "p_requires_grad",
+    "p_hooks",
+    "p_state",
+    "r_func",
+    "r_args",
+    "r_state",
+)
+
+_POINTER = ctypes.sizeof(ctypes.c_void_p)
+
+
+def _offsets_of(probe: object, target: object, size: int) -> list[int]:
+    """Where in ``probe``'s first ``size`` bytes a pointer to ``target`` is stored."""
+    raw = ctypes.string_at(id(probe), size)
+    key = id(target).to_bytes(_POINTER, sys.byteorder)
+    return [at for at in range(0, size - _POINTER + 1, _POINTER) if raw[at : at + _POINTER] == key]
+
+
+@functools.cache
+def type_offset() -> int | None:
+    """Where an object keeps its type pointer (``ob_type``), found on probes; None if unclear."""
+    probes: tuple[object, ...] = (object(), 1.5, [], {}, ())
+    found = set.intersection(*(set(_offsets_of(p, type(p), _POINTER * 4)) for p in probes))
+    return found.pop() if len(found) == 1 else None
+
+
+@functools.cache
+def slot_offset(cls: type, name: str) -> int | None:
+    """Where instances of ``cls`` keep slot ``name``: set it to a fresh object on a probe
+    instance and find that pointer. None unless it is a plain slot (a member descriptor) found
+    exactly once within the instance."""
+    if type(cls.__dict__.get(name)).__name__ != "member_descriptor" or cls.__itemsize__:
+        return None
+    probe: object = object.__new__(cls)
+    marker = object()
+    object.__setattr__(probe, name, marker)  # also on frozen dataclasses: their slots are plain
+    found = _offsets_of(probe, marker, cls.__basicsize__)
+    return found[0] if len(found) == 1 else None
 
 
 class _Api(ctypes.Structure):
@@ -91,7 +131,9 @@ class _Api(ctypes.Structure):
 
 
 class _Objects(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in OBJECT_FIELDS]
+    _fields_ = [(name, ctypes.c_void_p) for name in OBJECT_FIELDS] + [
+        (name, ctypes.c_size_t) for name in ("ob_type", *SLOT_FIELDS)
+    ]
 
 
 class _Bound:
@@ -131,15 +173,21 @@ def available() -> bool:
     return library() is not None
 
 
-def torch_pickle(root: Any, objects: Mapping[str, Any]) -> tuple[bytes, list[Any]] | None:
+def torch_pickle(
+    root: Any, objects: Mapping[str, Any], slots: Mapping[str, tuple[type, str]]
+) -> tuple[bytes, list[Any]] | None:
     """``root`` pickled as ``torch.save`` lays it out, and the storage records in key order;
     None when the Python emitter is to run (the Python engine, or a tree holding something
     the native emitter leaves to it). ``objects`` maps each of :data:`OBJECT_FIELDS` to its
-    object (kept alive by the caller)."""
+    object (kept alive by the caller), ``slots`` each of :data:`SLOT_FIELDS` to the class and
+    attribute it names."""
     bound = _function()
     if bound is None:
         return None
-    table = _Objects(*(id(objects[name]) for name in OBJECT_FIELDS))
+    offsets = [type_offset(), *(slot_offset(*slots[name]) for name in SLOT_FIELDS)]
+    if None in offsets:  # an interpreter whose objects are not laid out as probed
+        return None
+    table = _Objects(*(id(objects[name]) for name in OBJECT_FIELDS), *offsets)
     storages: list[Any] = []
     collecting = gc.isenabled()
     gc.disable()  # no collection (and so no finalizer's Python code) while the library reads

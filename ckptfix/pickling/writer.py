@@ -483,10 +483,17 @@ _NATIVE_OBJECTS: dict[str, Any] = {
     "global": Global,
     "param": ParamInfo,
     "reduce": Reduce,
-    **{f"a_{name}": name for name in ("storage", "storage_offset", "shape", "stride", "requires_grad", "hooks")},
-    **{f"a_{name}": name for name in ("rebuild", "dtype_global", "metadata", "param", "storage_type", "location")},
-    **{f"a_{name}": name for name in ("numel", "module", "name", "allowed", "state", "func", "args", "items")},
+    "a_items": "items",
     "a_dict": "__dict__",
+}
+#: the record fields it reads from their slots: field -> (record class, attribute)
+_NATIVE_SLOTS: dict[str, tuple[type, str]] = {
+    **{f"t_{name}": (TensorRef, name) for name in ("storage", "storage_offset", "shape", "stride", "requires_grad")},
+    **{f"t_{name}": (TensorRef, name) for name in ("hooks", "rebuild", "dtype_global", "metadata", "param")},
+    **{f"s_{name}": (StorageRef, name) for name in ("storage_type", "location", "numel")},
+    **{f"g_{name}": (Global, name) for name in ("module", "name", "allowed")},
+    **{f"p_{name}": (ParamInfo, name) for name in ("requires_grad", "hooks", "state")},
+    **{f"r_{name}": (Reduce, name) for name in ("func", "args", "state")},
 }
 
 
@@ -499,7 +506,7 @@ def dumps(root: Tree) -> PickleResult:
     With the native engine the library writes the same bytes (native/src/emit.rs mirrors this
     module step by step); a tree holding anything it leaves to Python comes back here.
     """
-    native = native_emit.torch_pickle(root, _NATIVE_OBJECTS)
+    native = native_emit.torch_pickle(root, _NATIVE_OBJECTS, _NATIVE_SLOTS)
     if native is not None:
         return PickleResult(native[0], native[1])
     return dumps_python(root)

@@ -14,8 +14,9 @@
 //! TensorRef, StorageRef, Global, ParamInfo, Reduce, the EMPTY_HOOKS marker); anything else --
 //! a subclass, a set, bytes, an opaque object, an int beyond 64 bits, a string with a lone
 //! surrogate, a global that is not allowed -- is [`Unsupported`] and the Python emitter runs.
-//! No Python code runs here: attributes are read from exact types whose attributes are slots,
-//! and an OrderedDict's items come from its own C iterator.
+//! No Python code runs here: a record's fields are read straight from its slots (at offsets
+//! Python found on probe objects, used only on objects of that exact type), an OrderedDict's
+//! items come from its own C iterator, and its `__dict__` from its C getter.
 
 use std::collections::HashMap;
 use std::ffi::{c_char, c_int};
@@ -44,7 +45,6 @@ pub struct PyApi {
     pub long_as_long_long_and_overflow: Option<unsafe extern "C" fn(Obj, *mut c_int) -> i64>,
     pub float_as_double: Option<unsafe extern "C" fn(Obj) -> f64>,
     pub object_get_attr: Option<unsafe extern "C" fn(Obj, Obj) -> Obj>,
-    pub object_type: Option<unsafe extern "C" fn(Obj) -> Obj>,
     pub object_call_object: Option<unsafe extern "C" fn(Obj, Obj) -> Obj>,
     pub object_get_iter: Option<unsafe extern "C" fn(Obj) -> Obj>,
     pub iter_next: Option<unsafe extern "C" fn(Obj) -> Obj>,
@@ -74,32 +74,35 @@ pub struct PyTypes {
     pub global: Obj,
     pub param: Obj,
     pub reduce: Obj,
-    /// attribute names (str objects): TensorRef's
-    pub a_storage: Obj,
-    pub a_storage_offset: Obj,
-    pub a_shape: Obj,
-    pub a_stride: Obj,
-    pub a_requires_grad: Obj,
-    pub a_hooks: Obj,
-    pub a_rebuild: Obj,
-    pub a_dtype_global: Obj,
-    pub a_metadata: Obj,
-    pub a_param: Obj,
-    /// StorageRef's
-    pub a_storage_type: Obj,
-    pub a_location: Obj,
-    pub a_numel: Obj,
-    /// Global's
-    pub a_module: Obj,
-    pub a_name: Obj,
-    pub a_allowed: Obj,
-    /// ParamInfo's and Reduce's (`requires_grad`, `hooks` are TensorRef's names too)
-    pub a_state: Obj,
-    pub a_func: Obj,
-    pub a_args: Obj,
     /// OrderedDict's
     pub a_items: Obj,
     pub a_dict: Obj,
+    /// where an object's type pointer is (`ob_type`), and where each record slot is, in bytes
+    /// from the object's address: found by Python on probe objects (native/emit.py), so no
+    /// struct layout is assumed here. Slots are read only from objects of their exact type.
+    pub ob_type: usize,
+    pub t_storage: usize,
+    pub t_storage_offset: usize,
+    pub t_shape: usize,
+    pub t_stride: usize,
+    pub t_requires_grad: usize,
+    pub t_hooks: usize,
+    pub t_rebuild: usize,
+    pub t_dtype_global: usize,
+    pub t_metadata: usize,
+    pub t_param: usize,
+    pub s_storage_type: usize,
+    pub s_location: usize,
+    pub s_numel: usize,
+    pub g_module: usize,
+    pub g_name: usize,
+    pub g_allowed: usize,
+    pub p_requires_grad: usize,
+    pub p_hooks: usize,
+    pub p_state: usize,
+    pub r_func: usize,
+    pub r_args: usize,
+    pub r_state: usize,
 }
 
 /// The C API with every function present, behind methods that each hold one `unsafe` call.
@@ -119,13 +122,13 @@ struct Api {
     as_i64: unsafe extern "C" fn(Obj, *mut c_int) -> i64,
     as_f64: unsafe extern "C" fn(Obj) -> f64,
     get_attr: unsafe extern "C" fn(Obj, Obj) -> Obj,
-    type_of: unsafe extern "C" fn(Obj) -> Obj,
     call: unsafe extern "C" fn(Obj, Obj) -> Obj,
     get_iter: unsafe extern "C" fn(Obj) -> Obj,
     iter_next: unsafe extern "C" fn(Obj) -> Obj,
     dec_ref: unsafe extern "C" fn(Obj),
     err_occurred: unsafe extern "C" fn() -> Obj,
     err_clear: unsafe extern "C" fn(),
+    ob_type: usize,
 }
 
 /// A new (owned) reference, released when dropped.
@@ -144,8 +147,9 @@ impl Drop for Owned<'_> {
 }
 
 impl Api {
-    fn new(table: &PyApi) -> Option<Api> {
+    fn new(table: &PyApi, ob_type: usize) -> Option<Api> {
         Some(Api {
+            ob_type,
             dict_next: table.dict_next?,
             list_size: table.list_size?,
             list_get_item: table.list_get_item?,
@@ -156,7 +160,6 @@ impl Api {
             as_i64: table.long_as_long_long_and_overflow?,
             as_f64: table.float_as_double?,
             get_attr: table.object_get_attr?,
-            type_of: table.object_type?,
             call: table.object_call_object?,
             get_iter: table.object_get_iter?,
             iter_next: table.iter_next?,
@@ -181,14 +184,20 @@ impl Api {
     }
 
     fn type_of(&self, obj: Obj) -> Obj {
-        // SAFETY: struct invariant; PyObject_Type never fails on a live object. The new
-        // reference to the type is released at once: the object keeps its type alive, so the
-        // pointer stays valid for comparison.
-        unsafe {
-            let ty = (self.type_of)(obj);
-            (self.dec_ref)(ty);
-            ty
+        // SAFETY: struct invariant (`obj` is a live object); `ob_type` is the offset of its
+        // type pointer, which Python found on probe objects and every object has.
+        unsafe { obj.cast::<u8>().add(self.ob_type).cast::<Obj>().read_unaligned() }
+    }
+
+    /// A record's slot (a borrowed reference held by the record), or Unsupported if unset.
+    fn slot(&self, obj: Obj, offset: usize) -> Result<Obj, Unsupported> {
+        // SAFETY: struct invariant; callers pass only objects whose exact type they checked,
+        // with that type's slot offset (found by Python within its basic size).
+        let value = unsafe { obj.cast::<u8>().add(offset).cast::<Obj>().read_unaligned() };
+        if value.is_null() {
+            return Err(Unsupported);
         }
+        Ok(value)
     }
 
     fn attr(&self, obj: Obj, name: Obj) -> Result<Obj, Unsupported> {
@@ -405,10 +414,10 @@ impl Builder<'_> {
             return Ok(value);
         }
         let t = self.types;
-        if self.api.attr(obj, t.a_allowed)? != t.true_ {
+        if self.api.slot(obj, t.g_allowed)? != t.true_ {
             return Err(Unsupported); // not allowed: the Python emitter refuses it by name
         }
-        let (module, name) = (self.api.attr(obj, t.a_module)?, self.api.attr(obj, t.a_name)?);
+        let (module, name) = (self.api.slot(obj, t.g_module)?, self.api.slot(obj, t.g_name)?);
         if self.api.type_of(module) != t.str_ || self.api.type_of(name) != t.str_ {
             return Err(Unsupported);
         }
@@ -497,8 +506,8 @@ impl Builder<'_> {
             let attrs = if probe.is_empty() { None } else { Some(self.value(attrs)?) };
             Node::OrderedDict(span, attrs)
         } else if ty == t.storage {
-            let storage_type = self.global_index(api.attr(obj, t.a_storage_type)?)?;
-            let location_obj = api.attr(obj, t.a_location)?;
+            let storage_type = self.global_index(api.slot(obj, t.s_storage_type)?)?;
+            let location_obj = api.slot(obj, t.s_location)?;
             let location = match self.locations.get(&(location_obj as usize)) {
                 Some(&index) => index,
                 None => {
@@ -510,16 +519,16 @@ impl Builder<'_> {
                     index
                 }
             };
-            let numel = self.exact_int(api.attr(obj, t.a_numel)?)?;
+            let numel = self.exact_int(api.slot(obj, t.s_numel)?)?;
             Node::Storage { storage_type, location, numel }
         } else if ty == t.reduce {
-            let func = self.global_index(api.attr(obj, t.a_func)?)?;
-            let args = api.attr(obj, t.a_args)?;
+            let func = self.global_index(api.slot(obj, t.r_func)?)?;
+            let args = api.slot(obj, t.r_args)?;
             if api.type_of(args) != t.tuple {
                 return Err(Unsupported);
             }
             let Val::Node(args) = self.value(args)? else { return Err(Unsupported) };
-            let state = self.optional(api.attr(obj, t.a_state)?)?;
+            let state = self.optional(api.slot(obj, t.r_state)?)?;
             Node::Reduce { func, args, state }
         } else if ty == t.tensor {
             return self.tensor(node, obj);
@@ -533,21 +542,21 @@ impl Builder<'_> {
     fn tensor(&mut self, node: u32, obj: Obj) -> Result<(), Unsupported> {
         let t = self.types;
         let api = self.api;
-        let storage = api.attr(obj, t.a_storage)?;
+        let storage = api.slot(obj, t.t_storage)?;
         if api.type_of(storage) != t.storage {
             return Err(Unsupported);
         }
         let Val::Node(storage) = self.value(storage)? else { return Err(Unsupported) };
-        let offset = self.exact_int(api.attr(obj, t.a_storage_offset)?)?;
-        let shape = self.ints(api.attr(obj, t.a_shape)?)?;
-        let stride = self.ints(api.attr(obj, t.a_stride)?)?;
-        let requires_grad = self.value(api.attr(obj, t.a_requires_grad)?)?;
-        let hooks = self.value(api.attr(obj, t.a_hooks)?)?;
-        let rebuild = api.attr(obj, t.a_rebuild)?;
+        let offset = self.exact_int(api.slot(obj, t.t_storage_offset)?)?;
+        let shape = self.ints(api.slot(obj, t.t_shape)?)?;
+        let stride = self.ints(api.slot(obj, t.t_stride)?)?;
+        let requires_grad = self.value(api.slot(obj, t.t_requires_grad)?)?;
+        let hooks = self.value(api.slot(obj, t.t_hooks)?)?;
+        let rebuild = api.slot(obj, t.t_rebuild)?;
         let v3 = api.type_of(rebuild) == t.str_ && api.utf8(rebuild)? == b"v3";
-        let dtype_global = self.value(api.attr(obj, t.a_dtype_global)?)?;
-        let metadata = self.optional(api.attr(obj, t.a_metadata)?)?;
-        let param = api.attr(obj, t.a_param)?;
+        let dtype_global = self.value(api.slot(obj, t.t_dtype_global)?)?;
+        let metadata = self.optional(api.slot(obj, t.t_metadata)?)?;
+        let param = api.slot(obj, t.t_param)?;
         let param = if param == t.none { None } else { Some(self.param(param)?) };
         let index = u32::try_from(self.arena.tensors.len()).map_err(|_| Unsupported)?;
         self.arena.tensors.push(Tensor {
@@ -574,9 +583,9 @@ impl Builder<'_> {
         if self.api.type_of(obj) != t.param {
             return Err(Unsupported);
         }
-        let requires_grad = self.value(self.api.attr(obj, t.a_requires_grad)?)?;
-        let hooks = self.value(self.api.attr(obj, t.a_hooks)?)?;
-        let state = self.optional(self.api.attr(obj, t.a_state)?)?;
+        let requires_grad = self.value(self.api.slot(obj, t.p_requires_grad)?)?;
+        let hooks = self.value(self.api.slot(obj, t.p_hooks)?)?;
+        let state = self.optional(self.api.slot(obj, t.p_state)?)?;
         let plain = |v: Val| matches!(v, Val::None | Val::Bool(_) | Val::Int(_) | Val::Float(_) | Val::Str(_) | Val::EmptyHooks);
         let empty_od = |v: Val| matches!(v, Val::Node(_));
         if !plain(requires_grad) || !(plain(hooks) || empty_od(hooks)) || state != Val::Absent {
@@ -640,7 +649,7 @@ pub unsafe extern "C" fn ckptfix_emit_torch_pickle(
     let tables = unsafe { (api.as_ref(), types.as_ref()) };
     let body = move || -> Result<Option<Vec<u8>>, String> {
         let (Some(api), Some(types)) = tables else { return Ok(None) };
-        let Some(api) = Api::new(api) else { return Ok(None) };
+        let Some(api) = Api::new(api, types.ob_type) else { return Ok(None) };
         if root.is_null() || storages.is_null() {
             return Ok(None);
         }

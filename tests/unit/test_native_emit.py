@@ -32,7 +32,7 @@ pytestmark = pytest.mark.skipif(not native_emit.available(), reason="the native 
 
 
 def both(root: Any) -> tuple[writer.PickleResult, tuple[bytes, list[Any]] | None]:
-    return writer.dumps_python(root), native_emit.torch_pickle(root, writer._NATIVE_OBJECTS)
+    return writer.dumps_python(root), native_emit.torch_pickle(root, writer._NATIVE_OBJECTS, writer._NATIVE_SLOTS)
 
 
 def assert_same(root: Any, *, handled: bool = True) -> None:
@@ -212,7 +212,7 @@ def test_rare_values_are_left_to_python(value: Any) -> None:
 
 def test_an_unallowed_global_is_refused_as_python_refuses_it() -> None:
     tree = {"cfg": Global("omegaconf", "DictConfig", allowed=False)}
-    assert native_emit.torch_pickle(tree, writer._NATIVE_OBJECTS) is None
+    assert native_emit.torch_pickle(tree, writer._NATIVE_OBJECTS, writer._NATIVE_SLOTS) is None
     with pytest.raises(UnsafeInputError):
         writer.dumps(tree)
 
@@ -221,7 +221,7 @@ def test_nesting_beyond_the_walk_limit_is_refused_by_both() -> None:
     deep: Any = 1
     for _ in range(1002):  # the innermost list 1001 levels below the root: one too deep
         deep = [deep]
-    assert native_emit.torch_pickle(deep, writer._NATIVE_OBJECTS) is None
+    assert native_emit.torch_pickle(deep, writer._NATIVE_OBJECTS, writer._NATIVE_SLOTS) is None
     with pytest.raises(BadInputError, match="nested more than"):
         writer.dumps(deep)
     assert_same(deep[0])  # 1000 levels: written
