@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_many import MAKE_SCRIPT
+
 from ckptfix.formats.torchzip import compact_storages, read_torch_zip
 from ckptfix.native import emit as native_emit
 from ckptfix.pickling import writer
@@ -33,10 +35,8 @@ def main() -> None:
     args = parser.parse_args()
     src = args.workdir / f"adam_{args.params}.pth"
     if not src.exists():
-        subprocess.run(
-            [sys.executable, str(Path(__file__).parent / "bench_many.py"), "--params", str(args.params), "--runs", "0"],
-            check=True,
-        )
+        args.workdir.mkdir(parents=True, exist_ok=True)
+        subprocess.run([sys.executable, "-c", MAKE_SCRIPT, str(src), str(args.params)], check=True)
     if not native_emit.available():
         sys.exit("the native engine is not loaded (build it: pip install -e ., or set CKPTFIX_NATIVE_LIB)")
     gc.disable()  # as the pipeline runs (collector_paused)

@@ -85,7 +85,8 @@ pub struct Tensor {
     pub v3: bool,
     pub dtype_global: Val,
     pub metadata: Val,
-    pub param: Option<Param>,
+    /// boxed: most tensors are not parameters (keeps the column at ~100 B a tensor)
+    pub param: Option<Box<Param>>,
 }
 
 /// One distinct object of the tree.
@@ -403,8 +404,8 @@ fn children(arena: &Arena, node: u32) -> Frame {
 /// `walk._tensor_children`: hooks if truthy, metadata if present, the parameter's tuple.
 fn tensor_children(arena: &Arena, tensor: &Tensor) -> Frame {
     let mut items = Vec::new();
-    if let Some(param) = tensor.param {
-        items.push(Child::Param(param)); // popped from the end: last in walk order goes first
+    if let Some(param) = tensor.param.as_deref() {
+        items.push(Child::Param(*param)); // popped from the end: last in walk order goes first
     }
     if tensor.metadata != Val::Absent {
         items.push(Child::Value(tensor.metadata));
@@ -844,7 +845,7 @@ impl<'a> Emitter<'a> {
             return Ok(());
         }
         let tensor = &self.arena.tensors[t as usize];
-        if let Some(param) = tensor.param {
+        if let Some(param) = tensor.param.as_deref() {
             let which = if param.state != Val::Absent { REBUILD_PARAM_STATE } else { REBUILD_PARAM };
             self.global(which)?;
             self.out.extend_from_slice(MARK);
@@ -872,7 +873,7 @@ impl<'a> Emitter<'a> {
             return self.put(node, false);
         }
         pending.push(Task::Raw(TUPLE_REDUCE));
-        if let Some(param) = tensor.param {
+        if let Some(param) = tensor.param.as_deref() {
             pending.push(Task::Value(param.requires_grad));
             pending.push(Task::Value(param.hooks));
             if param.state != Val::Absent {

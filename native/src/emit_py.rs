@@ -557,7 +557,7 @@ impl Builder<'_> {
         let dtype_global = self.value(api.slot(obj, t.t_dtype_global)?)?;
         let metadata = self.optional(api.slot(obj, t.t_metadata)?)?;
         let param = api.slot(obj, t.t_param)?;
-        let param = if param == t.none { None } else { Some(self.param(param)?) };
+        let param = if param == t.none { None } else { Some(Box::new(self.param(param)?)) };
         let index = u32::try_from(self.arena.tensors.len()).map_err(|_| Unsupported)?;
         self.arena.tensors.push(Tensor {
             storage,
@@ -600,8 +600,8 @@ impl Builder<'_> {
             self.fill(node, obj)?;
         }
         for tensor in &self.arena.tensors {
-            if let Some(Param { hooks: Val::Node(n), .. }) = tensor.param {
-                if !matches!(self.arena.nodes[n as usize], Node::OrderedDict(span, None) if span.len == 0) {
+            if let Some(Param { hooks: Val::Node(n), .. }) = tensor.param.as_deref() {
+                if !matches!(self.arena.nodes[*n as usize], Node::OrderedDict(span, None) if span.len == 0) {
                     return Err(Unsupported);
                 }
             }

@@ -184,7 +184,7 @@ def record_trees(draw: st.DrawFn, exotic: bool) -> Any:
     return {"root": node(0)}
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(record_trees(exotic=False))
 def test_generated_record_trees(tree: Any) -> None:
     assert_same(tree)
