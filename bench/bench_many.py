@@ -1,11 +1,14 @@
 """Many small tensors: a training checkpoint of 50 000 parameters with Adam state (200 000 tensors).
 
-    python bench/bench_many.py [--params 50000] [--runs 5] [--workdir bench/_work]
+    python bench/bench_many.py [--params 50000] [--runs 5] [--workdir bench/_work] [--engines]
 
 Times `ckptfix strip-module` against `cp` and a plain torch script (torch.load -> strip ->
 torch.save), and `ckptfix inspect` on its own, each as a separate process with its peak RSS.
 Per-tensor cost dominates here (the file is ~60 MB), not bytes: this is the benchmark for the
 unpickler, the emitter and the zip writer. `--params 250000` gives 1 M tensors.
+`--engines` times the writing commands under both engines instead (CKPTFIX_ENGINE=python and
+=native, interleaved): strip-module, strip-module --dtype bfloat16, and convert of the state
+dict's 50 000 tensors from .safetensors to .pth.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ def main() -> None:
     parser.add_argument("--params", type=int, default=50_000)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--workdir", type=Path, default=Path(__file__).parent / "_work")
+    parser.add_argument("--engines", action="store_true", help="the writing commands, python vs native engine")
     args = parser.parse_args()
     src = args.workdir / f"adam_{args.params}.pth"
     if not src.exists():
@@ -52,6 +56,22 @@ def main() -> None:
     out = args.workdir / "many_out.pth"
     tensors = args.params * 4
     label = f"{args.params} parameters with Adam state ({tensors} tensors)"
+    if args.engines:
+        flat = args.workdir / f"adam_{args.params}_state_dict.safetensors"
+        if not flat.exists():
+            subprocess.run([ckptfix, "convert", str(src), str(flat), "--select", "state_dict"], check=True)
+        commands = {
+            "strip-module": [ckptfix, "strip-module", str(src), str(out)],
+            "strip-module --dtype bfloat16": [ckptfix, "strip-module", str(src), str(out), "--dtype", "bfloat16"],
+            "convert .safetensors -> .pth": [ckptfix, "convert", str(flat), str(out)],
+        }
+        contenders = {
+            f"{name}, {engine} engine": ["env", f"CKPTFIX_ENGINE={engine}", *command]
+            for name, command in commands.items()
+            for engine in ("python", "native")
+        }
+        compare(contenders, [out], args.runs, src, label)
+        return
     compare(
         {
             "cp": ["cp", str(src), str(out)],

@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import BadInputError, UnsafeInputError
-from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, Reduce, StorageRef, TensorRef, Tree
+from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef, Tree
 from ..model.walk import walk
+from ..native import emit as native_emit
 from .names import is_dotted_identifier
 
 _MARK, _TUPLE, _EMPTY_TUPLE = b"(", b"t", b")"
@@ -466,6 +467,40 @@ _SUBCLASS_WRITERS: tuple[tuple[type, Callable[[_Emitter, Any], None]], ...] = (
 )
 
 
+#: what the native emitter (native/src/emit.rs) reads the tree with: the types and markers it
+#: knows and the attribute names of the records (anything else in a tree: the Python emitter)
+_NATIVE_OBJECTS: dict[str, Any] = {
+    "none": None,
+    "true_": True,
+    "false_": False,
+    "empty_hooks": EMPTY_HOOKS,
+    "absent": ABSENT,
+    "int": int,
+    "float": float,
+    "str_": str,
+    "tuple": tuple,
+    "list": list,
+    "dict": dict,
+    "ordered_dict": OrderedDict,
+    "tensor": TensorRef,
+    "storage": StorageRef,
+    "global": Global,
+    "param": ParamInfo,
+    "reduce": Reduce,
+    "a_items": "items",
+    "a_dict": "__dict__",
+}
+#: the record fields it reads from their slots: field -> (record class, attribute)
+_NATIVE_SLOTS: dict[str, tuple[type, str]] = {
+    **{f"t_{name}": (TensorRef, name) for name in ("storage", "storage_offset", "shape", "stride", "requires_grad")},
+    **{f"t_{name}": (TensorRef, name) for name in ("hooks", "rebuild", "dtype_global", "metadata", "param")},
+    **{f"s_{name}": (StorageRef, name) for name in ("storage_type", "location", "numel")},
+    **{f"g_{name}": (Global, name) for name in ("module", "name", "allowed")},
+    **{f"p_{name}": (ParamInfo, name) for name in ("requires_grad", "hooks", "state")},
+    **{f"r_{name}": (Reduce, name) for name in ("func", "args", "state")},
+}
+
+
 def dumps(root: Tree, *, only: frozenset[str] | None = None) -> PickleResult:
     """Pickle ``root`` the way ``torch.save`` would; returns the bytes and storages in key order.
 
@@ -474,8 +509,20 @@ def dumps(root: Tree, *, only: frozenset[str] | None = None) -> PickleResult:
 
     ``only``: the globals the pickle may name, for pickles that are not a checkpoint (a DCP
     folder's ``.metadata``: :data:`~ckptfix.pickling.globals.DCP_METADATA_WRITES`); naming any
-    other is a ckptfix bug, never written.
+    other is a ckptfix bug, never written. Those few small pickles are left to Python.
+
+    With the native engine the library writes the same bytes (native/src/emit.rs mirrors this
+    module step by step); a tree holding anything it leaves to Python comes back here.
     """
+    if only is None:
+        native = native_emit.torch_pickle(root, _NATIVE_OBJECTS, _NATIVE_SLOTS)
+        if native is not None:
+            return PickleResult(native[0], native[1])
+    return dumps_python(root, only=only)
+
+
+def dumps_python(root: Tree, *, only: frozenset[str] | None = None) -> PickleResult:
+    """:func:`dumps` in Python: the reference engine, and the fallback for rare records."""
     emitter = _Emitter(only)
     shared = emitter.shared
     for _ in walk(root, revisit=lambda value: shared.add(id(value))):

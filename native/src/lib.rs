@@ -14,6 +14,8 @@
 #![forbid(clippy::undocumented_unsafe_blocks)]
 
 pub mod crc;
+pub mod emit;
+pub mod emit_py;
 pub mod ffi;
 pub mod vm;
 pub mod zip;
