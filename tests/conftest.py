@@ -182,6 +182,26 @@ class DeadlineExceeded(BaseException):
 
 #: a blocked call uses no CPU: it is caught by wall time, this many times the CPU budget (at
 #: least a minute), so a busy machine (other jobs on the cores) never fails a test
+def _native_skip_reason() -> str | None:
+    """Why the tests of the native engine do not run in this pass, or None when they do.
+
+    CI runs the suite twice: ``CKPTFIX_ENGINE=native`` (where a missing library is an error,
+    raised here at collection, never a skip) and ``CKPTFIX_ENGINE=python`` (where these tests,
+    which compare the native engine with the Python one, have nothing new to say)."""
+    from ckptfix import native
+
+    if native.requested_engine() == "python":
+        return "CKPTFIX_ENGINE=python: this pass tests the Python engine (the native pass runs these)"
+    if native.library() is None:
+        return "no native library in this install (cargo was not on PATH when it was installed)"
+    return None
+
+
+NATIVE_SKIP = _native_skip_reason()
+#: for tests of the native engine itself (comparisons with the Python engine, its own inputs)
+needs_native = pytest.mark.skipif(NATIVE_SKIP is not None, reason=NATIVE_SKIP or "")
+
+
 WALL_FACTOR = 20
 
 

@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import needs_native
 
 from ckptfix import native
 from ckptfix.native import crc
 
-built = native.library_path() is not None and native.requested_engine() != "python"
-needs_library = pytest.mark.skipif(not built, reason="no native library in this install (cargo absent at install)")
+needs_library = needs_native
 
 #: lengths around every boundary the folding code has (16-byte blocks, 64-byte folds, the
 #: table tail) and a few big ones

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, needs_native
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -28,7 +28,7 @@ from ckptfix.model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, ParamI
 from ckptfix.native import emit as native_emit
 from ckptfix.pickling import writer
 
-pytestmark = pytest.mark.skipif(not native_emit.available(), reason="the native engine is not loaded")
+pytestmark = needs_native
 
 
 def both(root: Any) -> tuple[writer.PickleResult, tuple[bytes, list[Any]] | None]:

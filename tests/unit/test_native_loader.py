@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import needs_native
 
 from ckptfix import native
 from ckptfix.errors import BadInputError, UsageError
@@ -50,8 +51,7 @@ def test_native_without_a_library_refuses_and_auto_falls_back(monkeypatch: pytes
     assert native.engine() == "python"
 
 
-built = native.library_path() is not None and native.requested_engine() != "python"
-needs_library = pytest.mark.skipif(not built, reason="no native library in this install (cargo absent at install)")
+needs_library = needs_native
 
 
 @needs_library

@@ -26,6 +26,7 @@ from typing import Any
 import hostile
 import pytest
 import torch
+from conftest import needs_native
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pickle_programs import programs
@@ -39,7 +40,7 @@ from ckptfix.pickling.vm import Budgets
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 
-pytestmark = pytest.mark.skipif(native.library_path() is None, reason="no native library in this install")
+pytestmark = needs_native
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import FIXTURES
+from conftest import FIXTURES, needs_native
 from hostile import make_base_zip, with_data_pkl
 
 from ckptfix import native
@@ -33,7 +33,7 @@ from ckptfix.fileio import ziparchive
 from ckptfix.fileio.ranges import FileSlice
 from ckptfix.native import zip as native_zip
 
-pytestmark = pytest.mark.skipif(native.library_path() is None, reason="no native library in this install")
+pytestmark = needs_native
 
 
 @pytest.fixture(autouse=True)
