@@ -397,9 +397,33 @@ class PickleVM:
         known = self._key_weights  # id -> (depth, weight, the key: kept alive so ids stay unique)
         found = known.get(id(key))
         if found is None:
-            self._walk_key(key)
-            found = known[id(key)]
+            found = self._weigh_level(key)
+            if found is None:
+                self._walk_key(key)
+                found = known[id(key)]
         return -1 if found[0] > MAX_KEY_NESTING else found[1]
+
+    def _weigh_level(self, key: tuple[Any, ...] | frozenset[Any]) -> tuple[int, int, Any] | None:
+        """:meth:`_walk_key`'s last step alone, for a key whose nested keys are all known (a key
+        built level by level: each level was a key itself) and whose other items are atoms;
+        None for any other key, which the walk then takes. Saves the walk's stack per level."""
+        known = self._key_weights
+        depth, weight = 1, 1
+        for v in key:
+            kind = type(v)
+            if kind is tuple or kind is frozenset:
+                inner = known.get(id(v))
+                if inner is None:
+                    return None
+                if inner[0] >= depth:
+                    depth = inner[0] + 1
+                weight += inner[1]
+            elif kind in _ATOMS:
+                weight += 1 + (v.bit_length() >> 6 if kind is int else 0)
+            else:
+                return None
+        found = known[id(key)] = (min(depth, MAX_KEY_NESTING + 1), weight, key)
+        return found
 
     def _walk_key(self, key: tuple[Any, ...] | frozenset[Any]) -> None:
         known = self._key_weights
