@@ -75,8 +75,14 @@ def main() -> None:
     compare(
         {
             "cp": ["cp", str(src), str(out)],
-            "ckptfix strip-module": [ckptfix, "strip-module", str(src), str(out)],
-            "ckptfix inspect": [ckptfix, "inspect", str(src)],
+            **{
+                f"ckptfix {name}, {engine} engine": ["env", f"CKPTFIX_ENGINE={engine}", ckptfix, *command]
+                for name, command in (
+                    ("strip-module", ["strip-module", str(src), str(out)]),
+                    ("inspect", ["inspect", str(src)]),
+                )
+                for engine in ("native", "python")
+            },
             "torch.load -> consume_prefix -> torch.save": [sys.executable, "-c", TORCH_SCRIPT, str(src), str(out)],
         },
         [out],

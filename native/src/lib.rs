@@ -17,6 +17,7 @@ pub mod crc;
 pub mod emit;
 pub mod emit_py;
 pub mod ffi;
+pub mod le;
 pub mod vm;
 pub mod zip;
 pub mod zipwrite;

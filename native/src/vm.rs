@@ -203,15 +203,7 @@ struct Vm<'a> {
     has_loader: bool,
 }
 
-fn u32_at(d: &[u8], p: usize) -> u32 {
-    u32::from_le_bytes([d[p], d[p + 1], d[p + 2], d[p + 3]])
-}
-
-fn u64_at(d: &[u8], p: usize) -> u64 {
-    let mut b = [0u8; 8];
-    b.copy_from_slice(&d[p..p + 8]);
-    u64::from_le_bytes(b)
-}
+use crate::le::{u32_at, u64_at};
 
 impl<'a> Vm<'a> {
     fn charge(&mut self, count: u64, nbytes: u64) -> R<()> {

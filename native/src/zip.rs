@@ -16,12 +16,13 @@ use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::hash::{Hash, Hasher};
 
-const LOCAL_SIG: &[u8; 4] = b"PK\x03\x04";
-const CENTRAL_SIG: &[u8; 4] = b"PK\x01\x02";
-const EOCD_SIG: &[u8; 4] = b"PK\x05\x06";
-const EOCD64_SIG: &[u8; 4] = b"PK\x06\x06";
-const EOCD64_LOCATOR_SIG: &[u8; 4] = b"PK\x06\x07";
-const U32_MAX: u64 = 0xFFFF_FFFF;
+/// The zip record signatures (APPNOTE 4.3), shared with the writer (`zipwrite.rs`).
+pub(crate) const LOCAL_SIG: &[u8; 4] = b"PK\x03\x04";
+pub(crate) const CENTRAL_SIG: &[u8; 4] = b"PK\x01\x02";
+pub(crate) const EOCD_SIG: &[u8; 4] = b"PK\x05\x06";
+pub(crate) const EOCD64_SIG: &[u8; 4] = b"PK\x06\x06";
+pub(crate) const EOCD64_LOCATOR_SIG: &[u8; 4] = b"PK\x06\x07";
+pub(crate) const U32_MAX: u64 = 0xFFFF_FFFF;
 const U16_MAX: u64 = 0xFFFF;
 const LOCAL_HEADER: usize = 30;
 const CENTRAL_HEADER: usize = 46;
@@ -69,19 +70,7 @@ fn bad<T>(message: String) -> Res<T> {
     Err(Stop::Bad(message))
 }
 
-fn u16_at(b: &[u8], at: usize) -> u16 {
-    u16::from_le_bytes([b[at], b[at + 1]])
-}
-
-fn u32_at(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]])
-}
-
-fn u64_at(b: &[u8], at: usize) -> u64 {
-    let mut word = [0u8; 8];
-    word.copy_from_slice(&b[at..at + 8]);
-    u64::from_le_bytes(word)
-}
+use crate::le::{u16_at, u32_at, u64_at};
 
 /// Python's `repr()` of an ASCII `str` (the names in messages; non-ASCII never gets here).
 pub fn py_repr(s: &[u8]) -> String {

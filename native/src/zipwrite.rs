@@ -6,16 +6,12 @@
 //! (a name or a value too wide for its field: `struct.error`) this returns `None` and the
 //! Python writer runs, raising the same.
 
-const LOCAL_SIG: &[u8; 4] = b"PK\x03\x04";
-const CENTRAL_SIG: &[u8; 4] = b"PK\x01\x02";
-const EOCD_SIG: &[u8; 4] = b"PK\x05\x06";
-const EOCD64_SIG: &[u8; 4] = b"PK\x06\x06";
-const EOCD64_LOCATOR_SIG: &[u8; 4] = b"PK\x06\x07";
+use crate::zip::{CENTRAL_SIG, EOCD64_LOCATOR_SIG, EOCD64_SIG, EOCD_SIG, LOCAL_SIG, U32_MAX};
+
 const DESCRIPTOR_SIG: &[u8; 4] = b"PK\x07\x08";
 const LOCAL_HEADER: u64 = 30;
 const ALIGNMENT: u64 = 64;
 const FLAGS: u16 = 0x0808;
-const U32_MAX: u64 = 0xFFFF_FFFF;
 /// ziparchive's `offset + size + 4096` margin: a small record near the zip64 threshold takes
 /// the general path
 const MARGIN: u64 = 4096;
