@@ -1021,18 +1021,21 @@ def write_checkpoint(
     ``max_expand`` bounds the tensor bytes a .safetensors output may hold, as ``--max-expand``
     does (default: 16x the input's size, at least 1 GiB).
     """
-    out_path = Path(out_path)
-    _, file_format = output_target(str(out_path), None, None)
+    target = os.fspath(out_path)
+    remote = is_url(target)  # an object in a store: a URL stays a URL (Path would make s3:// s3:/)
+    dest: str | Path = target if remote else Path(target)
+    _, file_format = output_target(target, None, None)
     budget = expand_budget(max_expand, ckpt.file_size)
     if file_format != "pth":
         flat, metadata = flat_state_dict(root, root, keep_metadata=False)
         plan_safetensors(flat, metadata, max_data_bytes=budget)  # refuse before the output exists
-    with atomic_output(out_path) as out:
+    with atomic_output(dest) as out:
         if file_format == "pth":
             ckpt.write(root, out, progress=progress)
         else:
             write_safetensors(flat, out, metadata, progress=progress, max_data_bytes=budget)
-    return out_path.stat().st_size
+        written = out.tell()
+    return written if remote else Path(target).stat().st_size
 
 
 @names_input

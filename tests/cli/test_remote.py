@@ -4,6 +4,7 @@ HTTP server. Requests and bytes are counted on the server side (tests/remote_ser
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from collections.abc import Iterator
@@ -13,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 from conftest import assert_values, invoke_cli
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load, load_file, save_file
 
 pytest.importorskip("s3fs", reason="the S3 tests need the [remote] extra (s3fs) and moto[server]")
 pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
@@ -778,3 +779,24 @@ def test_remote_records_read_from_far_in_or_deflated_convert_as_local_ones(tmp_p
             outputs[where] = load_file(out)
         assert_values(outputs["remote"], outputs["local"])
         assert_values(outputs["remote"], {"tail": base[60000:], "head": base[:10]})
+
+
+def test_the_api_writes_to_a_url_as_the_cli_does(local: Path) -> None:
+    """``ckptfix.write_checkpoint(ckpt, root, URL)`` uploads to the URL (it once turned
+    ``memory://x`` into the local path ``memory:/x``), safetensors and .pth alike."""
+    import fsspec
+
+    import ckptfix
+
+    memory = fsspec.filesystem("memory")
+    ckpt = ckptfix.read_checkpoint(local / "model.safetensors")
+    for name in ("api/out.safetensors", "api/out.pth"):
+        written = ckptfix.write_checkpoint(ckpt, ckpt.root, f"memory://{name}")
+        data = memory.cat_file(f"/{name}")
+        assert written == len(data) > 0
+        assert not Path(f"memory:/{name}").exists()
+    assert_values(
+        torch.load(io.BytesIO(memory.cat_file("/api/out.pth")), weights_only=True),
+        load_file(local / "model.safetensors"),
+    )
+    assert_values(load(memory.cat_file("/api/out.safetensors")), load_file(local / "model.safetensors"))
