@@ -160,7 +160,9 @@ class _Emitter:
         if index is not None:
             self.out += b"h" + bytes((index,)) if index < 256 else b"j" + _pack_I(index)
             return
-        if not is_dotted_identifier(value.full):
+        # the name written is module and name, so those are what is checked (``full`` is only
+        # their cache: a record changed behind the frozen dataclass's back may disagree with it)
+        if not is_dotted_identifier(value.full) or value.full != f"{value.module}.{value.name}":
             raise BadInputError(f"refusing to write a global named {value.full!r:.120}: not a Python name")
         module = _PY2_MODULES.get(value.module, value.module)
         self.out += b"c" + f"{module}\n{value.name}\n".encode()

@@ -494,15 +494,31 @@ impl Builder<'_> {
             api.tuple_items(obj, &mut items)?;
             Node::Tuple(self.span(&items)?)
         } else if ty == t.ordered_dict {
-            api.ordered_items(obj, t.a_items, &mut items)?;
-            let span = self.span(&items)?;
-            // getattr(od, "__dict__"): made on first access, as the Python emitter's getattr does
+            // getattr(od, "__dict__"): made on first access, as the Python emitter's getattr does.
+            // Read first: `od.items` below must be OrderedDict's C method, so no instance
+            // attribute may shadow it (one set in code is Python code, which could free what is
+            // read here), and every attribute name must be an exact str (a key's `__eq__` would
+            // run in that lookup)
             let attrs = api.attr(obj, t.a_dict)?;
             if api.type_of(attrs) != t.dict {
                 return Err(Unsupported);
             }
             let mut probe = Vec::new();
             api.dict_items(attrs, &mut probe);
+            for &name in probe.iter().step_by(2) {
+                if api.type_of(name) != t.str_ || api.utf8(name)? == b"items" {
+                    return Err(Unsupported);
+                }
+            }
+            // the items iterator hashes each key: only keys whose hash is C code (PyDict_Next
+            // reads the OrderedDict's dict part without hashing)
+            api.dict_items(obj, &mut items);
+            if items.iter().step_by(2).any(|&key| api.type_of(key) != t.str_ && api.type_of(key) != t.int) {
+                return Err(Unsupported);
+            }
+            items.clear();
+            api.ordered_items(obj, t.a_items, &mut items)?;
+            let span = self.span(&items)?;
             let attrs = if probe.is_empty() { None } else { Some(self.value(attrs)?) };
             Node::OrderedDict(span, attrs)
         } else if ty == t.storage {

@@ -115,3 +115,18 @@ def test_bad_glob_patterns_refused(pattern: str) -> None:
         check_global_patterns(["numpy.*", pattern])
     message = str(info.value)
     assert "\n" not in message and repr(pattern) in message
+
+
+def test_the_writer_checks_the_name_it_writes_not_its_cache() -> None:
+    """``Global.full`` caches ``module.name``; a record changed behind the frozen dataclass's
+    back (``object.__setattr__``) kept a dotted ``full`` while its module held newlines -- opcodes
+    the writer then wrote (``posix.system('id')``). The check now covers what is written."""
+    from ckptfix.errors import BadInputError
+    from ckptfix.model.refs import Global
+    from ckptfix.pickling import writer
+
+    tampered = Global("torch", "float32")
+    object.__setattr__(tampered, "module", "posix\nsystem\n(X\x02\x00\x00\x00idtR0ctorch")
+    for dumps in (writer.dumps, writer.dumps_python):
+        with pytest.raises(BadInputError, match="not a Python name"):
+            dumps({"x": tampered})

@@ -233,3 +233,41 @@ def test_a_tensor_in_its_own_metadata_is_left_to_python() -> None:
     t = TensorRef(storage, 0, (4,), (1,), "float32", metadata=meta)
     meta["self"] = t
     assert_same({"t": t}, handled=False)
+
+
+# -- no Python code runs while the library reads (review of issue 26) ---------------------------
+
+
+def test_an_ordered_dict_whose_items_is_shadowed_in_code_is_left_to_python() -> None:
+    """``od.items = ...`` (an instance attribute, set in code) shadowed OrderedDict's C method:
+    the library called it -- Python code -- and kept borrowed pointers to what it returned,
+    freed when its iterator went: a segfault here (a 4 MiB str is unmapped when freed)."""
+    od: Any = OrderedDict()
+    od.items = lambda: iter([("k", "x" * (1 << 22))])
+    assert native_emit.torch_pickle({"od": od}, writer._NATIVE_OBJECTS, writer._NATIVE_SLOTS) is None
+    with pytest.raises(BadInputError, match="function"):
+        writer.dumps({"od": od})
+
+
+def test_ordered_dict_keys_with_python_hashing_are_left_to_python() -> None:
+    """The OrderedDict items iterator hashes each key: a key whose ``__hash__`` is Python code
+    ran inside the library (which could free what it reads). Such keys are Python's."""
+    calls = []
+
+    class Key:
+        def __hash__(self) -> int:
+            calls.append(1)
+            return 7
+
+    od = OrderedDict([(Key(), 1)])
+    calls.clear()
+    assert native_emit.torch_pickle({"od": od}, writer._NATIVE_OBJECTS, writer._NATIVE_SLOTS) is None
+    assert calls == []
+    # a Global key (a frozen dataclass: its __hash__ is Python) likewise; str and int keys stay native
+    assert (
+        native_emit.torch_pickle(
+            OrderedDict([(Global("torch", "float32"), 1)]), writer._NATIVE_OBJECTS, writer._NATIVE_SLOTS
+        )
+        is None
+    )
+    assert_same(OrderedDict([("a", 1), (2, "b")]))
