@@ -108,7 +108,8 @@ def _offsets_of(probe: object, target: object, size: int) -> list[int]:
 def type_offset() -> int | None:
     """Where an object keeps its type pointer (``ob_type``), found on probes; None if unclear."""
     probes: tuple[object, ...] = (object(), 1.5, [], {}, ())
-    found = set.intersection(*(set(_offsets_of(p, type(p), _POINTER * 4)) for p in probes))
+    # each probe is read only within its own fixed part (``__basicsize__``: 16 bytes for object())
+    found = set.intersection(*(set(_offsets_of(p, type(p), type(p).__basicsize__)) for p in probes))
     return found.pop() if len(found) == 1 else None
 
 
