@@ -206,7 +206,6 @@ def _parts(target: Path, is_dir: bool) -> tuple[str, list[Path], list[str]] | No
     if is_dir and is_dcp_folder(target):
         return "dcp", [target / METADATA_NAME], []
     if is_dir and is_deepspeed_folder(target):
-        _local_only(target, "a DeepSpeed checkpoint folder")
         # every file torch might load: the tags' partitions and anything else checkpoint-like
         return "deepspeed", sorted(p for p in target.rglob("*") if p.is_file() and checkpoint_like(p)), []
     index = find_index(target) if is_dir else target
@@ -216,12 +215,6 @@ def _parts(target: Path, is_dir: bool) -> tuple[str, list[Path], list[str]] | No
         return None if index == target else ("file", [index], [])
     weight_map, _ = read_index(index)
     return "sharded", [index.parent / name for name in dict.fromkeys(weight_map.values())], []
-
-
-def _local_only(folder: Path, what: str) -> None:
-    """Refuse a remote folder of a kind whose scan maps its files (the verdict is not clean)."""
-    if isinstance(folder, RemotePath):
-        raise BadInputError(f"{folder}: {what}; scan reads these from local disk only (copy it locally first)")
 
 
 def _scan_pickle_file(path: Path) -> ScanResult:

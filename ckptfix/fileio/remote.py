@@ -841,6 +841,21 @@ class RemotePath:
                 sizes[posixpath.basename(str(entry.get("name", "")).rstrip("/"))] = entry["size"]
         return sizes
 
+    def rglob(self, pattern: str) -> Iterator[RemotePath]:
+        """The objects at any depth below the folder whose names match ``pattern``, from one
+        recursive listing (``scan`` of a DeepSpeed run folder visits every tag's files)."""
+        import fnmatch
+
+        fs, path = filesystem(str(self))
+        try:
+            names = fs.find(path)
+        except Exception as exc:
+            raise _remote_error(str(self), exc) from None
+        base = path.rstrip("/") + "/"
+        for name in sorted(str(n) for n in names):
+            if name.startswith(base) and fnmatch.fnmatchcase(posixpath.basename(name), pattern):
+                yield self / name[len(base) :]
+
     def glob(self, pattern: str) -> Iterator[RemotePath]:
         import fnmatch
 

@@ -105,12 +105,7 @@ def read_checkpoint(
     st = check_input(path)  # never opens: a FIFO, a device or a socket is refused from its mode
     # a DCP folder first: one question of a remote folder, where a DeepSpeed one lists it
     if stat.S_ISDIR(st.st_mode) and not is_dcp_folder(as_path(path)) and is_deepspeed_folder(as_path(path)):
-        if is_url(path):
-            raise UsageError(
-                f"{path}: a DeepSpeed checkpoint folder; ckptfix reads DeepSpeed folders from local disk only",
-                hint="copy it locally first",
-            )
-        return _read_deepspeed(Path(path), allow_globals, tag, weights)
+        return _read_deepspeed(as_path(path), allow_globals, tag, weights)
     if tag is not None or weights is not None:
         raise UsageError(f"{path}: --tag and --weights choose what a DeepSpeed checkpoint folder gives; not one")
     if stat.S_ISDIR(st.st_mode):

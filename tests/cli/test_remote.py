@@ -573,17 +573,34 @@ def test_a_remote_scan_reads_every_pickle_record_as_a_local_one(tmp_path: Path) 
         assert there[key] == here[key], key
 
 
-def test_a_remote_deepspeed_folder_is_a_clear_local_only_error(tmp_path: Path) -> None:
-    """DeepSpeed folders (issue 24) are read from local disk only: one line, exit 2; scan says so."""
+def test_a_remote_deepspeed_folder_reads_as_the_local_one(s3: tuple[Server, Any], tmp_path: Path) -> None:
+    """A DeepSpeed ZeRO-1 run folder (issue 24: ``latest``, a tag folder, three ranks' optimizer
+    partitions whose fp32 master weights straddle them) in a bucket: inspect, scan and convert
+    give what they give for the local folder, the partitions read by ranged GETs."""
     from conftest import FIXTURES
 
-    url = (FIXTURES / "deepspeed" / "z0_fp32_w2").as_uri()
-    for command in (("inspect", url), ("convert", url, tmp_path / "out.safetensors")):
-        result = invoke_cli(*command)
-        assert result.returncode == 2 and "local disk only" in result.stderr, result.stderr
-    assert list(tmp_path.iterdir()) == []
-    result = invoke_cli("scan", url)
-    assert result.returncode == 3 and "local disk only" in result.stdout + result.stderr
+    server, fs = s3
+    folder = FIXTURES / "deepspeed" / "z1_bf16_w3"
+    for p in folder.rglob("*"):
+        if p.is_file():
+            fs.put(str(p), f"{BUCKET}/ds/{p.relative_to(folder).as_posix()}")
+    url = f"s3://{BUCKET}/ds/"
+    there = invoke_cli("inspect", url, "--json", *_s3_args(server))
+    assert there.returncode == 0, there.stderr
+    here = invoke_cli("inspect", folder, "--json")
+    assert _without_paths(json.loads(there.stdout)) == _without_paths(json.loads(here.stdout))
+    scanned = [json.loads(r.stdout)["files"][0] for r in (invoke_cli("scan", url, "--json", *_s3_args(server)),)]
+    local_scan = json.loads(invoke_cli("scan", folder, "--json").stdout)["files"][0]
+    for key in ("format", "globals", "dangerous", "unknown", "problems"):
+        assert scanned[0][key] == local_scan[key], key
+    server.traffic.reset()
+    out, expected = tmp_path / "there.safetensors", tmp_path / "here.safetensors"
+    result = invoke_cli("convert", url, out, *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    gets = [r for r in server.traffic.requests if r[0] == "GET" and r[1].endswith(".pt")]
+    assert gets and all(r[2] for r in gets), gets  # ranged reads of the state files, never whole objects
+    assert invoke_cli("convert", folder, expected).returncode == 0
+    assert_values(load_file(out), load_file(expected))
 
 
 # =========================================================================== streamed uploads (issue 25)
