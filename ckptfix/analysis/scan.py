@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import mmap
-import os
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, cast
@@ -37,7 +37,7 @@ from ..errors import BadInputError, CkptfixError
 from ..fileio.ranges import FileSlice, RangeSource
 from ..fileio.remote import RemotePath, as_path, consistent_reads, metadata_only
 from ..fileio.ziparchive import read_directory, read_record_bytes
-from ..formats.dcp import METADATA_NAME, dcp_items, is_dcp_folder
+from ..formats.dcp import METADATA_NAME, DcpItem, dcp_items, is_dcp_folder, prefetch_items
 from ..formats.deepspeed import is_deepspeed_folder
 from ..formats.detect import (
     MEGATRON_NOT_READ,
@@ -204,10 +204,8 @@ def _scan_one(target: Path) -> tuple[ScanResult, bool]:
 def _parts(target: Path, is_dir: bool) -> tuple[str, list[Path], list[str]] | None:
     """The files of a checkpoint made of several (kind, files, notes), or None for one file."""
     if is_dir and is_dcp_folder(target):
-        _local_only(target, "a torch.distributed.checkpoint folder")
         return "dcp", [target / METADATA_NAME], []
     if is_dir and is_deepspeed_folder(target):
-        _local_only(target, "a DeepSpeed checkpoint folder")
         # every file torch might load: the tags' partitions and anything else checkpoint-like
         return "deepspeed", sorted(p for p in target.rglob("*") if p.is_file() and checkpoint_like(p)), []
     index = find_index(target) if is_dir else target
@@ -219,18 +217,12 @@ def _parts(target: Path, is_dir: bool) -> tuple[str, list[Path], list[str]] | No
     return "sharded", [index.parent / name for name in dict.fromkeys(weight_map.values())], []
 
 
-def _local_only(folder: Path, what: str) -> None:
-    """Refuse a remote folder of a kind whose scan maps its files (the verdict is not clean)."""
-    if isinstance(folder, RemotePath):
-        raise BadInputError(f"{folder}: {what}; scan reads these from local disk only (copy it locally first)")
-
-
 def _scan_pickle_file(path: Path) -> ScanResult:
     """A file that is one plain pickle (DCP's .metadata)."""
     result = ScanResult(str(path), "pickle")
     try:
         f, size = open_input(str(path))
-        with f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else contextlib.nullcontext(b"") as data:
+        with f, _whole(f, size, "pickle") as data:  # a remote one fetched (DCP's .metadata is small)
             result.globals, result.error = scan_pickles(data, "pickle", count=1)
     except (OSError, CkptfixError, ValueError) as exc:
         result.error = str(exc)
@@ -269,26 +261,71 @@ def _scan_dcp(folder: Path) -> ScanResult:
     except (OSError, CkptfixError) as exc:
         result.error = result.error or f"the items were not scanned: {exc}"
         return result
-    for item in items:
-        label = f"{item.relative_path}@{item.offset}"
-        part = ScanResult(label)
-        try:
-            f, size = open_input(folder / item.relative_path)
-            with f:
-                if item.offset + item.length > size:
-                    raise BadInputError(f"{label}: the item runs past the end of the file ({size} bytes)")
-                blob = FileSlice(f, item.offset, item.length)
-                if blob.read(4) == b"PK\x03\x04":
-                    _scan_zip(cast(BinaryIO, blob), item.length, label, part)
-                else:
-                    data = os.pread(f.fileno(), min(item.length, MAX_PICKLE_BYTES), item.offset)
-                    part.globals, part.error = scan_pickles(data, "pickles", headerless=data[:1] != b"\x80")
-        except (OSError, CkptfixError, ValueError) as exc:
-            part.error = str(exc)
-        result.globals += [Found(g.name, g.verdict, f"{label}:{g.where}", g.reason) for g in part.globals]
-        result.error = result.error or (f"{item.fqn}: {part.error}" if part.error else "")
+    with contextlib.ExitStack() as held:
+        remote = _RemoteItems(folder, items, held) if isinstance(folder, RemotePath) else None
+        for item in items:
+            label = f"{item.relative_path}@{item.offset}"
+            part = ScanResult(label)
+            try:
+                with _item_file(folder, item, remote) as (f, size):
+                    if item.offset + item.length > size:
+                        raise BadInputError(f"{label}: the item runs past the end of the file ({size} bytes)")
+                    blob = FileSlice(f, item.offset, item.length)
+                    if blob.read(4) == b"PK\x03\x04":
+                        _scan_zip(cast(BinaryIO, blob), item.length, label, part)
+                    else:
+                        data = blob.pread(min(item.length, MAX_PICKLE_BYTES), 0)
+                        part.globals, part.error = scan_pickles(data, "pickles", headerless=data[:1] != b"\x80")
+            except (OSError, CkptfixError, ValueError) as exc:
+                part.error = str(exc)
+            result.globals += [Found(g.name, g.verdict, f"{label}:{g.where}", g.reason) for g in part.globals]
+            result.error = result.error or (f"{item.fqn}: {part.error}" if part.error else "")
     result.error = result.error or "; ".join(problems)
     return result
+
+
+class _RemoteItems:
+    """A remote DCP folder's ``.distcp`` objects, each opened once (reading only metadata) for
+    all its items, whose heads and tails are fetched ahead in coalesced batches."""
+
+    def __init__(self, folder: Path, items: list[DcpItem], held: contextlib.ExitStack) -> None:
+        self._folder, self._held = folder, held
+        self._files: dict[str, tuple[BinaryIO, int]] = {}
+        self._batches: dict[tuple[str, int], list[tuple[int, int]]] = {}
+        by_file: dict[str, list[DcpItem]] = {}
+        for item in items:
+            by_file.setdefault(item.relative_path, []).append(item)
+        for name, in_file in by_file.items():
+            for first in range(0, len(in_file), _AHEAD_ITEMS):
+                batch = in_file[first : first + _AHEAD_ITEMS]
+                self._batches[(name, batch[0].offset)] = [(i.offset, i.length) for i in batch]
+
+    def file(self, item: DcpItem) -> tuple[BinaryIO, int]:
+        opened = self._files.get(item.relative_path)
+        if opened is None:
+            with metadata_only():
+                f, size = open_input(str(self._folder / item.relative_path))
+            opened = self._files[item.relative_path] = (self._held.enter_context(f), size)
+        ahead = self._batches.pop((item.relative_path, item.offset), None)
+        if ahead is not None:
+            prefetch_items(opened[0], ahead)
+        return opened
+
+
+#: items of one remote object whose heads and tails are fetched ahead at once
+_AHEAD_ITEMS = 128
+
+
+@contextlib.contextmanager
+def _item_file(folder: Path, item: DcpItem, remote: _RemoteItems | None) -> Iterator[tuple[BinaryIO, int]]:
+    """The open file holding ``item`` and its size: a local file opened for it alone, a remote
+    object opened once for the folder's scan."""
+    if remote is not None:
+        yield remote.file(item)
+        return
+    f, size = open_input(folder / item.relative_path)
+    with f:
+        yield f, size
 
 
 #: where a finding in a safetensors file not named .safetensors comes from

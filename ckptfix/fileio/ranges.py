@@ -17,6 +17,7 @@ therefore place big ranges at an output offset congruent to their source offset 
 from __future__ import annotations
 
 import functools
+import io
 import os
 import zlib
 from collections.abc import Callable, Iterable, Iterator
@@ -62,7 +63,7 @@ class RangeSource(Protocol):
 
     def pread(self, size: int, offset: int) -> bytes: ...
 
-    def prefetch(self, ranges: list[tuple[int, int]]) -> None: ...
+    def prefetch(self, ranges: list[tuple[int, int]], gap: int = ...) -> None: ...
 
     def iter_range(self, offset: int, size: int) -> Iterator[bytes]: ...
 
@@ -172,6 +173,8 @@ class WindowedReader:
     def over(cls, f: BinaryIO) -> WindowedReader:
         """A reader over the open file ``f``, or over just its part when it is a :class:`FileSlice`."""
         if isinstance(f, FileSlice):
+            if f.source is not None:  # it windows and keeps what it fetched itself: pass reads through
+                return cls(-1, 1, base=f.base, end=f.size, source=f.source)
             return cls(f.fileno(), base=f.base, end=f.size)
         if isinstance(f, RangeSource):  # it windows and keeps what it fetched itself: pass reads through
             return cls(-1, 1, source=f)
@@ -183,19 +186,26 @@ class FileSlice(PositionalFile):
 
     For a zip stored inside another file (each item of a torch.distributed.checkpoint
     ``.distcp`` file is a ``torch.save`` zip): the zip reader's offsets are relative to the
-    slice, and no read reaches outside it. The file is not closed with the slice.
+    slice, and no read reaches outside it. The file is not closed with the slice. A slice of a
+    remote object (a :class:`RangeSource`) reads through the object's own cached, planned
+    ranged reads, and has no descriptor (nothing maps it).
     """
 
     def __init__(self, f: BinaryIO, base: int, size: int) -> None:
         super().__init__()
-        self._fd = f.fileno()
+        self.source: RangeSource | None = f if isinstance(f, RangeSource) else None
+        self._fd = -1 if self.source is not None else f.fileno()
         self.base, self.size = base, size
         self._pos = 0
 
     def fileno(self) -> int:
+        if self.source is not None:
+            raise io.UnsupportedOperation("a slice of a remote object has no file descriptor")
         return self._fd
 
     def pread(self, size: int, offset: int) -> bytes:
+        if self.source is not None:
+            return self.source.pread(max(0, min(size, self.size - offset)), self.base + offset)
         return os.pread(self._fd, size, self.base + offset)
 
     def close(self) -> None:

@@ -246,6 +246,11 @@ def metadata_only() -> Iterator[None]:
         _metadata_only.reset(token)
 
 
+def reading_metadata_only() -> bool:
+    """Whether the caller is within :func:`metadata_only` (a reader may then plan no tensor bytes)."""
+    return _metadata_only.get()
+
+
 def _info(fs: Any, path: str, url: str) -> dict[str, Any]:
     try:
         invalidate = getattr(fs, "invalidate_cache", None)
@@ -821,6 +826,35 @@ class RemotePath:
             raise _remote_error(str(self), exc) from None
         for name in sorted(names):
             yield self / posixpath.basename(str(name).rstrip("/"))
+
+    def file_sizes(self) -> dict[str, int]:
+        """The folder's objects (name -> size), from one listing (a DCP folder's items are
+        checked against it, and its size summed, without a request per object)."""
+        fs, path = filesystem(str(self))
+        try:
+            entries = fs.ls(path, detail=True)
+        except Exception as exc:
+            raise _remote_error(str(self), exc) from None
+        sizes: dict[str, int] = {}
+        for entry in entries:
+            if isinstance(entry, dict) and entry.get("type") != "directory" and isinstance(entry.get("size"), int):
+                sizes[posixpath.basename(str(entry.get("name", "")).rstrip("/"))] = entry["size"]
+        return sizes
+
+    def rglob(self, pattern: str) -> Iterator[RemotePath]:
+        """The objects at any depth below the folder whose names match ``pattern``, from one
+        recursive listing (``scan`` of a DeepSpeed run folder visits every tag's files)."""
+        import fnmatch
+
+        fs, path = filesystem(str(self))
+        try:
+            names = fs.find(path)
+        except Exception as exc:
+            raise _remote_error(str(self), exc) from None
+        base = path.rstrip("/") + "/"
+        for name in sorted(str(n) for n in names):
+            if name.startswith(base) and fnmatch.fnmatchcase(posixpath.basename(name), pattern):
+                yield self / name[len(base) :]
 
     def glob(self, pattern: str) -> Iterator[RemotePath]:
         import fnmatch

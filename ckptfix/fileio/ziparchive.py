@@ -152,7 +152,7 @@ def _read_directory_native(f: BinaryIO, file_size: int, path: str) -> native_zip
     """The native reader's columns for a local file (a remote one's reads are planned by
     :func:`_plan_remote_reads`, in Python), or None for the Python engine."""
     limit: int | None
-    if isinstance(f, FileSlice):
+    if isinstance(f, FileSlice) and f.source is None:
         base, limit = f.base, f.size
     elif isinstance(f, (io.BufferedReader, io.FileIO)):
         base, limit = 0, None
@@ -373,6 +373,10 @@ class ZipDirectory(Mapping[str, ZipRecord]):
                 yield self._header_offset[i], self._data_offset[i] + self._compressed_size[i], name
 
 
+#: the tail read first for the end records (a remote item's tail is fetched ahead this long)
+_SHORT_TAIL = 4096 + 22
+
+
 def _read_end(f: BinaryIO, file_size: int, path: str) -> _End:
     """The end of central directory record (and its zip64 twin), checked for consistency.
 
@@ -380,10 +384,14 @@ def _read_end(f: BinaryIO, file_size: int, path: str) -> _End:
     between its parts is where readers disagree (:mod:`zipfile` shifts every offset by such a
     prefix, newer miniz versions too, we do not).
     """
-    tail_len = min(file_size, 22 + _U16_MAX)
-    f.seek(file_size - tail_len)
-    tail = f.read(tail_len)
-    pos = tail.rfind(_EOCD_SIG)
+    # the last 4 KiB first (an archive without a comment, as torch writes them, ends there; a
+    # signature found there is also the last in the longest tail), then as far as a comment reaches
+    for tail_len in dict.fromkeys((min(file_size, _SHORT_TAIL), min(file_size, 22 + _U16_MAX))):
+        f.seek(file_size - tail_len)
+        tail = f.read(tail_len)
+        pos = tail.rfind(_EOCD_SIG)
+        if pos >= 0:
+            break
     if pos < 0 or pos + _EOCD.size > len(tail):
         raise BadInputError(
             f"{path}: the zip directory at the end of the file is missing: the file is "

@@ -11,16 +11,17 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import BadInputError, UnsafeInputError, UsageError
-from ..fileio.remote import RemotePath, as_path
+from ..fileio.remote import RemotePath, as_path, reading_metadata_only
 from ..fileio.urls import is_url
 from ..model.needs import need_torch
 from ..model.refs import Tree
 from ..pickling.globals import danger
 from ..pickling.reader import display_name
-from .dcp import is_dcp_folder, read_dcp, read_dcp_safely
+from .dcp import METADATA_NAME, dcp_file_sizes, is_dcp_folder, read_dcp, read_dcp_safely
 from .deepspeed import DeepSpeedInfo, is_deepspeed_folder, read_deepspeed
 from .detect import (
     MEGATRON_HINT,
+    MEGATRON_METADATA,
     MEGATRON_NOT_READ,
     NOT_READ_BY_GLOBAL,
     check_input,
@@ -102,13 +103,9 @@ def read_checkpoint(
     """
     path = str(path)
     st = check_input(path)  # never opens: a FIFO, a device or a socket is refused from its mode
-    if stat.S_ISDIR(st.st_mode) and is_deepspeed_folder(as_path(path)) and not is_dcp_folder(as_path(path)):
-        if is_url(path):
-            raise UsageError(
-                f"{path}: a DeepSpeed checkpoint folder; ckptfix reads DeepSpeed folders from local disk only",
-                hint="copy it locally first",
-            )
-        return _read_deepspeed(Path(path), allow_globals, tag, weights)
+    # a DCP folder first: one question of a remote folder, where a DeepSpeed one lists it
+    if stat.S_ISDIR(st.st_mode) and not is_dcp_folder(as_path(path)) and is_deepspeed_folder(as_path(path)):
+        return _read_deepspeed(as_path(path), allow_globals, tag, weights)
     if tag is not None or weights is not None:
         raise UsageError(f"{path}: --tag and --weights choose what a DeepSpeed checkpoint folder gives; not one")
     if stat.S_ISDIR(st.st_mode):
@@ -241,27 +238,38 @@ def _refuse_hostile(path: str, refused: UnsafeInputError, read_inert: Callable[[
         raise refused.at(path) from None
 
 
+#: said of a remote DCP folder read for its metadata alone (``inspect``): what it did not read
+REMOTE_DCP_NOTE = (
+    "a remote DCP folder described from its .metadata alone: its items (and the globals their "
+    "pickles name) are not read here; scan and convert read them"
+)
+
+
 def _read_folder(folder: Path, unsafe_load: bool, allow_globals: Sequence[str], inert_unknown: bool) -> Checkpoint:
-    backend = megatron_backend(folder)
+    # a remote folder is listed once, and asked no question its listing answers
+    listing = folder.file_sizes() if isinstance(folder, RemotePath) else None
+    backend = megatron_backend(folder) if listing is None or MEGATRON_METADATA in listing else None
     if backend is not None:
         raise BadInputError(f"{folder}: {MEGATRON_NOT_READ.format(backend=backend)}", hint=MEGATRON_HINT)
-    if is_dcp_folder(folder):
-        if isinstance(folder, RemotePath):
-            raise UsageError(
-                f"{folder}: a torch.distributed.checkpoint folder; ckptfix reads DCP folders from local disk only",
-                hint="copy it locally first",
-            )
-        size = sum(p.stat().st_size for p in folder.iterdir() if p.is_file())
+    if METADATA_NAME in listing if listing is not None else is_dcp_folder(folder):
+        listing = dcp_file_sizes(folder) if listing is None else listing
+        size = sum(listing.values())
         globals_seen: set[str] = set()
         try:
-            root = read_dcp_safely(folder, globals_seen, allow_globals, inert_unknown=inert_unknown)
+            root = read_dcp_safely(folder, globals_seen, allow_globals, inert_unknown=inert_unknown, listing=listing)
         except UnsafeInputError as exc:
             if not unsafe_load:
                 raise
+            if isinstance(folder, RemotePath):
+                raise UsageError(
+                    f"{folder}: --unsafe-load reads a DCP folder through torch from local disk only",
+                    hint="copy it locally first",
+                ) from None
             _refuse_hostile(str(folder), exc, lambda: read_dcp_safely(folder, set(), allow_globals, inert_unknown=True))
             note = "DCP folder read through torch.distributed.checkpoint (--unsafe-load); tensors are in memory"
             return Checkpoint(str(folder), FORMAT_DCP, read_dcp(folder), size, notes=[note], lazy=False)
-        return Checkpoint(str(folder), FORMAT_DCP, root, size, globals_seen)
+        notes = [REMOTE_DCP_NOTE] if listing is not None and reading_metadata_only() else []
+        return Checkpoint(str(folder), FORMAT_DCP, root, size, globals_seen, notes=notes)
     found = find_index(folder)
     if found is None:
         raise BadInputError(

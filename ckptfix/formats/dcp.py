@@ -25,7 +25,9 @@ from pathlib import Path
 from typing import Any, BinaryIO, cast
 
 from ..errors import BadInputError
-from ..fileio.ranges import ComputedSource, FileSlice, OpenFiles
+from ..fileio.positional import PositionalFile
+from ..fileio.ranges import ComputedSource, FileSlice, OpenFiles, RangeSource
+from ..fileio.remote import RemotePath, reading_metadata_only
 from ..model.data import is_c_contiguous, tensor_c_bytes
 from ..model.dtypes import DTYPE_ITEMSIZE
 from ..model.needs import need_torch
@@ -51,6 +53,18 @@ _METADATA_ALLOW = (
 MAX_METADATA_BYTES = 1 << 30
 #: chunks one tensor may be saved in (FSDP/DTensor: one per rank and shard)
 MAX_CHUNKS = 4096  # the tiling check compares chunks pairwise
+#: what of each item of a remote folder is fetched ahead, in coalesced ranged reads, before the
+#: item's zip is read: its head (``data.pkl`` and the first records' local headers) and its tail
+#: (as much as the zip reader reads to find the end records and the directory); a big item's
+#: tail and the next item's head are one request
+_ITEM_HEAD = 1 << 12
+_ITEM_TAIL = 4096 + 22  # ziparchive's first tail
+#: a gap between the ranges fetched ahead that is fetched rather than asked for in two requests
+#: (a request costs about what moving this many bytes does): an item smaller than this comes
+#: whole, and the tensor data is read again by the writer's own planned reads
+_ITEM_GAP = 1 << 16
+#: entries whose items are fetched ahead at once (bounds what the remote file keeps cached)
+_AHEAD_ENTRIES = 128
 
 
 def _fields(value: object, name: str, where: str) -> dict[str, object]:
@@ -71,13 +85,42 @@ def _size(value: object, where: str) -> tuple[int, ...]:
     return value
 
 
+def dcp_file_sizes(folder: Path) -> dict[str, int]:
+    """The folder's files by name, with their sizes: a remote folder's from one listing."""
+    if isinstance(folder, RemotePath):
+        return folder.file_sizes()
+    return {p.name: p.stat().st_size for p in folder.iterdir() if p.is_file()}
+
+
+def prefetch_items(f: BinaryIO, places: Sequence[tuple[int, int]]) -> None:
+    """Fetch the head and tail of each ``(offset, length)`` item of a remote file ahead (see
+    :data:`_ITEM_HEAD`): then reading the items' zips makes no request of its own. A local
+    file is left alone."""
+    if not isinstance(f, RangeSource):
+        return
+    ranges: list[tuple[int, int]] = []
+    for offset, length in places:
+        tail = min(length, _ITEM_TAIL)
+        ranges += [(offset, min(length, _ITEM_HEAD)), (offset + length - tail, tail)]
+    f.prefetch(ranges, _ITEM_GAP)
+
+
 def read_dcp_safely(
-    folder: Path, globals_seen: set[str], allow: Sequence[str] = (), *, inert_unknown: bool = False
+    folder: Path,
+    globals_seen: set[str],
+    allow: Sequence[str] = (),
+    *,
+    inert_unknown: bool = False,
+    listing: dict[str, int] | None = None,
 ) -> Tree:
     """The folder's state dict as a lazy tree, read without torch and without running anything.
 
     ``allow`` (``--allow-global``) and ``inert_unknown`` apply to the non-tensor values, as for any
-    checkpoint.
+    checkpoint. A remote folder (a :class:`~ckptfix.fileio.remote.RemotePath`) is checked against
+    its one listing (``listing``, else made here), and its items are read by planned ranged reads
+    of their ``.distcp`` objects; reading only metadata (:func:`~ckptfix.fileio.remote.metadata_only`:
+    ``inspect``), its tensors are described from ``.metadata`` alone, and their items are read
+    only if their bytes are asked for.
     """
     where = str(folder / METADATA_NAME)
     f, size = open_input(folder / METADATA_NAME)
@@ -96,15 +139,64 @@ def read_dcp_safely(
         for _, stored in stored_items:
             if stored.get("transform_descriptors"):
                 raise BadInputError(f"{where}: DCP items saved with transforms (compression) are not supported yet")
+    remote = isinstance(folder, RemotePath)
+    if isinstance(folder, RemotePath):
+        _check_listed(folder, located, folder.file_sizes() if listing is None else listing, where)
+    lazy = remote and reading_metadata_only()
     tree: dict[object, object] = {}
+    entries = list(described.items())
     with OpenFiles() as files:
-        for fqn, meta in described.items():
-            if not isinstance(fqn, str) or fqn not in located:
-                raise BadInputError(f"{where}: corrupt DCP metadata: no stored item for {fqn!r:.80}")
-            value = _read_entry(folder, fqn, meta, located[fqn], globals_seen, (allow, inert_unknown), files, where)
-            path = planner.get(fqn, tuple(fqn.split(".")))
-            _place(tree, path, value, where)
+        for first in range(0, len(entries), _AHEAD_ENTRIES):
+            batch = entries[first : first + _AHEAD_ENTRIES]
+            if remote:
+                _prefetch_entries(folder, batch, located, files, lazy, where)
+            for fqn, meta in batch:
+                if not isinstance(fqn, str) or fqn not in located:
+                    raise BadInputError(f"{where}: corrupt DCP metadata: no stored item for {fqn!r:.80}")
+                chunks = located[fqn]
+                value = _read_entry(folder, fqn, meta, chunks, globals_seen, (allow, inert_unknown), files, where, lazy)
+                path = planner.get(fqn, tuple(fqn.split(".")))
+                _place(tree, path, value, where)
     return tree
+
+
+def _check_listed(folder: Path, located: Located, sizes: dict[str, int], where: str) -> None:
+    """Every item of a remote folder lies within an object its listing has (one line, exit 3,
+    before any item is read)."""
+    for fqn, stored_items in located.items():
+        for _, stored in stored_items:
+            name, offset, length = _item_place(stored, where)
+            if name not in sizes:
+                raise BadInputError(f"{folder / name}: no such object, but {where} stores {fqn!r:.80} there")
+            if offset + length > sizes[name]:
+                raise BadInputError(
+                    f"{folder / name}: an item at {offset}+{length} runs past the end ({sizes[name]} bytes)"
+                )
+
+
+def _is_bytes_entry(meta: object) -> bool:
+    return isinstance(meta, OpaqueObject) and meta.global_.name == "BytesStorageMetadata"
+
+
+def _prefetch_entries(
+    folder: Path,
+    batch: list[tuple[object, object]],
+    located: Located,
+    files: OpenFiles,
+    lazy: bool,
+    where: str,
+) -> None:
+    """Fetch ahead what reading ``batch``'s items will read, per ``.distcp`` object (reading
+    only metadata, only the non-tensor items are read)."""
+    places: dict[str, list[tuple[int, int]]] = {}
+    for fqn, meta in batch:
+        if not isinstance(fqn, str) or fqn not in located or (lazy and not _is_bytes_entry(meta)):
+            continue
+        for _, stored in located[fqn]:
+            name, offset, length = _item_place(stored, where)
+            places.setdefault(name, []).append((offset, length))
+    for name, items in places.items():
+        prefetch_items(files.file(str(folder / name)), items)
 
 
 Located = dict[str, list[tuple[tuple[int, ...] | None, dict[str, object]]]]
@@ -187,15 +279,34 @@ def _read_item(
     globals_seen: set[str],
     allow: tuple[Sequence[str], bool],
     where: str,
+    files: OpenFiles,
 ) -> Tree:
-    """One item: the ``torch.save`` zip at (relative_path, offset, length), read in place."""
+    """One item: the ``torch.save`` zip at (relative_path, offset, length), read in place (a
+    remote object's is opened once for all its items, in ``files``)."""
     name, offset, length = _item_place(stored, where)
+    if isinstance(folder, RemotePath):
+        remote = files.file(str(folder / name))
+        size = cast(PositionalFile, remote).size
+        return _read_item_in(folder, name, remote, size, (offset, length), globals_seen, allow)
     f, size = open_input(folder / name)
     with f:
-        if offset + length > size:
-            raise BadInputError(f"{folder / name}: an item at {offset}+{length} runs past the end ({size} bytes)")
-        part = cast(BinaryIO, FileSlice(f, offset, length))  # a binary file (io.RawIOBase) over the item
-        root, _ = read_torch_zip(str(folder / name), part, length, globals_seen, allow[0], inert_unknown=allow[1])
+        return _read_item_in(folder, name, f, size, (offset, length), globals_seen, allow)
+
+
+def _read_item_in(
+    folder: Path,
+    name: str,
+    f: BinaryIO,
+    size: int,
+    place: tuple[int, int],
+    globals_seen: set[str],
+    allow: tuple[Sequence[str], bool],
+) -> Tree:
+    offset, length = place
+    if offset + length > size:
+        raise BadInputError(f"{folder / name}: an item at {offset}+{length} runs past the end ({size} bytes)")
+    part = cast(BinaryIO, FileSlice(f, offset, length))  # a binary file (io.RawIOBase) over the item
+    root, _ = read_torch_zip(str(folder / name), part, length, globals_seen, allow[0], inert_unknown=allow[1])
     return root
 
 
@@ -208,13 +319,16 @@ def _read_entry(
     allow: tuple[Sequence[str], bool],
     files: OpenFiles,
     where: str,
+    lazy: bool = False,
 ) -> Tree:
-    if isinstance(meta, OpaqueObject) and meta.global_.name == "BytesStorageMetadata":
+    """One entry's value; ``lazy``: a tensor described from the metadata alone, its items read
+    (and checked against it) only when its bytes are asked for."""
+    if _is_bytes_entry(meta):
         # torch reads storage_data[MetadataIndex(fqn)]: the entry without chunk offsets
         plain = [info for offsets, info in stored if offsets is None]
         if not plain:
             raise BadInputError(f"{where}: corrupt DCP metadata: no stored item for {fqn!r:.80} (only tensor chunks)")
-        return _read_item(folder, plain[0], globals_seen, allow, where)
+        return _read_item(folder, plain[0], globals_seen, allow, where, files)
     fields = _fields(meta, "TensorStorageMetadata", where)
     shape = _size(fields.get("size"), where)
     properties = fields.get("properties")
@@ -234,7 +348,7 @@ def _read_entry(
         raise BadInputError(f"{where}: {fqn}: corrupt DCP metadata: no chunks or too many")
     by_offset = {offsets: info for offsets, info in stored}
     used: set[tuple[object, object]] = set()
-    chunks: list[tuple[tuple[int, ...], tuple[int, ...], TensorRef]] = []
+    planned: list[tuple[tuple[int, ...], tuple[int, ...], dict[str, object]]] = []
     for chunk in chunks_meta:
         c = _fields(chunk, "ChunkStorageMetadata", where)
         offsets, sizes = _size(c.get("offsets"), where), _size(c.get("sizes"), where)
@@ -247,7 +361,22 @@ def _read_entry(
         if item_key in used:
             raise BadInputError(f"{where}: {fqn}: two chunks claim one stored item")
         used.add(item_key)
-        piece = _read_item(folder, stored_item, globals_seen, allow, where)
+        planned.append((offsets, sizes, stored_item))
+    itemsize = DTYPE_ITEMSIZE[dtype]
+    numel = 1
+    for n in shape:
+        numel *= n
+    if lazy:
+        _check_tiling(shape, planned, f"{where}: {fqn}")
+
+        def read_whole(open_files: OpenFiles) -> bytes:
+            whole = _read_entry(folder, fqn, meta, stored, set(), allow, open_files, where)
+            return tensor_c_bytes(cast(TensorRef, whole), open_files)
+
+        return tensor_from_range(dtype, shape, ComputedSource(numel * itemsize, read_whole))
+    chunks: list[tuple[tuple[int, ...], tuple[int, ...], TensorRef]] = []
+    for offsets, sizes, stored_item in planned:
+        piece = _read_item(folder, stored_item, globals_seen, allow, where, files)
         if not (isinstance(piece, TensorRef) and piece.dtype == dtype and piece.shape == sizes):
             raise BadInputError(f"{where}: {fqn}: a stored chunk is not a {dtype} tensor of shape {sizes}")
         if not is_c_contiguous(piece.shape, piece.stride):
@@ -257,10 +386,6 @@ def _read_entry(
     _check_tiling(shape, chunks, f"{where}: {fqn}")
     if len(chunks) == 1:
         return chunks[0][2]  # saved whole: a lazy reference into its .distcp file
-    itemsize = DTYPE_ITEMSIZE[dtype]
-    numel = 1
-    for n in shape:
-        numel *= n
 
     def assemble(open_files: OpenFiles) -> bytes:
         import numpy as np
@@ -275,7 +400,7 @@ def _read_entry(
 
 
 def _check_tiling(
-    shape: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...], TensorRef]], what: str
+    shape: tuple[int, ...], chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...], object]], what: str
 ) -> None:
     """The chunks cover the tensor exactly: volumes add up and no two overlap."""
     volume = 1

@@ -105,6 +105,9 @@ NOT_RUN = {
             "ckptfix scan https://example.org/models/model.pth",
             "ckptfix diff s3://my-bucket/runs/42/last.ckpt release/model.safetensors --select state_dict --keys-only",
             "ckptfix inspect hf://datasets/me/ckpts/model.safetensors",
+            "ckptfix inspect s3://training/run-42/step-1000/",
+            "ckptfix scan s3://training/run-42/step-1000/",
+            "ckptfix convert s3://training/run-42/step-1000/ model.safetensors",
             "ckptfix convert s3://training/run-42/last.ckpt s3://releases/model-v1/ "
             "--select state_dict --strip-prefix model. --max-shard-size 5GB",
             "ckptfix inspect s3://bucket/model.pth --storage-option endpoint_url=http://minio.local:9000 "

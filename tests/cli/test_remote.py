@@ -574,17 +574,34 @@ def test_a_remote_scan_reads_every_pickle_record_as_a_local_one(tmp_path: Path) 
         assert there[key] == here[key], key
 
 
-def test_a_remote_deepspeed_folder_is_a_clear_local_only_error(tmp_path: Path) -> None:
-    """DeepSpeed folders (issue 24) are read from local disk only: one line, exit 2; scan says so."""
+def test_a_remote_deepspeed_folder_reads_as_the_local_one(s3: tuple[Server, Any], tmp_path: Path) -> None:
+    """A DeepSpeed ZeRO-1 run folder (issue 24: ``latest``, a tag folder, three ranks' optimizer
+    partitions whose fp32 master weights straddle them) in a bucket: inspect, scan and convert
+    give what they give for the local folder, the partitions read by ranged GETs."""
     from conftest import FIXTURES
 
-    url = (FIXTURES / "deepspeed" / "z0_fp32_w2").as_uri()
-    for command in (("inspect", url), ("convert", url, tmp_path / "out.safetensors")):
-        result = invoke_cli(*command)
-        assert result.returncode == 2 and "local disk only" in result.stderr, result.stderr
-    assert list(tmp_path.iterdir()) == []
-    result = invoke_cli("scan", url)
-    assert result.returncode == 3 and "local disk only" in result.stdout + result.stderr
+    server, fs = s3
+    folder = FIXTURES / "deepspeed" / "z1_bf16_w3"
+    for p in folder.rglob("*"):
+        if p.is_file():
+            fs.put(str(p), f"{BUCKET}/ds/{p.relative_to(folder).as_posix()}")
+    url = f"s3://{BUCKET}/ds/"
+    there = invoke_cli("inspect", url, "--json", *_s3_args(server))
+    assert there.returncode == 0, there.stderr
+    here = invoke_cli("inspect", folder, "--json")
+    assert _without_paths(json.loads(there.stdout)) == _without_paths(json.loads(here.stdout))
+    scanned = [json.loads(r.stdout)["files"][0] for r in (invoke_cli("scan", url, "--json", *_s3_args(server)),)]
+    local_scan = json.loads(invoke_cli("scan", folder, "--json").stdout)["files"][0]
+    for key in ("format", "globals", "dangerous", "unknown", "problems"):
+        assert scanned[0][key] == local_scan[key], key
+    server.traffic.reset()
+    out, expected = tmp_path / "there.safetensors", tmp_path / "here.safetensors"
+    result = invoke_cli("convert", url, out, *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    gets = [r for r in server.traffic.requests if r[0] == "GET" and r[1].endswith(".pt")]
+    assert gets and all(r[2] for r in gets), gets  # ranged reads of the state files, never whole objects
+    assert invoke_cli("convert", folder, expected).returncode == 0
+    assert_values(load_file(out), load_file(expected))
 
 
 # =========================================================================== streamed uploads (issue 25)
@@ -800,3 +817,108 @@ def test_the_api_writes_to_a_url_as_the_cli_does(local: Path) -> None:
         load_file(local / "model.safetensors"),
     )
     assert_values(load(memory.cat_file("/api/out.safetensors")), load_file(local / "model.safetensors"))
+
+
+# =========================================================================== DCP folders by URL (issue 25)
+
+
+@pytest.fixture(scope="module")
+def dcp_folders(s3: tuple[Server, Any], local: Path) -> dict[str, Path]:
+    """Two DCP folders, uploaded under ``dcp_torch/`` and ``dcp_ckptfix/``: one written by torch
+    (``dcp.save(no_dist=True)``: one ``.distcp`` of six 256 KiB tensors) and one by ckptfix
+    (``--format dcp --dcp-files 2``) from the torch zip above."""
+    import torch.distributed.checkpoint as dcp
+
+    _, fs = s3
+    root = local / "dcp"
+    gen = torch.Generator().manual_seed(5)
+    state = {f"block{i}.weight": torch.randn(256, 256, generator=gen) for i in range(6)}
+    dcp.save(state, checkpoint_id=root / "dcp_torch", no_dist=True)
+    made = invoke_cli(
+        "convert", local / "train.pth", root / "dcp_ckptfix", "--select", "state_dict", "--format", "dcp",
+        "--dcp-files", "2",
+    )  # fmt: skip
+    assert made.returncode == 0, made.stderr
+    for name in ("dcp_torch", "dcp_ckptfix"):
+        for p in (root / name).iterdir():
+            fs.put(str(p), f"{BUCKET}/{name}/{p.name}")
+    return root
+
+
+@pytest.mark.parametrize("name", ["dcp_torch", "dcp_ckptfix"])
+def test_inspect_remote_dcp_reads_the_listing_and_metadata_only(
+    s3: tuple[Server, Any], dcp_folders: Path, name: str
+) -> None:
+    server, _ = s3
+    server.traffic.reset()
+    result = invoke_cli("inspect", f"s3://{BUCKET}/{name}/", "--json", *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    requests = server.traffic.requests
+    assert not [r for r in requests if ".distcp" in r[1]], requests  # no item is read, not even asked of
+    reads = [r for r in requests if r[0] == "GET" and "list-type" not in r[1]]
+    assert [r[1].rsplit("/", 1)[-1] for r in reads] == [".metadata"], requests
+    # is it a folder (HEAD, a one-key listing), a DCP one (HEAD .metadata), its listing, .metadata
+    assert len(requests) <= 6, "\n".join(map(str, requests))
+    assert server.traffic.bytes_sent <= (dcp_folders / name / ".metadata").stat().st_size + (1 << 16)
+    # the local report, but for what only the items say: the globals their pickles name
+    there, here = (
+        _without_paths(json.loads(r.stdout)) for r in (result, invoke_cli("inspect", dcp_folders / name, "--json"))
+    )
+    assert set(there.pop("globals")) < set(here.pop("globals"))
+    assert any("described from its .metadata alone" in note for note in there.pop("notes")), there
+    here.pop("notes")
+    assert there == here
+
+
+@pytest.mark.parametrize("name", ["dcp_torch", "dcp_ckptfix"])
+def test_convert_remote_dcp_streams_coalesced_ranges(
+    s3: tuple[Server, Any], dcp_folders: Path, tmp_path: Path, name: str
+) -> None:
+    server, _ = s3
+    server.traffic.reset()
+    out, expected = tmp_path / "there.safetensors", tmp_path / "here.safetensors"
+    result = invoke_cli("convert", f"s3://{BUCKET}/{name}/", out, *_s3_args(server))
+    assert result.returncode == 0, result.stderr
+    items = [r for r in server.traffic.requests if r[0] == "GET" and ".distcp" in r[1]]
+    assert items and all(r[2] for r in items), items  # ranged GETs only: no object downloaded whole
+    size = sum(p.stat().st_size for p in (dcp_folders / name).iterdir())
+    # not a request per record or item: each item's head and tail (its zip's records) fetched
+    # ahead, coalesced; then the tensor bytes once, in the writer's planned reads. An item smaller
+    # than 64 KiB (dcp_ckptfix's 32 KiB tensors) comes whole with its head: its bytes twice
+    objects = [p for p in (dcp_folders / name).iterdir() if p.suffix == ".distcp"]
+    assert len(items) <= 8 * len(objects) if name == "dcp_torch" else 4 * len(objects), items
+    factor = {"dcp_torch": 1.1, "dcp_ckptfix": 2.1}[name]
+    assert server.traffic.bytes_sent <= factor * size + (1 << 16), "\n".join(map(str, server.traffic.requests))
+    assert invoke_cli("convert", dcp_folders / name, expected).returncode == 0
+    assert_values(load_file(out), load_file(expected))
+
+
+def test_scan_remote_dcp_is_the_local_scan(s3: tuple[Server, Any], dcp_folders: Path) -> None:
+    server, _ = s3
+    for name in ("dcp_torch", "dcp_ckptfix"):
+        result = invoke_cli("scan", f"s3://{BUCKET}/{name}/", "--json", *_s3_args(server))
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr
+        there = json.loads(result.stdout)["files"][0]
+        here = json.loads(invoke_cli("scan", dcp_folders / name, "--json").stdout)["files"][0]
+        assert there["format"] == here["format"] == "dcp"
+        for key in ("globals", "dangerous", "error"):
+            assert there.get(key) == here.get(key), key
+        assert any(".distcp@" in g["where"] for g in there["globals"]), there  # the items' pickles too
+
+
+def test_a_remote_dcp_item_missing_is_exit_3_one_line(
+    s3: tuple[Server, Any], dcp_folders: Path, tmp_path: Path
+) -> None:
+    server, fs = s3
+    folder = dcp_folders / "dcp_ckptfix"
+    files = sorted(p.name for p in folder.iterdir() if p.suffix == ".distcp")
+    for p in folder.iterdir():
+        if p.name != files[-1]:
+            fs.put(str(p), f"{BUCKET}/dcp_broken/{p.name}")
+    url = f"s3://{BUCKET}/dcp_broken/"
+    for command in (("inspect", url), ("convert", url, tmp_path / "out.safetensors")):
+        result = invoke_cli(*command, *_s3_args(server))
+        assert result.returncode == 3, result.stderr
+        assert files[-1] in result.stderr and "no such object" in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "Traceback" not in result.stderr
+    assert list(tmp_path.iterdir()) == []
