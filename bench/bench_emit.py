@@ -14,12 +14,10 @@ import argparse
 import gc
 import os
 import statistics
-import subprocess
 import sys
 import time
-from pathlib import Path
 
-from bench_many import MAKE_SCRIPT
+from bench_many import adam_input
 
 from ckptfix.formats.torchzip import compact_storages, read_torch_zip
 from ckptfix.native import emit as native_emit
@@ -28,15 +26,7 @@ from ckptfix.transforms.prefix import strip_prefix
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", type=int, default=50_000)
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--workdir", type=Path, default=Path(__file__).parent / "_work")
-    args = parser.parse_args()
-    src = args.workdir / f"adam_{args.params}.pth"
-    if not src.exists():
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-c", MAKE_SCRIPT, str(src), str(args.params)], check=True)
+    args, src = adam_input(argparse.ArgumentParser(description=__doc__))
     if not native_emit.available():
         sys.exit("the native engine is not loaded (build it: pip install -e ., or set CKPTFIX_NATIVE_LIB)")
     gc.disable()  # as the pipeline runs (collector_paused)

@@ -41,17 +41,24 @@ torch.save(ckpt, sys.argv[2])
 """
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def adam_input(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, Path]:
+    """The options every many-tensor benchmark takes (--params, --runs, --workdir, and the
+    caller's own), and its input: the Adam checkpoint for --params, made by torch once."""
     parser.add_argument("--params", type=int, default=50_000)
     parser.add_argument("--runs", type=int, default=5)
     parser.add_argument("--workdir", type=Path, default=Path(__file__).parent / "_work")
-    parser.add_argument("--engines", action="store_true", help="the writing commands, python vs native engine")
     args = parser.parse_args()
     src = args.workdir / f"adam_{args.params}.pth"
     if not src.exists():
         args.workdir.mkdir(parents=True, exist_ok=True)
         subprocess.run([sys.executable, "-c", MAKE_SCRIPT, str(src), str(args.params)], check=True)
+    return args, src
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--engines", action="store_true", help="the writing commands, python vs native engine")
+    args, src = adam_input(parser)
     ckptfix = shutil.which("ckptfix") or sys.exit("ckptfix is not installed (pip install -e .)")
     out = args.workdir / "many_out.pth"
     tensors = args.params * 4

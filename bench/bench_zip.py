@@ -17,14 +17,12 @@ import argparse
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
-from pathlib import Path
 
-from bench_many import MAKE_SCRIPT
+from bench_many import adam_input
 from harness import timed
 
 from ckptfix import native
@@ -48,15 +46,7 @@ def _measure(fn: Callable[[], object], runs: int) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--params", type=int, default=50_000)
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--workdir", type=Path, default=Path(__file__).parent / "_work")
-    args = parser.parse_args()
-    src = args.workdir / f"adam_{args.params}.pth"
-    if not src.exists():
-        args.workdir.mkdir(parents=True, exist_ok=True)
-        subprocess.run([sys.executable, "-c", MAKE_SCRIPT, str(src), str(args.params)], check=True)
+    args, src = adam_input(argparse.ArgumentParser(description=__doc__))
     os.environ["CKPTFIX_ENGINE"] = "native"
     native.library.cache_clear()
     size = src.stat().st_size
