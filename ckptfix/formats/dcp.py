@@ -362,18 +362,38 @@ def _read_entry(
             raise BadInputError(f"{where}: {fqn}: two chunks claim one stored item")
         used.add(item_key)
         planned.append((offsets, sizes, stored_item))
-    itemsize = DTYPE_ITEMSIZE[dtype]
-    numel = 1
-    for n in shape:
-        numel *= n
     if lazy:
         _check_tiling(shape, planned, f"{where}: {fqn}")
 
         def read_whole(open_files: OpenFiles) -> bytes:
-            whole = _read_entry(folder, fqn, meta, stored, set(), allow, open_files, where)
+            whole = _read_chunks(folder, fqn, dtype, shape, planned, set(), allow, open_files, where)
             return tensor_c_bytes(cast(TensorRef, whole), open_files)
 
-        return tensor_from_range(dtype, shape, ComputedSource(numel * itemsize, read_whole))
+        return tensor_from_range(dtype, shape, ComputedSource(_numel(shape) * DTYPE_ITEMSIZE[dtype], read_whole))
+    return _read_chunks(folder, fqn, dtype, shape, planned, globals_seen, allow, files, where)
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    numel = 1
+    for n in shape:
+        numel *= n
+    return numel
+
+
+def _read_chunks(
+    folder: Path,
+    fqn: str,
+    dtype: str,
+    shape: tuple[int, ...],
+    planned: list[tuple[tuple[int, ...], tuple[int, ...], dict[str, object]]],
+    globals_seen: set[str],
+    allow: tuple[Sequence[str], bool],
+    files: OpenFiles,
+    where: str,
+) -> Tree:
+    """A tensor entry's value from its planned chunks: each stored item read and checked, then
+    the one item itself (a lazy reference into its .distcp file) or the pieces assembled."""
+    itemsize = DTYPE_ITEMSIZE[dtype]
     chunks: list[tuple[tuple[int, ...], tuple[int, ...], TensorRef]] = []
     for offsets, sizes, stored_item in planned:
         piece = _read_item(folder, stored_item, globals_seen, allow, where, files)
@@ -396,7 +416,7 @@ def _read_entry(
             whole[tuple(slice(o, o + n) for o, n in zip(offsets, sizes))] = part
         return whole.tobytes()
 
-    return tensor_from_range(dtype, shape, ComputedSource(numel * itemsize, assemble))
+    return tensor_from_range(dtype, shape, ComputedSource(_numel(shape) * itemsize, assemble))
 
 
 def _check_tiling(
