@@ -485,13 +485,15 @@ def read_all(source: FileRange | ComputedSource, files: OpenFiles) -> bytes:
     return b"".join(iter_chunks(source, files))
 
 
-def crc_of_range(fd: int, offset: int, size: int) -> int:
-    """CRC32 of ``size`` bytes of ``fd`` at ``offset``, read through one reused buffer where the
-    OS has ``preadv`` (a fresh multi-MiB ``bytes`` per read would be page-faulted in anew)."""
-    buffer = bytearray(min(size, _CRC_CHUNK))
+def _reads(fd: int, offset: int, size: int, buffer_size: int) -> Iterator[bytes | memoryview]:
+    """``size`` bytes of ``fd`` from ``offset``, a piece at a time, read into one reused buffer
+    where the OS has ``preadv`` (a fresh multi-MiB ``bytes`` per read would be page-faulted in
+    anew); each piece is valid until the next is asked for. A file that ends early (truncated
+    while read) is bad input, never a short result."""
+    buffer = bytearray(min(size, buffer_size))
     view = memoryview(buffer)
     preadv = getattr(os, "preadv", None)
-    crc, done = 0, 0
+    done = 0
     while done < size:
         want = min(size - done, len(buffer))
         if preadv is not None:
@@ -502,8 +504,15 @@ def crc_of_range(fd: int, offset: int, size: int) -> int:
             got = len(chunk)
         if got == 0:
             raise BadInputError("the input file ended while its data was being copied (truncated?)")
-        crc = crc32(chunk, crc)
+        yield chunk
         done += got
+
+
+def crc_of_range(fd: int, offset: int, size: int) -> int:
+    """CRC32 of ``size`` bytes of ``fd`` at ``offset``."""
+    crc = 0
+    for chunk in _reads(fd, offset, size, _CRC_CHUNK):
+        crc = crc32(chunk, crc)
     return crc
 
 
@@ -561,25 +570,13 @@ _BOUNCE = 1 << 18
 
 
 def _bounce_copy(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> None:
-    """Copy through one reused buffer (``preadv`` into it where the OS has it)."""
-    buffer = bytearray(min(count, _BOUNCE))
-    view = memoryview(buffer)
-    preadv = getattr(os, "preadv", None)
+    """Copy through one reused buffer (:func:`_reads`)."""
     done = 0
-    while done < count:
-        want = min(count - done, len(buffer))
-        if preadv is not None:
-            got = preadv(src_fd, [view[:want]], src_offset + done)
-            chunk: bytes | memoryview = view[:got]
-        else:
-            chunk = os.pread(src_fd, want, src_offset + done)
-            got = len(chunk)
-        if got == 0:
-            raise BadInputError("the input file ended while its data was being copied (truncated?)")
+    for chunk in _reads(src_fd, src_offset, count, _BOUNCE):
         written = 0
-        while written < got:
+        while written < len(chunk):
             written += os.pwrite(dst_fd, chunk[written:], dst_offset + done + written)
-        done += got
+        done += len(chunk)
 
 
 #: file systems whose ``copy_file_range`` copies through this machine's page cache (or shares
