@@ -18,19 +18,24 @@ safe as that one, needs no torch, and copies tensor bytes straight from the file
 
 from __future__ import annotations
 
-import mmap
+import os
 import struct
 from collections.abc import Sequence
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from ..errors import BadInputError, UnsafeInputError
 from ..fileio.ranges import FileRange
 from ..model.refs import Global, StorageRef, Tree, make_storage
 from ..model.walk import check_extents
 from ..pickling.reader import restricted_load
+from ..pickling.vm import Budgets
+from .torchzip import MAX_PICKLE_BYTES
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
 PROTOCOL_VERSION = 1001
+
+#: the first read of the file's head: where the pickles of most legacy files end
+_FIRST_READ = 1 << 20
 
 
 def _one_key_space(path: str, key: str) -> BadInputError:
@@ -53,26 +58,73 @@ def read_legacy(
 ) -> Tree:
     """Parse a legacy torch file into a tree of lazy references (no tensor data is read).
 
-    The pickles are run by the VM straight over a read-only memory map of the file (no copy);
-    the storages' byte ranges are known only after the last pickle, so every tensor and view
-    extent is checked then, against the real bytes (:func:`check_extents`).
+    The pickles are read from a copy of the file's head, taken with ``pread`` -- never a memory
+    map, which SIGBUSes when another process shrinks the file while it is read. Where they end is
+    known only once they are read, so the head starts at 1 MiB and doubles while the pickles run
+    past it, up to the pickle budget the zip format has (:data:`MAX_PICKLE_BYTES`): work and
+    memory stay within twice the pickles' size. The budgets are the whole file's, as before. The
+    storages' byte ranges are known only after the last pickle, so every tensor and view extent
+    is checked then, against the real bytes (:func:`check_extents`).
     """
     if file_size == 0:
         raise BadInputError(f"{path}: an empty file")
-    with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        return _read(path, data, file_size, globals_seen, allow, inert_unknown)
+    fd = f.fileno()
+    cap = min(file_size, MAX_PICKLE_BYTES + _FIRST_READ)
+    size = min(file_size, _FIRST_READ)
+    while True:
+        head = _pread(fd, size, 0)
+        try:
+            pickles = _read_pickles(path, head, file_size, globals_seen, allow, inert_unknown)
+            break
+        except BadInputError:
+            # the pickles may run past the head read so far: read on (a pickle that is wrong
+            # within the head fails the same way on a longer one)
+            if len(head) < size or size >= cap:  # the whole file (or the budget) was read
+                raise
+            size = min(size * 2, cap)
+    del head
+    return _attach_storages(path, fd, file_size, pickles)
 
 
-def _read(
-    path: str, data: mmap.mmap, file_size: int, globals_seen: set[str], allow: Sequence[str], inert_unknown: bool
-) -> Tree:
-    magic, pos = restricted_load(data, None)
+def _pread(fd: int, size: int, offset: int) -> bytes:
+    """``size`` bytes at ``offset``, fewer where the file ends first (it may shrink meanwhile)."""
+    parts, got = [], 0
+    while got < size:
+        part = os.pread(fd, size - got, offset + got)
+        if not part:
+            break
+        parts.append(part)
+        got += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+class _Pickles(NamedTuple):
+    """What the pickles say: the tree, the storage keys in file order and where their data
+    starts, and the storages and views the tree named."""
+
+    tree: Tree
+    keys: list[str]
+    offset: int
+    roots: dict[str, StorageRef]
+    views: dict[str, tuple[StorageRef, StorageRef, int]]
+
+
+def _read_pickles(
+    path: str,
+    data: bytes,
+    file_size: int,
+    globals_seen: set[str],
+    allow: Sequence[str],
+    inert_unknown: bool,
+) -> _Pickles:
+    budgets = Budgets.for_length(file_size)
+    magic, pos = restricted_load(data, None, budgets=budgets)
     if type(magic) is not int or magic != MAGIC_NUMBER:
         raise BadInputError(f"{path}: not a legacy torch checkpoint (bad magic number)")
-    version, pos = restricted_load(data, None, start=pos)
+    version, pos = restricted_load(data, None, start=pos, budgets=budgets)
     if type(version) is not int or version != PROTOCOL_VERSION:
         raise BadInputError(f"{path}: unsupported legacy torch protocol version")
-    sys_info, pos = restricted_load(data, None, start=pos)
+    sys_info, pos = restricted_load(data, None, start=pos, budgets=budgets)
     if not isinstance(sys_info, dict):
         raise BadInputError(f"{path}: corrupt legacy checkpoint header")
     roots: dict[str, StorageRef] = {}
@@ -112,13 +164,26 @@ def _read(
 
     try:
         tree, pos = restricted_load(
-            data, load_storage, globals_seen, allow, start=pos, check_depth=False, inert_unknown=inert_unknown
+            data,
+            load_storage,
+            globals_seen,
+            allow,
+            start=pos,
+            budgets=budgets,
+            check_depth=False,
+            inert_unknown=inert_unknown,
         )
     except UnsafeInputError as exc:
         raise exc.at(path) from None
-    keys, offset = restricted_load(data, None, start=pos)
+    keys, offset = restricted_load(data, None, start=pos, budgets=budgets)
     if type(keys) is not list or not all(type(k) is str for k in keys):
         raise BadInputError(f"{path}: corrupt legacy checkpoint (bad storage key list)")
+    return _Pickles(tree, keys, offset, roots, views)
+
+
+def _attach_storages(path: str, fd: int, file_size: int, pickles: _Pickles) -> Tree:
+    """Each storage's bytes, after the pickles: an int64 count then the data, in key order."""
+    tree, keys, offset, roots, views = pickles
     sources: dict[str, FileRange] = {}
     for key in keys:
         storage = roots.get(key)
@@ -126,9 +191,10 @@ def _read(
             raise BadInputError(f"{path}: storage {key!r:.40} is listed but no tensor uses it")
         if key in sources:
             raise BadInputError(f"{path}: storage {key!r:.40} is listed twice")
-        if offset + 8 > file_size:
+        counted = _pread(fd, 8, offset) if offset + 8 <= file_size else b""
+        if len(counted) < 8:  # the file ends there, or has shrunk since it was opened
             raise BadInputError(f"{path}: the file ends before storage {key!r:.40}: truncated")
-        (count,) = struct.unpack_from("<q", data, offset)
+        (count,) = struct.unpack("<q", counted)
         size = count * storage.itemsize
         if count != storage.numel or offset + 8 + size > file_size:
             raise BadInputError(

@@ -99,3 +99,44 @@ def test_a_file_truncated_while_its_data_is_read(case: str, source: Path, tmp_pa
     assert not any(p.name.startswith("out.") for p in tmp_path.iterdir())
     assert no_temp_files(tmp_path)
     assert os.path.getsize(tmp_path / "in.pth") == size
+
+
+LEGACY_RUNNER = """
+import subprocess, sys
+from ckptfix.formats import legacy_pickle
+from ckptfix.cli import main
+
+victim, nth = sys.argv[1], int(sys.argv[2])
+original, calls = legacy_pickle.restricted_load, [0]
+
+def shrinking(*args, **kwargs):
+    calls[0] += 1
+    if calls[0] == nth:  # another process cuts the file to its pickles' 16 KiB between two of them
+        subprocess.run(["truncate", "-s", "16K", victim], check=True)
+    return original(*args, **kwargs)
+
+legacy_pickle.restricted_load = shrinking
+sys.argv = ["ckptfix", *sys.argv[3:]]
+main()
+"""
+
+
+def test_a_legacy_file_truncated_while_its_pickles_are_read(source: Path, tmp_path: Path) -> None:
+    """The legacy format's storage counts lie after its pickles: read from a memory map of the
+    whole file, a file shrunk meanwhile SIGBUSed there (a page wholly past the new end). Cut
+    before the tree pickle (the 4th of five), the counts are past the new end: exit 3 with one
+    line, nothing written."""
+    victim = tmp_path / "in.pth"
+    torch.save(torch.load(source, weights_only=True), victim, _use_new_zipfile_serialization=False)
+    out = tmp_path / "out.safetensors"
+    result = subprocess.run(
+        [sys.executable, "-c", LEGACY_RUNNER, str(victim), "4", "convert", str(victim), str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 3, (result.returncode, result.stderr[-2000:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "truncated" in lines[0], result.stderr[-2000:]
+    assert not out.exists() and no_temp_files(tmp_path)

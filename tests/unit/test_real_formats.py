@@ -42,6 +42,29 @@ def test_legacy_file_of_any_pickle_protocol_is_read_and_fixed(tmp_path: Path, pr
     assert_same_tree(torch.load(out, weights_only=True), expected)
 
 
+def test_a_legacy_file_whose_pickles_outgrow_the_first_read_is_read_whole(tmp_path: Path) -> None:
+    """The legacy reader reads the file's head (1 MiB first, then doubling) rather than mapping
+    the file; a tree pickle of ~1.3 MiB (9 000 tensors) must come out whole, as torch reads it,
+    and the head it read must have grown by doubling (up to the file's size), no faster."""
+    src = tmp_path / "big_legacy.pth"
+    tree = {f"module.blocks.{i}.weight": torch.full((2,), float(i)) for i in range(9_000)}
+    torch.save(tree, src, _use_new_zipfile_serialization=False)
+    from ckptfix.formats import legacy_pickle
+
+    sizes: list[int] = []
+    original = legacy_pickle._pread
+    try:
+        legacy_pickle._pread = lambda fd, size, offset: sizes.append(size) or original(fd, size, offset)  # type: ignore[assignment,func-returns-value]
+        out = tmp_path / "out.pth"
+        ckptfix.fix_prefix(src, out)
+    finally:
+        legacy_pickle._pread = original  # type: ignore[assignment]
+    heads = [s for s in sizes if s != 8]  # the storage counts are 8-byte reads
+    whole = src.stat().st_size
+    assert len(heads) >= 2 and heads == [min((1 << 20) << i, whole) for i in range(len(heads))], (heads, whole)
+    assert_same_tree(torch.load(out, weights_only=True), _stripped(torch.load(src, weights_only=True)))
+
+
 def _old_rebuild_pickle(storage_key: str = "0") -> bytes:
     """What torch < 0.4 pickled for a tensor: ``_rebuild_tensor(storage, offset, size, stride)``
     (no requires_grad, no hooks), here inside a state dict, with torch's persistent id."""
