@@ -126,7 +126,10 @@ def display_name(module: str, name: str) -> str:
 # --------------------------------------------------------------------------- builders
 
 
-def _as_int_tuple(value: Any, what: str) -> tuple[int, ...]:
+def _as_int_tuple(value: Any, what: str, signed: bool = False) -> tuple[int, ...]:
+    """A size or stride as a tuple of ints (a ``torch.Size`` or a list taken as one); strides
+    may be ``signed`` (torch reads a negative stride where it spans no element: see
+    :func:`_torch_strides`)."""
     if type(value) is not tuple:
         if type(value) is Reduce and value.func.full == "torch.Size" and len(value.args) == 1:
             value = value.args[0]
@@ -135,7 +138,7 @@ def _as_int_tuple(value: Any, what: str) -> tuple[int, ...]:
         if type(value) is not tuple:
             raise BadInputError(f"corrupt tensor record: its {what} is not a tuple of non-negative integers")
     for v in value:
-        if type(v) is not int or v < 0:
+        if type(v) is not int or (v < 0 and not signed):
             raise BadInputError(f"corrupt tensor record: its {what} is not a tuple of non-negative integers")
     shared = _SHAPES.get(value)  # checked first: (True,) == (1,), but only ints may match
     if shared is None:
@@ -159,6 +162,27 @@ _SMALL = 1 << 40
 _TENSOR_ARGS = {"_rebuild_tensor": 4, "_rebuild_tensor_v2": 6, "_rebuild_tensor_v3": 7}
 
 
+def _torch_strides(shape: tuple[int, ...], strides: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides torch gives a tensor pickled with negative ones, or its refusal.
+
+    torch sizes the storage a tensor needs in unsigned arithmetic (c10's
+    ``computeStorageNbytes``): a negative stride over a dimension of more than one element
+    overflows and is refused -- unless the tensor is empty, which needs no storage at all. The
+    tensor it then makes replaces each negative stride, last dimension first, by 1 (the last)
+    or the next dimension's size (at least 1) times its stride (``set_sizes_and_strides``): so
+    ``(0,)`` with stride ``(-1,)`` loads as stride ``(1,)``, and that is what is written."""
+    if 0 not in shape and any(s < 0 and n > 1 for n, s in zip(shape, strides)):
+        raise BadInputError(
+            "corrupt tensor record: a negative stride over a dimension of more than one element "
+            "(torch refuses it too: its storage size overflows)"
+        )
+    out = list(strides)
+    for d in reversed(range(len(out))):
+        if out[d] < 0:
+            out[d] = 1 if d == len(out) - 1 else max(shape[d + 1], 1) * out[d + 1]
+    return _as_int_tuple(tuple(out), "stride")
+
+
 def _tensor(func: Global, args: tuple[Any, ...]) -> TensorRef:
     """``_rebuild_tensor(storage, offset, size, stride)`` (pre-2018), ``_v2`` (+ requires_grad,
     hooks[, metadata]) and ``_v3`` (+ dtype). Only types are checked here: the extent is
@@ -169,9 +193,11 @@ def _tensor(func: Global, args: tuple[Any, ...]) -> TensorRef:
     storage, offset, size, stride = args[:4]
     if not isinstance(storage, StorageRef) or type(offset) is not int or offset < 0:
         raise BadInputError("corrupt tensor record: bad storage or offset")
-    shape, strides = _as_int_tuple(size, "size"), _as_int_tuple(stride, "stride")
+    shape, strides = _as_int_tuple(size, "size"), _as_int_tuple(stride, "stride", signed=True)
     if len(shape) != len(strides):
         raise BadInputError("corrupt tensor record: size and stride differ in length")
+    if strides and min(strides) < 0:
+        strides = _torch_strides(shape, strides)
     requires_grad, hooks = (args[4], args[5]) if fixed >= 6 else (False, EMPTY_HOOKS)
     if type(requires_grad) is not bool:
         raise BadInputError("corrupt tensor record: requires_grad is not a bool")

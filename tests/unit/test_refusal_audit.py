@@ -153,3 +153,45 @@ def test_every_refusal_is_torchs_own_or_named(label: str, data: bytes, what: str
             weights_only(data)
     elif what.startswith("deviation"):
         weights_only(data)  # torch accepts it: the row says why ckptfix does not
+
+
+#: (shape, stride): negative strides torch reads (empty tensors, one-element dimensions) and refuses
+NEGATIVE_STRIDES = [
+    ((0,), (-1,)),
+    ((0, 2), (-5, 1)),
+    ((2, 0), (9, -1)),
+    ((3, 0, 2), (-1, -2, -3)),
+    ((1,), (-1,)),
+    ((1, 2), (-1, 1)),
+    ((2, 1), (1, -5)),
+    ((1, 1), (-2, -3)),
+    ((4,), (-1,)),
+    ((2, 2), (2, -1)),
+]
+
+
+@pytest.mark.parametrize(("shape", "stride"), NEGATIVE_STRIDES, ids=[f"{a}-{b}" for a, b in NEGATIVE_STRIDES])
+def test_negative_strides_are_read_as_torch_reads_them(tmp_path: Any, shape: Any, stride: Any) -> None:
+    """torch refuses a negative stride over more than one element (its storage size overflows)
+    and reads the rest, replacing each negative stride (c10's ``set_sizes_and_strides``): the
+    fixed file must hold what torch loads -- shape, stride, offset and values."""
+    import torch
+    from hostile import ckpt, make_base_zip, tensor, with_data_pkl
+
+    import ckptfix
+
+    src = with_data_pkl(make_base_zip(tmp_path), ckpt(weight=tensor(size=shape, stride=stride)), tmp_path / "in.pth")
+    try:
+        expected = torch.load(src, weights_only=True)["sd"]["module.w"]
+    except RuntimeError:
+        with pytest.raises(CkptfixError, match="negative stride"):
+            ckptfix.fix_prefix(src, tmp_path / "out.pth")
+        return
+    ckptfix.fix_prefix(src, tmp_path / "out.pth")
+    got = torch.load(tmp_path / "out.pth", weights_only=True)["sd"]["w"]
+    assert (got.shape, got.stride(), got.storage_offset()) == (
+        expected.shape,
+        expected.stride(),
+        expected.storage_offset(),
+    )
+    assert torch.equal(got, expected)
