@@ -42,26 +42,27 @@ def test_legacy_file_of_any_pickle_protocol_is_read_and_fixed(tmp_path: Path, pr
     assert_same_tree(torch.load(out, weights_only=True), expected)
 
 
-def test_a_legacy_file_whose_pickles_outgrow_the_first_read_is_read_whole(tmp_path: Path) -> None:
+def test_a_legacy_file_whose_pickles_outgrow_the_first_read_is_read_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The legacy reader reads the file's head (1 MiB first, then doubling) rather than mapping
-    the file; a tree pickle of ~1.3 MiB (9 000 tensors) must come out whole, as torch reads it,
-    and the head it read must have grown by doubling (up to the file's size), no faster."""
-    src = tmp_path / "big_legacy.pth"
-    tree = {f"module.blocks.{i}.weight": torch.full((2,), float(i)) for i in range(9_000)}
-    torch.save(tree, src, _use_new_zipfile_serialization=False)
+    the file. With the first read cut to 4 KiB, a tree pickle of ~40 KiB (300 tensors) must come
+    out whole, as torch reads it, and the head must have grown by doubling (up to the file's
+    size), no faster."""
     from ckptfix.formats import legacy_pickle
 
+    src = tmp_path / "big_legacy.pth"
+    tree = {f"module.blocks.{i}.weight": torch.full((2,), float(i)) for i in range(300)}
+    torch.save(tree, src, _use_new_zipfile_serialization=False)
     sizes: list[int] = []
     original = legacy_pickle._pread
-    try:
-        legacy_pickle._pread = lambda fd, size, offset: sizes.append(size) or original(fd, size, offset)  # type: ignore[assignment,func-returns-value]
-        out = tmp_path / "out.pth"
-        ckptfix.fix_prefix(src, out)
-    finally:
-        legacy_pickle._pread = original  # type: ignore[assignment]
+    monkeypatch.setattr(legacy_pickle, "_FIRST_READ", 4096)
+    monkeypatch.setattr(legacy_pickle, "_pread", lambda fd, size, at: sizes.append(size) or original(fd, size, at))
+    out = tmp_path / "out.pth"
+    ckptfix.fix_prefix(src, out)
     heads = [s for s in sizes if s != 8]  # the storage counts are 8-byte reads
     whole = src.stat().st_size
-    assert len(heads) >= 2 and heads == [min((1 << 20) << i, whole) for i in range(len(heads))], (heads, whole)
+    assert len(heads) >= 4 and heads == [min(4096 << i, whole) for i in range(len(heads))], (heads, whole)
     assert_same_tree(torch.load(out, weights_only=True), _stripped(torch.load(src, weights_only=True)))
 
 
