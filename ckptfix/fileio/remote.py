@@ -40,12 +40,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from functools import wraps
+from functools import partial, wraps
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from ..errors import BadInputError, CannotWriteError, CkptfixError, UsageError
 from .deferred import VIRTUAL, DeferredRecords
+from .held import holding
 from .positional import PositionalFile
 from .urls import is_url
 
@@ -1034,17 +1035,32 @@ def upload_output(url: str) -> Iterator[BinaryIO]:
     if not _overwrite.get() and _exists(fs, path, url):  # (an existing OUT was refused before reading)
         raise CannotWriteError(f"{url}: already exists", hint="pass --force to overwrite it")
     out = _open_upload(fs, path, url)
+    held = holding()
     try:
         yield cast(BinaryIO, _UploadStream(out, url))
         try:
             out.close()  # sends the last part; with autocommit off the object does not exist yet
-            out.commit()
+            if held is None:
+                out.commit()
         except Exception as exc:
             raise _upload_failed(url, exc) from None
     except BaseException:
         with suppress(Exception):
             out.discard()  # aborts the multipart upload: its parts are deleted
         raise
+    if held is not None:  # every part is sent; completed when the hold commits (a shard folder's way)
+        held.hold(partial(_complete, out, url), out.discard, partial(_delete, fs, path))
+
+
+def _complete(out: Any, url: str) -> None:
+    try:
+        out.commit()
+    except Exception as exc:
+        raise _upload_failed(url, exc) from None
+
+
+def _delete(fs: Any, path: str) -> None:
+    fs.rm_file(path)
 
 
 @contextmanager

@@ -18,21 +18,21 @@ from ckptfix.formats.sharded import Split, write_sharded
 
 
 class Collective:
-    """all_ok for ``world`` threads: every one's flag, combined, once all have called."""
+    """agree for ``world`` threads: every one's code, combined (the worst), once all have called."""
 
     def __init__(self, world: int) -> None:
         self.barrier = threading.Barrier(world, timeout=20)
-        self.flags: list[bool] = []
+        self.codes: list[int] = []
         self.lock = threading.Lock()
 
-    def all_ok(self, ok: bool) -> bool:
+    def agree(self, code: int) -> int:
         with self.lock:
-            self.flags.append(ok)
+            self.codes.append(code)
         self.barrier.wait()
-        result = all(self.flags)
-        self.barrier.wait()  # everyone has read the flags: the next round starts clean
+        result = max(self.codes)
+        self.barrier.wait()  # everyone has read the codes: the next round starts clean
         with self.lock:
-            self.flags.clear()
+            self.codes.clear()
         self.barrier.wait()
         return result
 
@@ -46,7 +46,7 @@ def _split_write(state: dict[str, Any], out: Path, world: int, fail_rank: int | 
                 raise OSError(28, "No space left on device")
 
         try:
-            outcomes[r] = write_sharded(state, out, 9000, split=Split(r, world, collective.all_ok), progress=progress)
+            outcomes[r] = write_sharded(state, out, 9000, split=Split(r, world, collective.agree), progress=progress)
         except BaseException as exc:
             outcomes[r] = exc
 
