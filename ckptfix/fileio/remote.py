@@ -186,7 +186,14 @@ _IDENTITY_KEYS = ("size", "ETag", "etag", "VersionId", "version_id", "generation
 
 
 def _identity(info: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple((k, str(info[k])) for k in _IDENTITY_KEYS if info.get(k) is not None)
+    """What says an object is the one first opened: its size and ETag (and version) where the
+    store gives an ETag -- which changes with the content -- else its size and times. Where an
+    ETag is given the time is left out: a listing states it to the millisecond and a HEAD to the
+    second, and the same object may be described by either."""
+    keys: tuple[str, ...] = _IDENTITY_KEYS
+    if info.get("ETag") is not None or info.get("etag") is not None:
+        keys = tuple(k for k in keys if k not in ("LastModified", "mtime"))
+    return tuple((k, str(info[k])) for k in keys if info.get(k) is not None)
 
 
 _seen: ContextVar[dict[str, tuple[Any, ...]] | None] = ContextVar("ckptfix_remote_seen", default=None)
@@ -230,7 +237,7 @@ def _refuse_changed(seen: dict[str, tuple[Any, ...]]) -> None:
             now = _identity(_info(fs, path, url))
         except BadInputError:
             continue  # gone or unreachable now: the error in hand says more
-        if now != first:
+        if not _same(first, now):
             raise BadInputError(
                 f"{url}: the object changed while it was being read ({_change(first, now)}); nothing written"
             ) from None
@@ -268,10 +275,18 @@ def _check_identity(url: str, info: dict[str, Any]) -> None:
         return
     now = _identity(info)
     first = seen.setdefault(url, now)
-    if first != now:
+    if not _same(first, now):
         raise BadInputError(
             f"{url}: the object changed while it was being read ({_change(first, now)}); nothing written"
         )
+
+
+def _same(first: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
+    """Whether two identities describe one object: equal in every field both state (a listing
+    states no version where a HEAD does), the size at least."""
+    before, after = dict(first), dict(now)
+    common = before.keys() & after.keys()
+    return "size" in common and all(before[k] == after[k] for k in common)
 
 
 def _change(first: tuple[Any, ...], now: tuple[Any, ...]) -> str:
@@ -280,8 +295,11 @@ def _change(first: tuple[Any, ...], now: tuple[Any, ...]) -> str:
     return ", ".join(f"{k} {before.get(k)} -> {after.get(k)}" for k in keys[:2]) or "identity differs"
 
 
-#: the info :func:`stat_url` just fetched, for the :class:`RemoteFile` opened right after it
-#: (``read_checkpoint`` stats an input, then opens it: one HEAD request, not two)
+#: the info :func:`stat_url` (or a :class:`RemotePath` question) just fetched, for the
+#: :class:`RemoteFile` opened right after it (``read_checkpoint`` stats an input, then opens it;
+#: a DCP or DeepSpeed folder's reader asks whether ``.metadata`` or ``latest`` is a file, then
+#: opens it: one HEAD request, not two). Only the latest is kept, and only an open of that URL
+#: takes it.
 _just_statted = threading.local()
 
 
@@ -632,7 +650,7 @@ class RemoteFile(PositionalFile):
         """The object must still be the one first opened (size, ETag, version)."""
         info = _info(self.fs, self._path, self.url)
         now = _identity(info)
-        if now != self.identity:
+        if not _same(self.identity, now):
             raise BadInputError(
                 f"{self.url}: the object changed while it was being read ({_change(self.identity, now)}); "
                 "nothing written"
@@ -785,11 +803,14 @@ class RemotePath:
     def _info(self) -> dict[str, Any] | None:
         fs, path = filesystem(str(self))
         try:
-            return cast(dict[str, Any], fs.info(path))
+            info = cast(dict[str, Any], fs.info(path))
         except FileNotFoundError:
             return None
         except Exception as exc:
             raise _remote_error(str(self), exc) from None
+        if info.get("type") != "directory":  # a folder's reader asks whether a file is there, then opens it
+            _just_statted.info = (str(self), info)
+        return info
 
     def is_file(self) -> bool:
         info = self._info()

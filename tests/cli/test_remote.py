@@ -586,8 +586,18 @@ def test_a_remote_deepspeed_folder_reads_as_the_local_one(s3: tuple[Server, Any]
         if p.is_file():
             fs.put(str(p), f"{BUCKET}/ds/{p.relative_to(folder).as_posix()}")
     url = f"s3://{BUCKET}/ds/"
+    server.traffic.reset()
     there = invoke_cli("inspect", url, "--json", *_s3_args(server))
     assert there.returncode == 0, there.stderr
+    # is it a folder (HEAD, a one-key listing), a DCP one (HEAD .metadata, then s3fs asks whether
+    # .metadata/ is a folder), the folder's and the tag's listings; then each object, latest and
+    # the four state files, a HEAD and one ranged GET: 6 + 2 per object, not a request per record
+    objects = [p for p in folder.rglob("*") if p.is_file()]
+    requests = server.traffic.requests
+    assert len(requests) <= 6 + 2 * len(objects), "\n".join(map(str, requests))
+    for p in objects:
+        asked = server.traffic.to(p.name)
+        assert sorted(r[0] for r in asked) == ["GET", "HEAD"] and all(r[2] for r in asked if r[0] == "GET"), asked
     here = invoke_cli("inspect", folder, "--json")
     assert _without_paths(json.loads(there.stdout)) == _without_paths(json.loads(here.stdout))
     scanned = [json.loads(r.stdout)["files"][0] for r in (invoke_cli("scan", url, "--json", *_s3_args(server)),)]
@@ -602,6 +612,57 @@ def test_a_remote_deepspeed_folder_reads_as_the_local_one(s3: tuple[Server, Any]
     assert gets and all(r[2] for r in gets), gets  # ranged reads of the state files, never whole objects
     assert invoke_cli("convert", folder, expected).returncode == 0
     assert_values(load_file(out), load_file(expected))
+
+
+@pytest.mark.parametrize("how", ["hostile", "lying"])
+def test_a_hostile_remote_deepspeed_rank_file_is_one_line_and_exit_3(
+    s3: tuple[Server, Any], tmp_path: Path, how: str
+) -> None:
+    """A rank's optimizer file in a bucket whose pickle runs a command (hostile) or whose
+    partition says fewer elements than its parameters hold (lying): inspect, scan's verdict and
+    convert give what they give for the local folder -- one line, exit 3 -- nothing runs and
+    nothing is written."""
+    import shutil
+
+    from conftest import FIXTURES
+    from hostile import system_call, with_data_pkl
+
+    from ckptfix.formats.checkpoint import read_checkpoint
+
+    server, fs = s3
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / "deepspeed" / "z2_fp32_w3", run)
+    rank = run / "global_step2" / "zero_pp_rank_1_mp_rank_00_optim_states.pt"
+    marker = tmp_path / "ran"
+    if how == "hostile":
+        with_data_pkl(rank, system_call(marker), tmp_path / "evil.pt").replace(rank)
+        needle = "posix.system"
+    else:
+        from dataclasses import replace
+
+        ckpt = read_checkpoint(rank, allow_globals=["deepspeed.*"])
+        groups = ckpt.root["optimizer_state_dict"]["single_partition_of_fp32_groups"]
+        groups[0] = replace(groups[0], shape=(groups[0].shape[0] - 8,))
+        with open(tmp_path / "lying.pt", "wb") as f:
+            ckpt.write(ckpt.root, f)
+        (tmp_path / "lying.pt").replace(rank)
+        needle = "the partition sizes lie"
+    for p in run.rglob("*"):
+        if p.is_file():
+            fs.put(str(p), f"{BUCKET}/ds-{how}/{p.relative_to(run).as_posix()}")
+    url = f"s3://{BUCKET}/ds-{how}"
+    for command in (("inspect",), ("convert",)):
+        outs = (tmp_path / "there.safetensors", tmp_path / "here.safetensors") if command == ("convert",) else ((), ())
+        there = invoke_cli(*command, f"{url}/", *([outs[0]] if outs[0] else []), *_s3_args(server))
+        here = invoke_cli(*command, run, *([outs[1]] if outs[1] else []))
+        assert here.returncode == there.returncode == 3, (here.stderr, there.stderr)
+        assert len(there.stderr.strip().splitlines()) == 1 and "Traceback" not in there.stderr, there.stderr
+        assert needle in there.stderr, there.stderr
+        assert there.stderr.replace(url, str(run)) == here.stderr
+    scanned = invoke_cli("scan", f"{url}/", *_s3_args(server))
+    assert scanned.returncode == invoke_cli("scan", run).returncode
+    assert not (tmp_path / "there.safetensors").exists() and not (tmp_path / "here.safetensors").exists()
+    assert not marker.exists()
 
 
 # =========================================================================== streamed uploads (issue 25)
@@ -857,8 +918,9 @@ def test_inspect_remote_dcp_reads_the_listing_and_metadata_only(
     assert not [r for r in requests if ".distcp" in r[1]], requests  # no item is read, not even asked of
     reads = [r for r in requests if r[0] == "GET" and "list-type" not in r[1]]
     assert [r[1].rsplit("/", 1)[-1] for r in reads] == [".metadata"], requests
-    # is it a folder (HEAD, a one-key listing), a DCP one (HEAD .metadata), its listing, .metadata
-    assert len(requests) <= 6, "\n".join(map(str, requests))
+    # is it a folder (HEAD, a one-key listing), a DCP one (HEAD .metadata: the open takes its
+    # answer, no second HEAD), its listing, the GET of .metadata
+    assert len(requests) <= 5, "\n".join(map(str, requests))
     assert server.traffic.bytes_sent <= (dcp_folders / name / ".metadata").stat().st_size + (1 << 16)
     # the local report, but for what only the items say: the globals their pickles name
     there, here = (
