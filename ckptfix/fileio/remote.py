@@ -94,8 +94,56 @@ _HEADER_SLACK = 256
 #: a failed ranged read is tried again this many times, after BACKOFF, 2x, 4x ... seconds
 RETRIES = 3
 BACKOFF = 0.1
-#: what a RemoteFile keeps of the bytes it fetched for small reads, at most
+#: what the RemoteFiles of one command keep of the bytes they fetched for small reads and
+#: fetched ahead, at most (all objects together: when full, all of it is let go)
 _CACHE_LIMIT = 1 << 26
+
+
+class _Blocks:
+    """Bytes fetched from objects, kept for later reads: ``start -> bytes`` per object (by URL
+    and identity). Within one command (:func:`consistent_reads`) every open of an object shares
+    its blocks, so what a reader fetched ahead serves the writer that opens the object again
+    (a small DCP item comes whole with its head, and its tensor bytes are not fetched twice);
+    the whole store holds at most :data:`_CACHE_LIMIT` bytes."""
+
+    def __init__(self) -> None:
+        self._objects: dict[tuple[str, tuple[Any, ...]], tuple[dict[int, bytes], list[int]]] = {}
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def read(self, key: tuple[str, tuple[Any, ...]], size: int, offset: int) -> bytes | None:
+        import bisect
+
+        with self._lock:
+            found = self._objects.get(key)
+            if found is None:
+                return None
+            blocks, starts = found
+            i = bisect.bisect_right(starts, offset) - 1
+            if i >= 0:
+                block = blocks[starts[i]]
+                at = offset - starts[i]
+                if at + size <= len(block):
+                    return block[at : at + size]
+        return None
+
+    def keep(self, key: tuple[str, tuple[Any, ...]], start: int, data: bytes) -> None:
+        import bisect
+
+        with self._lock:
+            if self._held + len(data) > _CACHE_LIMIT:
+                self._objects.clear()
+                self._held = 0
+            blocks, starts = self._objects.setdefault(key, ({}, []))
+            if start not in blocks:
+                bisect.insort(starts, start)
+            else:
+                self._held -= len(blocks[start])
+            blocks[start] = data
+            self._held += len(data)
+
+
+_shared_blocks: ContextVar[_Blocks | None] = ContextVar("ckptfix_remote_blocks", default=None)
 
 
 @dataclass
@@ -217,6 +265,7 @@ def consistent_reads(func: F) -> F:
         seen: dict[str, tuple[Any, ...]] = {}
         token = _seen.set(seen)
         deferrals = _deferrals.set({})
+        blocks = _shared_blocks.set(_Blocks())
         try:
             return func(*args, **kwargs)
         except BadInputError:
@@ -224,6 +273,7 @@ def consistent_reads(func: F) -> F:
             _refuse_changed(seen)
             raise
         finally:
+            _shared_blocks.reset(blocks)
             _deferrals.reset(deferrals)
             _seen.reset(token)
 
@@ -353,9 +403,8 @@ class RemoteFile(PositionalFile):
         self.requests = 0
         self.bytes_fetched = 0
         self._pos = 0
-        self._blocks: dict[int, bytes] = {}  # start -> bytes fetched there
-        self._starts: list[int] = []  # sorted keys of _blocks
-        self._cached = 0
+        self._blocks = _shared_blocks.get() or _Blocks()  # this command's, or this file's own
+        self._key = (url, self.identity)
         self._lock = threading.Lock()
         self._ahead: _Readahead | None = None
         self._deferred: DeferredRecords | None = None
@@ -426,31 +475,10 @@ class RemoteFile(PositionalFile):
         return cast(tuple[bytes, "str | None"], sync(self.fs.loop, getter, self.fs, self._path, start, end))
 
     def _cached_read(self, size: int, offset: int) -> bytes | None:
-        import bisect
-
-        i = bisect.bisect_right(self._starts, offset) - 1
-        if i >= 0:
-            start = self._starts[i]
-            block = self._blocks[start]
-            at = offset - start
-            if at + size <= len(block):
-                return block[at : at + size]
-        return None
+        return self._blocks.read(self._key, size, offset)
 
     def _keep(self, start: int, data: bytes) -> None:
-        import bisect
-
-        with self._lock:
-            if self._cached + len(data) > _CACHE_LIMIT:
-                self._blocks.clear()
-                self._starts.clear()
-                self._cached = 0
-            if start not in self._blocks:
-                bisect.insort(self._starts, start)
-            else:
-                self._cached -= len(self._blocks[start])
-            self._blocks[start] = data
-            self._cached += len(data)
+        self._blocks.keep(self._key, start, data)
 
     def pread(self, size: int, offset: int) -> bytes:
         """``size`` bytes at ``offset`` (short at the end of the object), from what was fetched
