@@ -304,6 +304,34 @@ def test_remote_to_remote_shards_commit_the_index_last(s3: tuple[Server, Any], l
     assert [r for r in server.traffic.to("run/train.pth") if r[0] != "HEAD"] == []
 
 
+def test_a_shard_whose_completion_is_refused_leaves_no_shard(s3: tuple[Server, Any], local: Path) -> None:
+    """A folder's shards are completed together once all were sent; when one completion is
+    refused (403, not retried), the shards already completed are deleted and the rest aborted:
+    no object, no index, no upload in progress (the undo a --distributed split runs on every rank)."""
+    server, fs = s3
+
+    def refuse_second_completion(method: str, path: str, range_: str) -> int | None:
+        return 403 if method == "POST" and "uploadId=" in path and "undone/model-00002" in path else None
+
+    server.traffic.on_request = refuse_second_completion
+    server.traffic.reset()
+    try:
+        args = ["--select", "state_dict", "--max-shard-size", "600KB", *_s3_args(server)]
+        result = invoke_cli("convert", local / "train.pth", f"s3://{BUCKET}/undone/", *args)
+    finally:
+        server.traffic.on_request = None
+    assert result.returncode == 4 and "model-00002" in result.stderr and "nothing written" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    fs.invalidate_cache()
+    assert not fs.exists(f"{BUCKET}/undone") and _uploads_in_progress(fs, BUCKET) == []
+    log = server.traffic.requests
+    sent = [r for r in log if r[0] == "PUT" and "partNumber=" in r[1]]
+    completed = [r for r in log if r[0] == "POST" and "uploadId=" in r[1]]
+    deleted = [r[1] for r in log if r[0] == "DELETE" and "uploadId=" not in r[1]]
+    assert len(sent) == 3 and len(completed) == 2, log  # every shard sent before the first completion
+    assert [d.rsplit("/", 1)[1] for d in deleted] == ["model-00001-of-00003.safetensors"], log
+
+
 def test_force_replaces_an_existing_object(s3: tuple[Server, Any], local: Path) -> None:
     server, fs = s3
     key = f"{BUCKET}/forced/model.safetensors"
@@ -651,18 +679,18 @@ def test_a_hostile_remote_deepspeed_rank_file_is_one_line_and_exit_3(
         if p.is_file():
             fs.put(str(p), f"{BUCKET}/ds-{how}/{p.relative_to(run).as_posix()}")
     url = f"s3://{BUCKET}/ds-{how}"
-    for command in (("inspect",), ("convert",)):
-        outs = (tmp_path / "there.safetensors", tmp_path / "here.safetensors") if command == ("convert",) else ((), ())
-        there = invoke_cli(*command, f"{url}/", *([outs[0]] if outs[0] else []), *_s3_args(server))
-        here = invoke_cli(*command, run, *([outs[1]] if outs[1] else []))
-        assert here.returncode == there.returncode == 3, (here.stderr, there.stderr)
+    here = invoke_cli("inspect", run)  # the local folder's line, which both remote commands give
+    assert here.returncode == 3 and needle in here.stderr, here.stderr
+    out = tmp_path / "there.safetensors"
+    for command in (("inspect", f"{url}/"), ("convert", f"{url}/", out)):
+        there = invoke_cli(*command, *_s3_args(server))
+        assert there.returncode == 3, there.stderr
         assert len(there.stderr.strip().splitlines()) == 1 and "Traceback" not in there.stderr, there.stderr
-        assert needle in there.stderr, there.stderr
         assert there.stderr.replace(url, str(run)) == here.stderr
-    scanned = invoke_cli("scan", f"{url}/", *_s3_args(server))
-    assert scanned.returncode == invoke_cli("scan", run).returncode
-    assert not (tmp_path / "there.safetensors").exists() and not (tmp_path / "here.safetensors").exists()
-    assert not marker.exists()
+    if how == "hostile":  # scan names the command it would run, as for the local folder
+        scanned = invoke_cli("scan", f"{url}/", *_s3_args(server))
+        assert scanned.returncode == invoke_cli("scan", run).returncode == 1 and "os.system" in scanned.stdout
+    assert not out.exists() and not marker.exists()
 
 
 # =========================================================================== streamed uploads (issue 25)
