@@ -14,9 +14,10 @@ coalesced, concurrent), and a writer the ranges it will copy, in its order
 of at most :data:`PART` bytes, and written as they arrive. A failed ranged GET is retried.
 
 The object must not change while it is read: its identity (size, ETag, version) is taken
-when it is first opened within one command (:func:`consistent_reads`) and checked again at
-every later open and when a reader is done with it; a change is bad input (exit 3), and an
-output being written from it is then never committed.
+when it is first opened within one command (:func:`consistent_reads`) -- from a HEAD, or from
+the folder listing or the "is it a file?" question that found it a moment before -- and checked
+again (a HEAD) at every later open and when a reader is done with it; a change is bad input
+(exit 3), and an output being written from it is then never committed.
 
 Outputs (:func:`upload_output`) are uploaded as they are written, each a multipart upload
 completed after its last part or aborted; a folder's index goes last. An output that must be
@@ -266,6 +267,7 @@ def consistent_reads(func: F) -> F:
         token = _seen.set(seen)
         deferrals = _deferrals.set({})
         blocks = _shared_blocks.set(_Blocks())
+        listed = _listed.set({})
         try:
             return func(*args, **kwargs)
         except BadInputError:
@@ -273,6 +275,7 @@ def consistent_reads(func: F) -> F:
             _refuse_changed(seen)
             raise
         finally:
+            _listed.reset(listed)
             _shared_blocks.reset(blocks)
             _deferrals.reset(deferrals)
             _seen.reset(token)
@@ -353,11 +356,35 @@ def _change(first: tuple[Any, ...], now: tuple[Any, ...]) -> str:
 _just_statted = threading.local()
 
 
+#: within one command, what a folder's listing said of each object in it (by URL), for the
+#: first open of that object: a folder's reader lists it, then opens its files (the listing
+#: states each one's size and ETag as a HEAD would; a later open asks again)
+_listed: ContextVar[dict[str, dict[str, Any]] | None] = ContextVar("ckptfix_remote_listed", default=None)
+
+
+def _note_listing(scheme: str, entries: list[Any]) -> None:
+    """Keep what a listing said of its objects for their first open (:data:`_listed`): only
+    entries naming a size and a content identity (ETag, generation or version)."""
+    listed = _listed.get()
+    if listed is None:
+        return
+    for entry in entries:
+        if not isinstance(entry, dict) or entry.get("type") == "directory" or not isinstance(entry.get("size"), int):
+            continue
+        name = str(entry.get("name", ""))
+        if "://" in name or not any(entry.get(k) is not None for k in ("ETag", "etag", "generation", "VersionId")):
+            continue
+        listed[f"{scheme}://{name}"] = entry
+
+
 def _fresh_info(fs: Any, path: str, url: str) -> dict[str, Any]:
     kept = getattr(_just_statted, "info", None)
     _just_statted.info = None
     if kept is not None and kept[0] == url:
         return cast(dict[str, Any], kept[1])
+    listed = _listed.get()
+    if listed is not None and url in listed:
+        return listed.pop(url)
     return _info(fs, path, url)
 
 
@@ -871,11 +898,13 @@ class RemotePath:
     def iterdir(self) -> Iterator[RemotePath]:
         fs, path = filesystem(str(self))
         try:
-            names = fs.ls(path, detail=False)
+            entries = fs.ls(path, detail=True)
         except Exception as exc:
             raise _remote_error(str(self), exc) from None
+        _note_listing(self._scheme, entries)
+        names = [str(e.get("name", "")) if isinstance(e, dict) else str(e) for e in entries]
         for name in sorted(names):
-            yield self / posixpath.basename(str(name).rstrip("/"))
+            yield self / posixpath.basename(name.rstrip("/"))
 
     def file_sizes(self) -> dict[str, int]:
         """The folder's objects (name -> size), from one listing (a DCP folder's items are
@@ -885,6 +914,7 @@ class RemotePath:
             entries = fs.ls(path, detail=True)
         except Exception as exc:
             raise _remote_error(str(self), exc) from None
+        _note_listing(self._scheme, entries)
         sizes: dict[str, int] = {}
         for entry in entries:
             if isinstance(entry, dict) and entry.get("type") != "directory" and isinstance(entry.get("size"), int):
