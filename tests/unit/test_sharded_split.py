@@ -89,3 +89,44 @@ def test_a_part_that_fails_leaves_no_shard_and_no_index(state: dict[str, Any], t
     others = [outcomes[r] for r in (0, 2)]
     assert all(isinstance(o, CannotWriteError) and "another process" in str(o) for o in others), outcomes
     assert list(out.iterdir()) == []  # ranks 0 and 2 wrote theirs, then removed them
+
+
+def test_a_step_failing_on_one_rank_fails_every_rank_with_its_code_after_all_have_undone() -> None:
+    """``together``: rank 2 cannot read (exit 3); ranks 0 and 1 did their part, and fail too,
+    with that code; every rank undoes its part before any rank raises (a rank that left early
+    would let torchrun stop the others mid-cleanup)."""
+    import time
+
+    from ckptfix.errors import BadInputError
+    from ckptfix.formats.sharded import together
+
+    world, collective = 3, Collective(3)
+    events: list[tuple[str, int]] = []
+    outcomes: list[BaseException | None] = [None] * world
+
+    def rank(r: int) -> None:
+        def work() -> None:
+            if r == 2:
+                raise BadInputError("in.pth: truncated")
+
+        def undo() -> None:
+            if r == 0:
+                time.sleep(0.2)  # a slow cleanup: the others must wait for it
+            events.append(("undo", r))
+
+        try:
+            together(Split(r, world, collective.agree), work, "out/", undo=undo)
+        except BaseException as exc:
+            events.append(("raised", r))
+            outcomes[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert str(outcomes[2]) == "in.pth: truncated"
+    for r in (0, 1):
+        assert isinstance(outcomes[r], BadInputError), outcomes
+        assert "another process of the split write failed (exit 3)" in str(outcomes[r])
+    assert sorted(events[:world]) == [("undo", 0), ("undo", 1), ("undo", 2)], events
