@@ -134,10 +134,11 @@ def write_sharded(
 ) -> ShardedWrite:
     """Write ``state_dict`` as shards in ``out_dir``; all files or none.
 
-    The write has three steps, each finished by every process before the next begins: every
-    shard is written in full but held (a temporary file; an upload with every part sent and not
-    completed, so no object exists yet), then all are committed (renamed; uploads completed),
-    then the index, the folder's completion marker, is written. A failure at any step undoes
+    The write goes in steps, each finished by every process before the next begins: no shard
+    name is taken (unless ``overwrite``); every shard is written in full but held (a temporary
+    file; an upload with every part sent and not completed, so no object exists yet); all are
+    committed (renamed; uploads completed); then the index, the folder's completion marker,
+    is written. A failure at any step undoes
     all of it (held shards dropped, uploads aborted, committed shards deleted), so a failed
     write leaves no index, no upload in progress and, before the commit step, not even a shard
     (:func:`~ckptfix.fileio.held.held_outputs`).
