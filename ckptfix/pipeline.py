@@ -67,7 +67,7 @@ from .formats.safetensors import (
     write_safetensors,
     write_safetensors_from_torch,
 )
-from .formats.sharded import Split, write_sharded
+from .formats.sharded import Split, together, write_sharded
 from .model.needs import need_torch
 from .model.paths import format_path
 from .model.paths import select as select_path
@@ -592,8 +592,8 @@ def convert(
     for rule in opts.rename:
         parse_rule(rule)
     check_global_patterns(opts.allow_globals)  # the API gets the CLI's check too
-    if opts.distributed and (kind != "sharded" or is_url(out_path) or opts.in_place):
-        raise UsageError("--distributed splits a folder of shards on local disk by shard: name a folder OUT/")
+    if opts.distributed and (kind != "sharded" or opts.in_place):
+        raise UsageError("--distributed splits a folder of shards by shard: name a folder OUT/ (or a URL ending in /)")
     if opts.distributed and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
         raise UsageError(_UNDER_TORCHRUN)
     if is_url(out_path) and (opts.in_place or kind == "dcp"):
@@ -601,14 +601,20 @@ def convert(
     check_input(in_path)  # a missing input is reported as such, before anything about OUT
     if not opts.dry_run and kind == "file" and not is_url(out_path):
         check_destination(in_path, out_path, overwrite=opts.force, in_place=opts.in_place)
+    # split over torchrun's processes: each step before the write is agreed on by all (one
+    # process failing to read must not leave the others waiting for it at the write)
+    split = torchrun_split() if opts.distributed and not opts.dry_run else None
     if not opts.dry_run and not opts.force and is_url(out_path):
-        refuse_existing(out_path)  # before any reading, as for a local OUT
+        # before any reading, as for a local OUT; asked once (rank 0) for every process
+        together(split, lambda: refuse_existing(out_path) if split is None or split.rank == 0 else None, out_path)
     if not opts.dry_run and not (opts.in_place and kind == "file"):
         check_no_overlap(local_or_remote(in_path), local_or_remote(out_path), kind)
     started = time.perf_counter()
     # unknown classes are read as inert records and judged on what the output carries
     # (check_output); --unsafe-load keeps the old way: the file through torch if it holds any
-    ckpt = read_input(in_path, opts, inert_unknown=not opts.unsafe_load)
+    read: list[Checkpoint] = []
+    together(split, lambda: read.append(read_input(in_path, opts, inert_unknown=not opts.unsafe_load)), in_path)
+    ckpt = read[0]
     report = Report(
         command=command,
         input=in_path,
@@ -702,12 +708,12 @@ def torchrun_split() -> Split:
     if not dist.is_initialized():
         dist.init_process_group("gloo")
 
-    def all_ok(ok: bool) -> bool:
-        flag = torch.tensor([0 if ok else 1])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item()) == 0
+    def agree(code: int) -> int:
+        worst = torch.tensor([code])
+        dist.all_reduce(worst, op=dist.ReduceOp.MAX)
+        return int(worst.item())
 
-    return Split(dist.get_rank(), dist.get_world_size(), all_ok)
+    return Split(dist.get_rank(), dist.get_world_size(), agree)
 
 
 def _local_output(out: str | os.PathLike[str] | None, command: str) -> None:
@@ -729,7 +735,9 @@ def _write_to(out_path: str, opts: ConvertOptions, report: Report, write: Callab
     if opts.dry_run:
         write(as_path(out_path))  # only named in the message
         return
-    if not opts.verify:  # uploaded as written: each object by atomic_output, a folder's index last
+    # uploaded as written: each object by atomic_output, a folder's index last (--verify checks
+    # single files only: a split folder's processes upload their shards as they write them)
+    if not opts.verify or opts.distributed:
         with remote_outputs(force=opts.force):
             write(as_path(out_path))
         report.shared_bytes = None

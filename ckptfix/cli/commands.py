@@ -155,13 +155,14 @@ WRITE_COMMANDS = (
       ckptfix convert dcp_dir/ model.pth --unsafe-load    # DCP metadata is a plain pickle
       ckptfix convert ckpts/ -o dist/ --recursive --format safetensors --select state_dict
       torchrun --nproc-per-node 4 -m ckptfix convert big/ out/ --max-shard-size 5GB --distributed
+      torchrun --nproc-per-node 4 -m ckptfix convert s3://a/run/ s3://b/hub/ --max-shard-size 5GB --distributed
     """,
         options=(
             click.option(
                 "--distributed",
                 is_flag=True,
-                help="Under torchrun: split a shard-folder output by shard over its processes (gloo); "
-                "rank 0 writes the index last.",
+                help="Under torchrun: split a shard-folder output (a local folder or a URL) by shard over "
+                "its processes (gloo); shards are committed once all are written, rank 0 writes the index last.",
             ),
         ),
         require_change=False,

@@ -17,10 +17,12 @@ import secrets
 import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import BinaryIO
 
 from ..errors import CannotWriteError, UsageError
+from .held import holding
 from .urls import is_url
 
 TEMP_SUFFIX = ".ckptfix-tmp"
@@ -115,6 +117,7 @@ def atomic_output(
     except BaseException:
         _remove(temp)
         raise
+    held = holding()
     try:
         with os.fdopen(fd, "wb") as out:
             yield out
@@ -128,6 +131,9 @@ def atomic_output(
                 os.fchmod(out.fileno(), stat.S_IMODE(original.st_mode))
             else:
                 os.fchmod(out.fileno(), 0o666 & ~_current_umask())
+        if held is not None:  # renamed when the hold commits
+            held.hold(partial(_rename, temp, target, dest), partial(_remove, temp), partial(_remove, str(target)))
+            return
         os.replace(temp, target)
     except OSError as exc:
         _remove(temp)
@@ -135,6 +141,13 @@ def atomic_output(
     except BaseException:
         _remove(temp)
         raise
+
+
+def _rename(temp: str, target: Path, dest: str | Path) -> None:
+    try:
+        os.replace(temp, target)
+    except OSError as exc:
+        raise CannotWriteError(describe_os_error(exc, Path(dest))) from exc
 
 
 def _stat_or_none(path: Path) -> os.stat_result | None:

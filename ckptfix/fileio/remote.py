@@ -14,9 +14,10 @@ coalesced, concurrent), and a writer the ranges it will copy, in its order
 of at most :data:`PART` bytes, and written as they arrive. A failed ranged GET is retried.
 
 The object must not change while it is read: its identity (size, ETag, version) is taken
-when it is first opened within one command (:func:`consistent_reads`) and checked again at
-every later open and when a reader is done with it; a change is bad input (exit 3), and an
-output being written from it is then never committed.
+when it is first opened within one command (:func:`consistent_reads`) -- from a HEAD, or from
+the folder listing or the "is it a file?" question that found it a moment before -- and checked
+again (a HEAD) at every later open and when a reader is done with it; a change is bad input
+(exit 3), and an output being written from it is then never committed.
 
 Outputs (:func:`upload_output`) are uploaded as they are written, each a multipart upload
 completed after its last part or aborted; a folder's index goes last. An output that must be
@@ -40,12 +41,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from functools import wraps
+from functools import partial, wraps
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeVar, cast
 
 from ..errors import BadInputError, CannotWriteError, CkptfixError, UsageError
 from .deferred import VIRTUAL, DeferredRecords
+from .held import holding
 from .positional import PositionalFile
 from .urls import is_url
 
@@ -93,8 +95,56 @@ _HEADER_SLACK = 256
 #: a failed ranged read is tried again this many times, after BACKOFF, 2x, 4x ... seconds
 RETRIES = 3
 BACKOFF = 0.1
-#: what a RemoteFile keeps of the bytes it fetched for small reads, at most
+#: what the RemoteFiles of one command keep of the bytes they fetched for small reads and
+#: fetched ahead, at most (all objects together: when full, all of it is let go)
 _CACHE_LIMIT = 1 << 26
+
+
+class _Blocks:
+    """Bytes fetched from objects, kept for later reads: ``start -> bytes`` per object (by URL
+    and identity). Within one command (:func:`consistent_reads`) every open of an object shares
+    its blocks, so what a reader fetched ahead serves the writer that opens the object again
+    (a small DCP item comes whole with its head, and its tensor bytes are not fetched twice);
+    the whole store holds at most :data:`_CACHE_LIMIT` bytes."""
+
+    def __init__(self) -> None:
+        self._objects: dict[tuple[str, tuple[Any, ...]], tuple[dict[int, bytes], list[int]]] = {}
+        self._held = 0
+        self._lock = threading.Lock()
+
+    def read(self, key: tuple[str, tuple[Any, ...]], size: int, offset: int) -> bytes | None:
+        import bisect
+
+        with self._lock:
+            found = self._objects.get(key)
+            if found is None:
+                return None
+            blocks, starts = found
+            i = bisect.bisect_right(starts, offset) - 1
+            if i >= 0:
+                block = blocks[starts[i]]
+                at = offset - starts[i]
+                if at + size <= len(block):
+                    return block[at : at + size]
+        return None
+
+    def keep(self, key: tuple[str, tuple[Any, ...]], start: int, data: bytes) -> None:
+        import bisect
+
+        with self._lock:
+            if self._held + len(data) > _CACHE_LIMIT:
+                self._objects.clear()
+                self._held = 0
+            blocks, starts = self._objects.setdefault(key, ({}, []))
+            if start not in blocks:
+                bisect.insort(starts, start)
+            else:
+                self._held -= len(blocks[start])
+            blocks[start] = data
+            self._held += len(data)
+
+
+_shared_blocks: ContextVar[_Blocks | None] = ContextVar("ckptfix_remote_blocks", default=None)
 
 
 @dataclass
@@ -185,7 +235,14 @@ _IDENTITY_KEYS = ("size", "ETag", "etag", "VersionId", "version_id", "generation
 
 
 def _identity(info: dict[str, Any]) -> tuple[Any, ...]:
-    return tuple((k, str(info[k])) for k in _IDENTITY_KEYS if info.get(k) is not None)
+    """What says an object is the one first opened: its size and ETag (and version) where the
+    store gives an ETag -- which changes with the content -- else its size and times. Where an
+    ETag is given the time is left out: a listing states it to the millisecond and a HEAD to the
+    second, and the same object may be described by either."""
+    keys: tuple[str, ...] = _IDENTITY_KEYS
+    if info.get("ETag") is not None or info.get("etag") is not None:
+        keys = tuple(k for k in keys if k not in ("LastModified", "mtime"))
+    return tuple((k, str(info[k])) for k in keys if info.get(k) is not None)
 
 
 _seen: ContextVar[dict[str, tuple[Any, ...]] | None] = ContextVar("ckptfix_remote_seen", default=None)
@@ -209,6 +266,8 @@ def consistent_reads(func: F) -> F:
         seen: dict[str, tuple[Any, ...]] = {}
         token = _seen.set(seen)
         deferrals = _deferrals.set({})
+        blocks = _shared_blocks.set(_Blocks())
+        listed = _listed.set({})
         try:
             return func(*args, **kwargs)
         except BadInputError:
@@ -216,6 +275,8 @@ def consistent_reads(func: F) -> F:
             _refuse_changed(seen)
             raise
         finally:
+            _listed.reset(listed)
+            _shared_blocks.reset(blocks)
             _deferrals.reset(deferrals)
             _seen.reset(token)
 
@@ -229,7 +290,7 @@ def _refuse_changed(seen: dict[str, tuple[Any, ...]]) -> None:
             now = _identity(_info(fs, path, url))
         except BadInputError:
             continue  # gone or unreachable now: the error in hand says more
-        if now != first:
+        if not _same(first, now):
             raise BadInputError(
                 f"{url}: the object changed while it was being read ({_change(first, now)}); nothing written"
             ) from None
@@ -267,10 +328,18 @@ def _check_identity(url: str, info: dict[str, Any]) -> None:
         return
     now = _identity(info)
     first = seen.setdefault(url, now)
-    if first != now:
+    if not _same(first, now):
         raise BadInputError(
             f"{url}: the object changed while it was being read ({_change(first, now)}); nothing written"
         )
+
+
+def _same(first: tuple[Any, ...], now: tuple[Any, ...]) -> bool:
+    """Whether two identities describe one object: equal in every field both state (a listing
+    states no version where a HEAD does), the size at least."""
+    before, after = dict(first), dict(now)
+    common = before.keys() & after.keys()
+    return "size" in common and all(before[k] == after[k] for k in common)
 
 
 def _change(first: tuple[Any, ...], now: tuple[Any, ...]) -> str:
@@ -279,9 +348,33 @@ def _change(first: tuple[Any, ...], now: tuple[Any, ...]) -> str:
     return ", ".join(f"{k} {before.get(k)} -> {after.get(k)}" for k in keys[:2]) or "identity differs"
 
 
-#: the info :func:`stat_url` just fetched, for the :class:`RemoteFile` opened right after it
-#: (``read_checkpoint`` stats an input, then opens it: one HEAD request, not two)
+#: the info :func:`stat_url` (or a :class:`RemotePath` question) just fetched, for the
+#: :class:`RemoteFile` opened right after it (``read_checkpoint`` stats an input, then opens it;
+#: a DCP or DeepSpeed folder's reader asks whether ``.metadata`` or ``latest`` is a file, then
+#: opens it: one HEAD request, not two). Only the latest is kept, and only an open of that URL
+#: takes it.
 _just_statted = threading.local()
+
+
+#: within one command, what a folder's listing said of each object in it (by URL), for the
+#: first open of that object: a folder's reader lists it, then opens its files (the listing
+#: states each one's size and ETag as a HEAD would; a later open asks again)
+_listed: ContextVar[dict[str, dict[str, Any]] | None] = ContextVar("ckptfix_remote_listed", default=None)
+
+
+def _note_listing(scheme: str, entries: list[Any]) -> None:
+    """Keep what a listing said of its objects for their first open (:data:`_listed`): only
+    entries naming a size and a content identity (ETag, generation or version)."""
+    listed = _listed.get()
+    if listed is None:
+        return
+    for entry in entries:
+        if not isinstance(entry, dict) or entry.get("type") == "directory" or not isinstance(entry.get("size"), int):
+            continue
+        name = str(entry.get("name", ""))
+        if "://" in name or not any(entry.get(k) is not None for k in ("ETag", "etag", "generation", "VersionId")):
+            continue
+        listed[f"{scheme}://{name}"] = entry
 
 
 def _fresh_info(fs: Any, path: str, url: str) -> dict[str, Any]:
@@ -289,6 +382,9 @@ def _fresh_info(fs: Any, path: str, url: str) -> dict[str, Any]:
     _just_statted.info = None
     if kept is not None and kept[0] == url:
         return cast(dict[str, Any], kept[1])
+    listed = _listed.get()
+    if listed is not None and url in listed:
+        return listed.pop(url)
     return _info(fs, path, url)
 
 
@@ -334,9 +430,8 @@ class RemoteFile(PositionalFile):
         self.requests = 0
         self.bytes_fetched = 0
         self._pos = 0
-        self._blocks: dict[int, bytes] = {}  # start -> bytes fetched there
-        self._starts: list[int] = []  # sorted keys of _blocks
-        self._cached = 0
+        self._blocks = _shared_blocks.get() or _Blocks()  # this command's, or this file's own
+        self._key = (url, self.identity)
         self._lock = threading.Lock()
         self._ahead: _Readahead | None = None
         self._deferred: DeferredRecords | None = None
@@ -407,31 +502,10 @@ class RemoteFile(PositionalFile):
         return cast(tuple[bytes, "str | None"], sync(self.fs.loop, getter, self.fs, self._path, start, end))
 
     def _cached_read(self, size: int, offset: int) -> bytes | None:
-        import bisect
-
-        i = bisect.bisect_right(self._starts, offset) - 1
-        if i >= 0:
-            start = self._starts[i]
-            block = self._blocks[start]
-            at = offset - start
-            if at + size <= len(block):
-                return block[at : at + size]
-        return None
+        return self._blocks.read(self._key, size, offset)
 
     def _keep(self, start: int, data: bytes) -> None:
-        import bisect
-
-        with self._lock:
-            if self._cached + len(data) > _CACHE_LIMIT:
-                self._blocks.clear()
-                self._starts.clear()
-                self._cached = 0
-            if start not in self._blocks:
-                bisect.insort(self._starts, start)
-            else:
-                self._cached -= len(self._blocks[start])
-            self._blocks[start] = data
-            self._cached += len(data)
+        self._blocks.keep(self._key, start, data)
 
     def pread(self, size: int, offset: int) -> bytes:
         """``size`` bytes at ``offset`` (short at the end of the object), from what was fetched
@@ -631,7 +705,7 @@ class RemoteFile(PositionalFile):
         """The object must still be the one first opened (size, ETag, version)."""
         info = _info(self.fs, self._path, self.url)
         now = _identity(info)
-        if now != self.identity:
+        if not _same(self.identity, now):
             raise BadInputError(
                 f"{self.url}: the object changed while it was being read ({_change(self.identity, now)}); "
                 "nothing written"
@@ -784,11 +858,14 @@ class RemotePath:
     def _info(self) -> dict[str, Any] | None:
         fs, path = filesystem(str(self))
         try:
-            return cast(dict[str, Any], fs.info(path))
+            info = cast(dict[str, Any], fs.info(path))
         except FileNotFoundError:
             return None
         except Exception as exc:
             raise _remote_error(str(self), exc) from None
+        if info.get("type") != "directory":  # a folder's reader asks whether a file is there, then opens it
+            _just_statted.info = (str(self), info)
+        return info
 
     def is_file(self) -> bool:
         info = self._info()
@@ -821,11 +898,13 @@ class RemotePath:
     def iterdir(self) -> Iterator[RemotePath]:
         fs, path = filesystem(str(self))
         try:
-            names = fs.ls(path, detail=False)
+            entries = fs.ls(path, detail=True)
         except Exception as exc:
             raise _remote_error(str(self), exc) from None
+        _note_listing(self._scheme, entries)
+        names = [str(e.get("name", "")) if isinstance(e, dict) else str(e) for e in entries]
         for name in sorted(names):
-            yield self / posixpath.basename(str(name).rstrip("/"))
+            yield self / posixpath.basename(name.rstrip("/"))
 
     def file_sizes(self) -> dict[str, int]:
         """The folder's objects (name -> size), from one listing (a DCP folder's items are
@@ -835,6 +914,7 @@ class RemotePath:
             entries = fs.ls(path, detail=True)
         except Exception as exc:
             raise _remote_error(str(self), exc) from None
+        _note_listing(self._scheme, entries)
         sizes: dict[str, int] = {}
         for entry in entries:
             if isinstance(entry, dict) and entry.get("type") != "directory" and isinstance(entry.get("size"), int):
@@ -1034,17 +1114,32 @@ def upload_output(url: str) -> Iterator[BinaryIO]:
     if not _overwrite.get() and _exists(fs, path, url):  # (an existing OUT was refused before reading)
         raise CannotWriteError(f"{url}: already exists", hint="pass --force to overwrite it")
     out = _open_upload(fs, path, url)
+    held = holding()
     try:
         yield cast(BinaryIO, _UploadStream(out, url))
         try:
             out.close()  # sends the last part; with autocommit off the object does not exist yet
-            out.commit()
+            if held is None:
+                out.commit()
         except Exception as exc:
             raise _upload_failed(url, exc) from None
     except BaseException:
         with suppress(Exception):
             out.discard()  # aborts the multipart upload: its parts are deleted
         raise
+    if held is not None:  # every part is sent; completed when the hold commits (a shard folder's way)
+        held.hold(partial(_complete, out, url), out.discard, partial(_delete, fs, path))
+
+
+def _complete(out: Any, url: str) -> None:
+    try:
+        out.commit()
+    except Exception as exc:
+        raise _upload_failed(url, exc) from None
+
+
+def _delete(fs: Any, path: str) -> None:
+    fs.rm_file(path)
 
 
 @contextmanager

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import BadInputError, CannotWriteError
+from ..errors import BadInputError, CannotWriteError, CkptfixError, ExitCode
 from ..fileio import strictjson
 from ..fileio.atomic import atomic_output
+from ..fileio.held import held_outputs
 from ..model.refs import TensorRef
 from .detect import checkpoint_like, open_input
 from .safetensors import plan_safetensors, write_safetensors
@@ -63,13 +64,14 @@ def plan_shards(sizes: Mapping[str, int], max_bytes: int) -> list[list[str]]:
 class Split:
     """This process's part of one sharded write split over ``world`` processes (``torchrun``
     ranks): it writes the shards whose number is ``rank`` modulo ``world``, and rank 0 writes
-    the index once every process has written its shards. ``all_ok(ok)`` is a collective every
-    process calls with whether its part succeeded; it returns whether all did (so a failure
-    anywhere removes every process's shards and no index is written)."""
+    the index once every process has committed its shards. ``agree(code)`` is a collective
+    every process calls at the same points with its exit code so far (0: its part succeeded);
+    it returns the worst code of all (so a failure anywhere undoes every process's shards and
+    no index is written, and every process fails with the others' code if not its own)."""
 
     rank: int
     world: int
-    all_ok: Callable[[bool], bool]
+    agree: Callable[[int], int]
 
     def mine(self, number: int) -> bool:
         return number % self.world == self.rank
@@ -81,6 +83,41 @@ class ShardedWrite:
     index: Path | None
     aliases: dict[str, str]
     total_size: int
+
+
+def _code_of(failure: BaseException | None) -> int:
+    """The exit code a failure gives (see :class:`~ckptfix.errors.ExitCode`)."""
+    if failure is None:
+        return 0
+    if isinstance(failure, CkptfixError):
+        return int(failure.exit_code)
+    return int(ExitCode.INTERRUPTED if isinstance(failure, KeyboardInterrupt) else ExitCode.INTERNAL)
+
+
+def together(
+    split: Split | None, work: Callable[[], None], out: str | Path, undo: Callable[[], None] | None = None
+) -> None:
+    """Run this process's part of one step of a split write (``work``); then every process
+    agrees whether all parts succeeded, and if any failed, each undoes what it wrote
+    (``undo``), waits until all have (so no process exits while another still cleans up),
+    and fails: with its own error, or the worst code of the others'. Without a split, ``work``
+    runs and a failure is undone and raised."""
+    failure: BaseException | None = None
+    try:
+        work()
+    except BaseException as exc:
+        failure = exc
+    worst = split.agree(_code_of(failure)) if split is not None else _code_of(failure)
+    if worst == 0:
+        return
+    if undo is not None:
+        undo()
+    if split is not None:
+        split.agree(0)  # no process leaves before every one has cleaned up
+    if failure is not None:
+        raise failure
+    error = BadInputError if worst == ExitCode.BAD_INPUT else CannotWriteError
+    raise error(f"{out}: another process of the split write failed (exit {worst}); nothing written")
 
 
 def write_sharded(
@@ -95,8 +132,16 @@ def write_sharded(
     max_data_bytes: int | None = None,
     split: Split | None = None,
 ) -> ShardedWrite:
-    """Write ``state_dict`` as shards in ``out_dir``; all files or none (on failure, the ones
-    already written by this call are removed).
+    """Write ``state_dict`` as shards in ``out_dir``; all files or none.
+
+    The write goes in steps, each finished by every process before the next begins: no shard
+    name is taken (unless ``overwrite``); every shard is written in full but held (a temporary
+    file; an upload with every part sent and not completed, so no object exists yet); all are
+    committed (renamed; uploads completed); then the index, the folder's completion marker,
+    is written. A failure at any step undoes
+    all of it (held shards dropped, uploads aborted, committed shards deleted), so a failed
+    write leaves no index, no upload in progress and, before the commit step, not even a shard
+    (:func:`~ckptfix.fileio.held.held_outputs`).
 
     ``max_data_bytes`` bounds what safetensors shards would hold, checked before any file is
     written (see :func:`~ckptfix.formats.safetensors.check_expand_budget`); .bin shards keep
@@ -114,46 +159,33 @@ def write_sharded(
     names = [f"{stem}.{ext}"] if count == 1 else [f"{stem}-{i:05d}-of-{count:05d}.{ext}" for i in range(1, count + 1)]
     index_path = out_dir / f"{stem}.{ext}.index.json" if count > 1 else None
     targets = [out_dir / n for n in names] + ([index_path] if index_path else [])
-    written: list[Path] = []
+    writes_index = split is None or split.rank == 0
+    mine = [n for n, _ in enumerate(names) if split is None or split.mine(n)]
+    with held_outputs() as held:
 
-    def agreed(ok: bool, failure: BaseException | None) -> None:
-        """Every process calls this at the same points: if any part failed, every process
-        removes what it wrote and fails (with its own error, or the others')."""
-        if (split.all_ok(ok) if split is not None else ok) and failure is None:
-            return
-        for path in written:
-            path.unlink(missing_ok=True)
-        if failure is not None:
-            raise failure
-        raise CannotWriteError(f"{out_dir}: another process of the split write failed; nothing written")
+        def step(work: Callable[[], None]) -> None:
+            together(split, work, out_dir, undo=held.undo)
 
-    existing = [t for t in targets if t.exists()]
-    refused = None
-    if existing and not overwrite:
-        refused = CannotWriteError(f"{existing[0]}: already exists", hint="pass --force to overwrite")
-    if split is not None:  # every process looks before any writes (another's new shard is no old file)
-        agreed(refused is None, refused)
-    elif refused is not None:
-        raise refused
-    failure: BaseException | None = None
-    try:
-        for number, (file_name, keys) in enumerate(zip(names, shards)):
-            if split is not None and not split.mine(number):
-                continue
-            shard = {k: kept[k] for k in keys}
-            shard_aliases = {a: k for a, k in plan.aliases.items() if k in shard}
-            with atomic_output(out_dir / file_name) as out:
-                if shard_format == "safetensors":
-                    write_safetensors(shard, out, {**(metadata or {}), **shard_aliases}, progress=progress)
-                else:
-                    shard.update({a: kept[k] for a, k in shard_aliases.items()})
-                    write_torch_zip(shard, out, progress=progress)
-            written.append(out_dir / file_name)
-    except BaseException as exc:
-        failure = exc
-    agreed(failure is None, failure)
-    try:
-        if index_path and (split is None or split.rank == 0):  # the completion marker, written last
+        def refuse_existing() -> None:  # each process looks at its own files, before any writes
+            own = [targets[n] for n in mine] + ([index_path] if index_path and writes_index else [])
+            existing = [] if overwrite else [t for t in own if t.exists()]
+            if existing:
+                raise CannotWriteError(f"{existing[0]}: already exists", hint="pass --force to overwrite")
+
+        def write_shards() -> None:
+            for number in mine:
+                shard = {k: kept[k] for k in shards[number]}
+                shard_aliases = {a: k for a, k in plan.aliases.items() if k in shard}
+                with atomic_output(out_dir / names[number]) as out:
+                    if shard_format == "safetensors":
+                        write_safetensors(shard, out, {**(metadata or {}), **shard_aliases}, progress=progress)
+                    else:
+                        shard.update({a: kept[k] for a, k in shard_aliases.items()})
+                        write_torch_zip(shard, out, progress=progress)
+
+        def write_index() -> None:  # the completion marker, written last
+            if index_path is None or not writes_index:
+                return
             weight_map = {k: n for n, keys in zip(names, shards) for k in keys}
             if shard_format != "safetensors":
                 weight_map.update({a: weight_map[k] for a, k in plan.aliases.items()})
@@ -163,15 +195,12 @@ def write_sharded(
             document = {"metadata": {"total_size": plan.data_bytes, **aliases}, "weight_map": weight_map}
             with atomic_output(index_path) as out:
                 out.write((json.dumps(document, indent=2) + "\n").encode())
-            written.append(index_path)
-    except BaseException as exc:
-        failure = exc
-    if split is not None:
-        agreed(failure is None, failure)
-    elif failure is not None:
-        for path in written:
-            path.unlink(missing_ok=True)
-        raise failure
+            held.commit()
+
+        step(refuse_existing)
+        step(write_shards)
+        step(held.commit)
+        step(write_index)
     return ShardedWrite(targets, index_path, dict(plan.aliases), plan.data_bytes)
 
 

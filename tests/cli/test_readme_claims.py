@@ -121,6 +121,16 @@ NOT_RUN = {
     "torchrun --standalone --nproc-per-node 4 -m ckptfix convert big.pth out/ --max-shard-size 5GB --distributed": (
         "starts processes: tests/e2e/test_distributed.py runs it (two ranks, -m distributed)"
     ),
+    "torchrun --standalone --nproc-per-node 8 -m ckptfix convert s3://training/run-42/last.ckpt "
+    "s3://releases/model-v1/ --select state_dict --strip-prefix model. --max-shard-size 5GB --distributed": (
+        "starts processes and names buckets of the reader's: tests/e2e/test_distributed.py runs the same "
+        "against moto S3 (two ranks, -m distributed)"
+    ),
+    "torchrun --nproc-per-node 8 -m ckptfix convert s3://train/run-42/ s3://hub/v1/ --max-shard-size 5GB "
+    "--distributed": (
+        "starts processes and names buckets of the reader's: tests/e2e/test_distributed.py runs the "
+        "same against moto S3 (two ranks, -m distributed)"
+    ),
     "srun --nodes 4 --ntasks-per-node 1 torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d "
     '--rdzv-endpoint "$(scontrol show hostnames | head -1):29500" --rdzv-id "$SLURM_JOB_ID" '
     "-m ckptfix convert /shared/ckpt/ /shared/hub/ --max-shard-size 5GB --distributed": (

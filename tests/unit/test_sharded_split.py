@@ -18,21 +18,21 @@ from ckptfix.formats.sharded import Split, write_sharded
 
 
 class Collective:
-    """all_ok for ``world`` threads: every one's flag, combined, once all have called."""
+    """agree for ``world`` threads: every one's code, combined (the worst), once all have called."""
 
     def __init__(self, world: int) -> None:
         self.barrier = threading.Barrier(world, timeout=20)
-        self.flags: list[bool] = []
+        self.codes: list[int] = []
         self.lock = threading.Lock()
 
-    def all_ok(self, ok: bool) -> bool:
+    def agree(self, code: int) -> int:
         with self.lock:
-            self.flags.append(ok)
+            self.codes.append(code)
         self.barrier.wait()
-        result = all(self.flags)
-        self.barrier.wait()  # everyone has read the flags: the next round starts clean
+        result = max(self.codes)
+        self.barrier.wait()  # everyone has read the codes: the next round starts clean
         with self.lock:
-            self.flags.clear()
+            self.codes.clear()
         self.barrier.wait()
         return result
 
@@ -46,7 +46,7 @@ def _split_write(state: dict[str, Any], out: Path, world: int, fail_rank: int | 
                 raise OSError(28, "No space left on device")
 
         try:
-            outcomes[r] = write_sharded(state, out, 9000, split=Split(r, world, collective.all_ok), progress=progress)
+            outcomes[r] = write_sharded(state, out, 9000, split=Split(r, world, collective.agree), progress=progress)
         except BaseException as exc:
             outcomes[r] = exc
 
@@ -89,3 +89,44 @@ def test_a_part_that_fails_leaves_no_shard_and_no_index(state: dict[str, Any], t
     others = [outcomes[r] for r in (0, 2)]
     assert all(isinstance(o, CannotWriteError) and "another process" in str(o) for o in others), outcomes
     assert list(out.iterdir()) == []  # ranks 0 and 2 wrote theirs, then removed them
+
+
+def test_a_step_failing_on_one_rank_fails_every_rank_with_its_code_after_all_have_undone() -> None:
+    """``together``: rank 2 cannot read (exit 3); ranks 0 and 1 did their part, and fail too,
+    with that code; every rank undoes its part before any rank raises (a rank that left early
+    would let torchrun stop the others mid-cleanup)."""
+    import time
+
+    from ckptfix.errors import BadInputError
+    from ckptfix.formats.sharded import together
+
+    world, collective = 3, Collective(3)
+    events: list[tuple[str, int]] = []
+    outcomes: list[BaseException | None] = [None] * world
+
+    def rank(r: int) -> None:
+        def work() -> None:
+            if r == 2:
+                raise BadInputError("in.pth: truncated")
+
+        def undo() -> None:
+            if r == 0:
+                time.sleep(0.2)  # a slow cleanup: the others must wait for it
+            events.append(("undo", r))
+
+        try:
+            together(Split(r, world, collective.agree), work, "out/", undo=undo)
+        except BaseException as exc:
+            events.append(("raised", r))
+            outcomes[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert str(outcomes[2]) == "in.pth: truncated"
+    for r in (0, 1):
+        assert isinstance(outcomes[r], BadInputError), outcomes
+        assert "another process of the split write failed (exit 3)" in str(outcomes[r])
+    assert sorted(events[:world]) == [("undo", 0), ("undo", 1), ("undo", 2)], events
