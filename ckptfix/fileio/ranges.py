@@ -485,17 +485,28 @@ def read_all(source: FileRange | ComputedSource, files: OpenFiles) -> bytes:
     return b"".join(iter_chunks(source, files))
 
 
-def _reads(fd: int, offset: int, size: int, buffer_size: int) -> Iterator[bytes | memoryview]:
+def _reads(
+    fd: int, offset: int, size: int, buffer_size: int, *, page_offset: int | None = None
+) -> Iterator[bytes | memoryview]:
     """``size`` bytes of ``fd`` from ``offset``, a piece at a time, read into one reused buffer
     where the OS has ``preadv`` (a fresh multi-MiB ``bytes`` per read would be page-faulted in
     anew); each piece is valid until the next is asked for. A file that ends early (truncated
-    while read) is bad input, never a short result."""
-    buffer = bytearray(min(size, buffer_size))
-    view = memoryview(buffer)
+    while read) is bad input, never a short result.
+
+    ``page_offset``: the buffer starts at that offset within a memory page (an anonymous map,
+    page-aligned, viewed from there) rather than wherever ``malloc`` put it; see
+    :func:`_bounce_copy`."""
+    length = min(size, buffer_size)
+    if page_offset is None:
+        view = memoryview(bytearray(length))
+    else:
+        import mmap  # only the out-of-step copy asks, on a local file system (Linux)
+
+        view = memoryview(mmap.mmap(-1, length + BLOCK))[page_offset : page_offset + length]
     preadv = getattr(os, "preadv", None)
     done = 0
     while done < size:
-        want = min(size - done, len(buffer))
+        want = min(size - done, len(view))
         if preadv is not None:
             got = preadv(fd, [view[:want]], offset + done)
             chunk: bytes | memoryview = view[:got]
@@ -567,12 +578,35 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count
 #: the buffer :func:`_bounce_copy` moves bytes through: small enough to stay in the CPU's cache
 #: between the read and the write (measured: 256 KiB beat 1 MiB by ~20%)
 _BOUNCE = 1 << 18
+#: a copy whose destination lies less than this many bytes after its source, modulo the page
+#: size, runs at half speed (see :func:`_buffer_page_offset`)
+_NEAR = 64
+
+
+def _buffer_page_offset(src_offset: int, dst_offset: int) -> int:
+    """Where in a page the bounce buffer should start so that neither of its two copies (source
+    page -> buffer by ``pread``, buffer -> destination page by ``pwrite``) has its destination
+    just after its source modulo the page size.
+
+    Such a copy runs at about half speed (the kernel's ``rep movsb`` on x86: loads that alias
+    the stores just made, 4 KiB apart). Measured on the dev VM (AMD EPYC, ext4, 1.2 GB copied by
+    :func:`copy_range`, CPU seconds, 5 runs): with the buffer where ``malloc`` put it, source
+    8 bytes into its page to a page boundary 0.79-0.81, 0 -> 1344 0.87-0.89, 64 -> 0 0.43-0.45;
+    with the buffer placed here 0.44, 0.51-0.53 and 0.43-0.46 (the kernel's own copy of in-step
+    ranges, as ``cp``: 0.41). The two distances add up to the destination's distance from the
+    source, so they split it evenly (both at least :data:`_NEAR`), or, where it is short, are
+    both made about half a page.
+    """
+    distance = (dst_offset - src_offset) % BLOCK
+    to_buffer = distance // 2 if distance >= 2 * _NEAR else BLOCK // 2 + distance // 2
+    return (src_offset + to_buffer) % BLOCK
 
 
 def _bounce_copy(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> None:
-    """Copy through one reused buffer (:func:`_reads`)."""
+    """Copy through one reused buffer (:func:`_reads`), placed for speed (:func:`_buffer_page_offset`)."""
     done = 0
-    for chunk in _reads(src_fd, src_offset, count, _BOUNCE):
+    at = _buffer_page_offset(src_offset, dst_offset)
+    for chunk in _reads(src_fd, src_offset, count, _BOUNCE, page_offset=at):
         written = 0
         while written < len(chunk):
             written += os.pwrite(dst_fd, chunk[written:], dst_offset + done + written)
