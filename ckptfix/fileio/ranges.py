@@ -16,6 +16,7 @@ therefore place big ranges at an output offset congruent to their source offset 
 
 from __future__ import annotations
 
+import errno
 import functools
 import io
 import os
@@ -312,6 +313,23 @@ class OutputStream:
             self._fd = None
         self.offset = out.tell()
         self._pending: _PendingCopy | None = None
+        self._reserved_end = 0
+
+    def reserve(self, size: int) -> None:
+        """Say that ``size`` more bytes will follow (the output's exact remaining length): where
+        that is cheap and sure (:func:`preallocates`), the file system allocates their blocks
+        now, in one call. An output with no room left then fails here, before any byte is
+        copied, and :meth:`flush` cuts off whatever was reserved but not written (a writer that
+        wrote less than it said must not leave zeros at the end)."""
+        if self._fd is None or size < _PREALLOCATE_FROM or not preallocates(self._fd):
+            return
+        try:
+            os.posix_fallocate(self._fd, self.offset, size)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise
+            return  # anything else: the blocks are allocated as the bytes come, as without it
+        self._reserved_end = max(self._reserved_end, self.offset + size)
 
     def write(self, data: bytes | bytearray) -> None:
         pending = self._pending
@@ -394,6 +412,45 @@ class OutputStream:
     def flush(self) -> None:
         self._copy_pending()
         self._out.flush()
+        if self._reserved_end > self.offset:
+            assert self._fd is not None  # reserved only for an output with a descriptor
+            os.ftruncate(self._fd, self.offset)
+            self._reserved_end = self.offset
+
+
+#: outputs shorter than this are not preallocated (one more system call is not worth it)
+_PREALLOCATE_FROM = 1 << 24
+#: ``FS_IOC_GETFLAGS`` (``_IOR('f', 1, long)``) where ``long`` is 8 bytes and ioctl numbers use
+#: the generic layout, and the flag it reports for a file mapped by extents (``lsattr``'s ``e``)
+_FS_IOC_GETFLAGS = {"x86_64": 0x80086601, "aarch64": 0x80086601}
+_FS_EXTENT_FL = 0x00080000
+
+
+def preallocates(fd: int) -> bool:
+    """Whether :meth:`OutputStream.reserve` allocates ``fd``'s blocks ahead: on ext4, for a file
+    mapped by extents (every file of a file system made with them, the default since 2008).
+
+    Why: ext4 then skips its per-page bookkeeping of delayed allocation as the bytes come
+    (measured on the dev VM, 1.2 GB written into a new file, CPU of the writing process: the
+    kernel's in-step copy 0.41 -> 0.32 s, the buffered out-of-step copy 0.44 -> 0.36 s; the
+    time until ``sync`` returns unchanged). Why only there: ``posix_fallocate`` falls back to
+    writing a byte into every block where the file system has no ``fallocate`` of its own
+    (ext4 files mapped by block lists, ext2/3, NFS before v4.2), which would cost more than it
+    saves; other file systems were not measured, and on a copy-on-write one (XFS, btrfs) blocks
+    allocated ahead would be dropped again where the kernel's copy shares the input's."""
+    machine = os.uname().machine if hasattr(os, "uname") else ""
+    if machine not in _FS_IOC_GETFLAGS or not hasattr(os, "posix_fallocate"):
+        return False
+    if _file_system(os.fstat(fd).st_dev) != "ext4":
+        return False
+    import fcntl  # Linux only, and only for a big output
+
+    flags = bytearray(8)
+    try:
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS[machine], flags, True)
+    except OSError:
+        return False
+    return bool(int.from_bytes(flags[:4], "little") & _FS_EXTENT_FL)
 
 
 def _repeats(pending: _PendingCopy, data: bytes | bytearray) -> bool:
