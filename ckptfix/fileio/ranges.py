@@ -20,6 +20,7 @@ import errno
 import functools
 import io
 import os
+import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
@@ -557,9 +558,7 @@ def _reads(
     if page_offset is None:
         view = memoryview(bytearray(length))
     else:
-        import mmap  # only the out-of-step copy asks, on a local file system (Linux)
-
-        view = memoryview(mmap.mmap(-1, length + BLOCK))[page_offset : page_offset + length]
+        view = _page_buffer(length + BLOCK)[page_offset : page_offset + length]
     preadv = getattr(os, "preadv", None)
     done = 0
     while done < size:
@@ -574,6 +573,22 @@ def _reads(
             raise BadInputError("the input file ended while its data was being copied (truncated?)")
         yield chunk
         done += got
+
+
+#: each thread's page-aligned buffer (:func:`_page_buffer`)
+_PAGE_BUFFERS = threading.local()
+
+
+def _page_buffer(size: int) -> memoryview:
+    """A page-aligned buffer of at least ``size`` bytes: an anonymous map, one per thread, made
+    once and kept (a fresh map for each of a checkpoint's tensors cost 200 ``munmap`` calls and
+    its pages faulted in anew each time: ~0.04 s of CPU per 1.2 GB)."""
+    buffer = getattr(_PAGE_BUFFERS, "buffer", None)
+    if buffer is None or len(buffer) < size:
+        import mmap  # only the out-of-step copy asks, on a local file system (Linux)
+
+        buffer = _PAGE_BUFFERS.buffer = mmap.mmap(-1, size)
+    return memoryview(buffer)
 
 
 def crc_of_range(fd: int, offset: int, size: int) -> int:
