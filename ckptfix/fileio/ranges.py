@@ -383,6 +383,8 @@ class OutputStream:
             return source.crc if source.crc is not None else crc32(data)
         if not is_local_range(source) or self._fd is None:  # no descriptor to copy from or to: streamed
             return self._stream(iter_chunks(source, files), want_crc)
+        if want_crc and source.crc is None and _never_shared(files.file(source.path).fileno(), self._fd):
+            return self._copy_with_crc(files.file(source.path).fileno(), source)
         crc = files.crc_in_background(source) if want_crc and source.crc is None else None
         pending = self._pending
         if (
@@ -401,6 +403,20 @@ class OutputStream:
             return source.crc
         self._copy_pending()  # now, while the worker computes the CRC beside it
         return crc.result()
+
+    def _copy_with_crc(self, src_fd: int, source: FileRange) -> int:
+        """Copy ``source`` through the placed buffer, its CRC32 computed on each piece while it is
+        in the CPU's cache: one read of the source instead of two (the kernel's copy, then a
+        worker's read for the CRC). Only where the kernel's copy could not share blocks anyway
+        (:func:`_never_shared`). Measured on the dev VM, 1.2 GB in step, CPU: kernel copy plus
+        the CRC's read 1.15-1.35 s, this 0.66-1.0 s."""
+        assert self._fd is not None
+        self._copy_pending()
+        self._out.flush()
+        crc = _bounce_copy(src_fd, source.offset, self._fd, self.offset, source.size, crc=True)
+        self.offset += source.size
+        self._out.seek(self.offset)
+        return crc
 
     def _copy_pending(self) -> None:
         pending, self._pending = self._pending, None
@@ -674,15 +690,20 @@ def _buffer_page_offset(src_offset: int, dst_offset: int) -> int:
     return (src_offset + to_buffer) % BLOCK
 
 
-def _bounce_copy(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> None:
-    """Copy through one reused buffer (:func:`_reads`), placed for speed (:func:`_buffer_page_offset`)."""
+def _bounce_copy(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int, *, crc: bool = False) -> int:
+    """Copy through one reused buffer (:func:`_reads`), placed for speed (:func:`_buffer_page_offset`);
+    returns the CRC32 of the bytes copied when ``crc`` (else 0)."""
     done = 0
+    crc_value = 0
     at = _buffer_page_offset(src_offset, dst_offset)
     for chunk in _reads(src_fd, src_offset, count, _BOUNCE, page_offset=at):
+        if crc:
+            crc_value = crc32(chunk, crc_value)
         written = 0
         while written < len(chunk):
             written += os.pwrite(dst_fd, chunk[written:], dst_offset + done + written)
         done += len(chunk)
+    return crc_value
 
 
 #: file systems whose ``copy_file_range`` copies through this machine's page cache (or shares
@@ -690,6 +711,16 @@ def _bounce_copy(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, cou
 #: else -- NFS and SMB copy on the server, FUSE and cluster file systems do what they do --
 #: keeps the kernel's copy.
 _LOCAL_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "tmpfs", "bcachefs", "jfs"})
+
+
+#: local file systems whose copies never share blocks (no reflink): there the kernel's copy of
+#: a range is a page-cache copy like any other, and a copy that needs a CRC can read once
+_NEVER_SHARED = frozenset({"ext2", "ext3", "ext4", "tmpfs"})
+
+
+def _never_shared(src_fd: int, dst_fd: int) -> bool:
+    """Whether both files are on a file system of :data:`_NEVER_SHARED` (Linux)."""
+    return all(_file_system(os.fstat(fd).st_dev) in _NEVER_SHARED for fd in (src_fd, dst_fd))
 
 
 def _page_cache_copy(src_fd: int, dst_fd: int) -> bool:

@@ -114,3 +114,35 @@ def test_the_out_of_step_copy_writes_from_a_buffer_placed_in_its_page(
     got, want = _copy(tmp_path, src_offset, dst_offset, 3 * ranges._BOUNCE + 5)
     assert got == want
     assert starts and set(starts) == {ranges._buffer_page_offset(src_offset, dst_offset)}
+
+
+@linux_only
+@pytest.mark.parametrize("file_system", ["ext4", "xfs"])
+def test_a_copy_that_needs_a_crc_reads_its_source_once_where_nothing_can_be_shared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, file_system: str
+) -> None:
+    """ext4: through the buffer, the CRC computed on the way (no kernel copy, no worker's second
+    read); a copy-on-write file system keeps the kernel's copy (it may share the blocks) and the
+    worker's CRC. Same bytes and the same CRC either way."""
+    import zlib
+
+    from ckptfix.fileio.ranges import FileRange, OpenFiles, OutputStream
+
+    monkeypatch.setattr(ranges, "_file_system", lambda device: file_system)
+    calls = _kernel_copies(monkeypatch)
+    background: list[object] = []
+    real_background = OpenFiles.crc_in_background
+    monkeypatch.setattr(
+        OpenFiles, "crc_in_background", lambda self, source: background.append(source) or real_background(self, source)
+    )
+    data = os.urandom(3 * ranges._BOUNCE + 77)
+    (tmp_path / "src").write_bytes(b"x" * 4 + data)  # in step with the output, after its 4-byte head
+    with OpenFiles() as files, open(tmp_path / "dst", "wb") as out:
+        stream = OutputStream(out)
+        stream.write(b"head")
+        crc = stream.copy(FileRange(str(tmp_path / "src"), 4, len(data)), files, want_crc=True)
+        stream.write(b"tail")
+        stream.flush()
+    assert crc == zlib.crc32(data)
+    assert (tmp_path / "dst").read_bytes() == b"head" + data + b"tail"
+    assert (calls == [] and background == []) if file_system == "ext4" else (calls != [] and len(background) == 1)
