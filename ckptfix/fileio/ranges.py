@@ -16,9 +16,11 @@ therefore place big ranges at an output offset congruent to their source offset 
 
 from __future__ import annotations
 
+import errno
 import functools
 import io
 import os
+import threading
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
@@ -312,6 +314,23 @@ class OutputStream:
             self._fd = None
         self.offset = out.tell()
         self._pending: _PendingCopy | None = None
+        self._reserved_end = 0
+
+    def reserve(self, size: int) -> None:
+        """Say that ``size`` more bytes will follow (the output's exact remaining length): where
+        that is cheap and sure (:func:`preallocates`), the file system allocates their blocks
+        now, in one call. An output with no room left then fails here, before any byte is
+        copied, and :meth:`flush` cuts off whatever was reserved but not written (a writer that
+        wrote less than it said must not leave zeros at the end)."""
+        if self._fd is None or size < _PREALLOCATE_FROM or not preallocates(self._fd):
+            return
+        try:
+            os.posix_fallocate(self._fd, self.offset, size)
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise
+            return  # anything else: the blocks are allocated as the bytes come, as without it
+        self._reserved_end = max(self._reserved_end, self.offset + size)
 
     def write(self, data: bytes | bytearray) -> None:
         pending = self._pending
@@ -364,6 +383,8 @@ class OutputStream:
             return source.crc if source.crc is not None else crc32(data)
         if not is_local_range(source) or self._fd is None:  # no descriptor to copy from or to: streamed
             return self._stream(iter_chunks(source, files), want_crc)
+        if want_crc and source.crc is None and _never_shared(files.file(source.path).fileno(), self._fd):
+            return self._copy_with_crc(files.file(source.path).fileno(), source)
         crc = files.crc_in_background(source) if want_crc and source.crc is None else None
         pending = self._pending
         if (
@@ -383,6 +404,20 @@ class OutputStream:
         self._copy_pending()  # now, while the worker computes the CRC beside it
         return crc.result()
 
+    def _copy_with_crc(self, src_fd: int, source: FileRange) -> int:
+        """Copy ``source`` through the placed buffer, its CRC32 computed on each piece while it is
+        in the CPU's cache: one read of the source instead of two (the kernel's copy, then a
+        worker's read for the CRC). Only where the kernel's copy could not share blocks anyway
+        (:func:`_never_shared`). Measured on the dev VM, 1.2 GB in step, CPU: kernel copy plus
+        the CRC's read 1.15-1.35 s, this 0.66-1.0 s."""
+        assert self._fd is not None
+        self._copy_pending()
+        self._out.flush()
+        crc = _bounce_copy(src_fd, source.offset, self._fd, self.offset, source.size, crc=True)
+        self.offset += source.size
+        self._out.seek(self.offset)
+        return crc
+
     def _copy_pending(self) -> None:
         pending, self._pending = self._pending, None
         if pending is not None:
@@ -394,6 +429,45 @@ class OutputStream:
     def flush(self) -> None:
         self._copy_pending()
         self._out.flush()
+        if self._reserved_end > self.offset:
+            assert self._fd is not None  # reserved only for an output with a descriptor
+            os.ftruncate(self._fd, self.offset)
+            self._reserved_end = self.offset
+
+
+#: outputs shorter than this are not preallocated (one more system call is not worth it)
+_PREALLOCATE_FROM = 1 << 24
+#: ``FS_IOC_GETFLAGS`` (``_IOR('f', 1, long)``) where ``long`` is 8 bytes and ioctl numbers use
+#: the generic layout, and the flag it reports for a file mapped by extents (``lsattr``'s ``e``)
+_FS_IOC_GETFLAGS = {"x86_64": 0x80086601, "aarch64": 0x80086601}
+_FS_EXTENT_FL = 0x00080000
+
+
+def preallocates(fd: int) -> bool:
+    """Whether :meth:`OutputStream.reserve` allocates ``fd``'s blocks ahead: on ext4, for a file
+    mapped by extents (every file of a file system made with them, the default since 2008).
+
+    Why: ext4 then skips its per-page bookkeeping of delayed allocation as the bytes come
+    (measured on the dev VM, 1.2 GB written into a new file, CPU of the writing process: the
+    kernel's in-step copy 0.41 -> 0.32 s, the buffered out-of-step copy 0.44 -> 0.36 s; the
+    time until ``sync`` returns unchanged). Why only there: ``posix_fallocate`` falls back to
+    writing a byte into every block where the file system has no ``fallocate`` of its own
+    (ext4 files mapped by block lists, ext2/3, NFS before v4.2), which would cost more than it
+    saves; other file systems were not measured, and on a copy-on-write one (XFS, btrfs) blocks
+    allocated ahead would be dropped again where the kernel's copy shares the input's."""
+    machine = os.uname().machine if hasattr(os, "uname") else ""
+    if machine not in _FS_IOC_GETFLAGS or not hasattr(os, "posix_fallocate"):
+        return False
+    if _file_system(os.fstat(fd).st_dev) != "ext4":
+        return False
+    import fcntl  # Linux only, and only for a big output
+
+    flags = bytearray(8)
+    try:
+        fcntl.ioctl(fd, _FS_IOC_GETFLAGS[machine], flags, True)
+    except OSError:
+        return False
+    return bool(int.from_bytes(flags[:4], "little") & _FS_EXTENT_FL)
 
 
 def _repeats(pending: _PendingCopy, data: bytes | bytearray) -> bool:
@@ -485,17 +559,26 @@ def read_all(source: FileRange | ComputedSource, files: OpenFiles) -> bytes:
     return b"".join(iter_chunks(source, files))
 
 
-def _reads(fd: int, offset: int, size: int, buffer_size: int) -> Iterator[bytes | memoryview]:
+def _reads(
+    fd: int, offset: int, size: int, buffer_size: int, *, page_offset: int | None = None
+) -> Iterator[bytes | memoryview]:
     """``size`` bytes of ``fd`` from ``offset``, a piece at a time, read into one reused buffer
     where the OS has ``preadv`` (a fresh multi-MiB ``bytes`` per read would be page-faulted in
     anew); each piece is valid until the next is asked for. A file that ends early (truncated
-    while read) is bad input, never a short result."""
-    buffer = bytearray(min(size, buffer_size))
-    view = memoryview(buffer)
+    while read) is bad input, never a short result.
+
+    ``page_offset``: the buffer starts at that offset within a memory page (an anonymous map,
+    page-aligned, viewed from there) rather than wherever ``malloc`` put it; see
+    :func:`_bounce_copy`."""
+    length = min(size, buffer_size)
+    if page_offset is None:
+        view = memoryview(bytearray(length))
+    else:
+        view = _page_buffer(length + BLOCK)[page_offset : page_offset + length]
     preadv = getattr(os, "preadv", None)
     done = 0
     while done < size:
-        want = min(size - done, len(buffer))
+        want = min(size - done, len(view))
         if preadv is not None:
             got = preadv(fd, [view[:want]], offset + done)
             chunk: bytes | memoryview = view[:got]
@@ -506,6 +589,22 @@ def _reads(fd: int, offset: int, size: int, buffer_size: int) -> Iterator[bytes 
             raise BadInputError("the input file ended while its data was being copied (truncated?)")
         yield chunk
         done += got
+
+
+#: each thread's page-aligned buffer (:func:`_page_buffer`)
+_PAGE_BUFFERS = threading.local()
+
+
+def _page_buffer(size: int) -> memoryview:
+    """A page-aligned buffer of at least ``size`` bytes: an anonymous map, one per thread, made
+    once and kept (a fresh map for each of a checkpoint's tensors cost 200 ``munmap`` calls and
+    its pages faulted in anew each time: ~0.04 s of CPU per 1.2 GB)."""
+    buffer = getattr(_PAGE_BUFFERS, "buffer", None)
+    if buffer is None or len(buffer) < size:
+        import mmap  # only the out-of-step copy asks, on a local file system (Linux)
+
+        buffer = _PAGE_BUFFERS.buffer = mmap.mmap(-1, size)
+    return memoryview(buffer)
 
 
 def crc_of_range(fd: int, offset: int, size: int) -> int:
@@ -567,16 +666,44 @@ def copy_range(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count
 #: the buffer :func:`_bounce_copy` moves bytes through: small enough to stay in the CPU's cache
 #: between the read and the write (measured: 256 KiB beat 1 MiB by ~20%)
 _BOUNCE = 1 << 18
+#: a copy whose destination lies less than this many bytes after its source, modulo the page
+#: size, runs at half speed (see :func:`_buffer_page_offset`)
+_NEAR = 64
 
 
-def _bounce_copy(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int) -> None:
-    """Copy through one reused buffer (:func:`_reads`)."""
+def _buffer_page_offset(src_offset: int, dst_offset: int) -> int:
+    """Where in a page the bounce buffer should start so that neither of its two copies (source
+    page -> buffer by ``pread``, buffer -> destination page by ``pwrite``) has its destination
+    just after its source modulo the page size.
+
+    Such a copy runs at about half speed (the kernel's ``rep movsb`` on x86: loads that alias
+    the stores just made, 4 KiB apart). Measured on the dev VM (AMD EPYC, ext4, 1.2 GB copied by
+    :func:`copy_range`, CPU seconds, 5 runs): with the buffer where ``malloc`` put it, source
+    8 bytes into its page to a page boundary 0.79-0.81, 0 -> 1344 0.87-0.89, 64 -> 0 0.43-0.45;
+    with the buffer placed here 0.44, 0.51-0.53 and 0.43-0.46 (the kernel's own copy of in-step
+    ranges, as ``cp``: 0.41). The two distances add up to the destination's distance from the
+    source, so they split it evenly (both at least :data:`_NEAR`), or, where it is short, are
+    both made about half a page.
+    """
+    distance = (dst_offset - src_offset) % BLOCK
+    to_buffer = distance // 2 if distance >= 2 * _NEAR else BLOCK // 2 + distance // 2
+    return (src_offset + to_buffer) % BLOCK
+
+
+def _bounce_copy(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int, *, crc: bool = False) -> int:
+    """Copy through one reused buffer (:func:`_reads`), placed for speed (:func:`_buffer_page_offset`);
+    returns the CRC32 of the bytes copied when ``crc`` (else 0)."""
     done = 0
-    for chunk in _reads(src_fd, src_offset, count, _BOUNCE):
+    crc_value = 0
+    at = _buffer_page_offset(src_offset, dst_offset)
+    for chunk in _reads(src_fd, src_offset, count, _BOUNCE, page_offset=at):
+        if crc:
+            crc_value = crc32(chunk, crc_value)
         written = 0
         while written < len(chunk):
             written += os.pwrite(dst_fd, chunk[written:], dst_offset + done + written)
         done += len(chunk)
+    return crc_value
 
 
 #: file systems whose ``copy_file_range`` copies through this machine's page cache (or shares
@@ -584,6 +711,16 @@ def _bounce_copy(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, cou
 #: else -- NFS and SMB copy on the server, FUSE and cluster file systems do what they do --
 #: keeps the kernel's copy.
 _LOCAL_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "tmpfs", "bcachefs", "jfs"})
+
+
+#: local file systems whose copies never share blocks (no reflink): there the kernel's copy of
+#: a range is a page-cache copy like any other, and a copy that needs a CRC can read once
+_NEVER_SHARED = frozenset({"ext2", "ext3", "ext4", "tmpfs"})
+
+
+def _never_shared(src_fd: int, dst_fd: int) -> bool:
+    """Whether both files are on a file system of :data:`_NEVER_SHARED` (Linux)."""
+    return all(_file_system(os.fstat(fd).st_dev) in _NEVER_SHARED for fd in (src_fd, dst_fd))
 
 
 def _page_cache_copy(src_fd: int, dst_fd: int) -> bool:

@@ -489,6 +489,7 @@ def write_safetensors(
     """
     plan = plan_safetensors(state_dict, metadata, max_data_bytes=max_data_bytes)
     stream = OutputStream(out)
+    stream.reserve(len(plan.header) + plan.data_bytes)  # the file's exact size, known from the plan
     with OpenFiles() as files:
         whole = _unchanged_file(plan, files)
         if whole is not None:
