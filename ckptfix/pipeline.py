@@ -237,9 +237,26 @@ class Report:
         return self.dropped_bytes
 
     def to_dict(self) -> dict[str, Any]:
-        document = asdict(self)
+        """The fields as plain data, each container copied with its dicts and lists one level
+        down. Not ``dataclasses.asdict``: that deep-copies every (old, new) pair of every
+        rename, ~150 000 Python calls for a 50 000-key state dict; the pairs are tuples of
+        strings, shared as they are. Every field holds plain data (the steps are spelled out)."""
+        document = {f.name: _copied(getattr(self, f.name)) for f in fields(self)}
         document["steps"] = [{"step": s.requested, "changed": s.changed} for s in self.steps]
         return document
+
+
+def _copied(value: Any) -> Any:
+    """A report field's value with its dicts and lists copied two levels down (a list of dicts
+    of lists: ``state_dicts``); tuples, strings and numbers are shared, being immutable."""
+    if isinstance(value, dict):
+        return {k: list(v) if isinstance(v, list) else dict(v) if isinstance(v, dict) else v for k, v in value.items()}
+    if isinstance(value, list):
+        return [
+            {k: list(v) if isinstance(v, list) else v for k, v in item.items()} if isinstance(item, dict) else item
+            for item in value
+        ]
+    return value
 
 
 def read_input(path: str | os.PathLike[str], opts: ConvertOptions, *, inert_unknown: bool) -> Checkpoint:
