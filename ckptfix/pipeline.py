@@ -82,7 +82,7 @@ from .model.statedicts import (
     split_ema,
     wrapper_chain,
 )
-from .model.walk import iter_tensors, substitute, walk
+from .model.walk import census, substitute, walk
 from .pickling.names import check_global_patterns
 from .pickling.vm import collector_paused
 from .transforms.devices import parse_map_location, remap_devices
@@ -542,7 +542,7 @@ def apply_transforms(ckpt: Checkpoint, opts: ConvertOptions, report: Report, out
     elif opts.map_location:
         if not ckpt.lazy:
             raise InputMismatchError(f"--map-location cannot be applied to a {ckpt.format} file read through torch")
-        meta = sum(1 for _, value in walk(root, leaves=True) if is_meta_tensor(value))
+        meta = sum(1 for value in census(root).records if is_meta_tensor(value))
         if meta:
             raise InputMismatchError(
                 f"--map-location {opts.map_location}: {meta} tensors are on the meta device, with no data to move",
@@ -915,7 +915,7 @@ def _write(
         elif budget is not None:
             check_torch_expand_budget(flat, budget)
     report.metadata = metadata
-    report.tensors = len(flat) if flat is not None else sum(1 for _ in iter_tensors(root))
+    report.tensors = len(flat) if flat is not None else len(census(root).tensors)
     changes = _describe_changes(report)
     if opts.dry_run:
         if kind == "dcp":  # what the write would refuse (keys DCP cannot hold), refused now

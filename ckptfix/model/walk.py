@@ -14,7 +14,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, mul
 from typing import Any, TypeVar, cast
 
 from ..errors import BadInputError
@@ -209,6 +209,20 @@ class Census:
     #: on every path)
     records: list[Any] = field(default_factory=list)
 
+    def distinct_storages(self) -> list[StorageRef]:
+        """Every storage record the tree uses, through tensors or directly, once each: those
+        of the tensors first (in walk order), then the others (not :func:`iter_storages`'s
+        order where a storage is pickled on its own: for sums and sets)."""
+        used = list(map(_STORAGE, self.tensors)) + self.storages
+        return list(dict(zip(map(id, used), used)).values())
+
+    def nbytes(self) -> int:
+        """The bytes of :meth:`distinct_storages` together (each counted once)."""
+        storages = self.distinct_storages()
+        return sum(map(mul, map(_NUMEL, storages), map(_ITEMSIZE, storages)))
+
+
+_STORAGE, _NUMEL, _ITEMSIZE = attrgetter("storage"), attrgetter("numel"), attrgetter("itemsize")
 
 #: what census files as a record: the nodes that are neither plain containers nor tensors
 _RECORDS = (Reduce, OpaqueObject)

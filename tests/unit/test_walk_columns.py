@@ -22,7 +22,7 @@ from ckptfix.formats.checkpoint import read_checkpoint
 from ckptfix.model.paths import format_path
 from ckptfix.model.refs import EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef
 from ckptfix.model.statedicts import WRAPPER_PREFIXES
-from ckptfix.model.walk import _ATOMS, census, iter_tensors, substitute, walk
+from ckptfix.model.walk import _ATOMS, census, iter_storages, iter_tensors, substitute, walk
 from ckptfix.pipeline import Report
 from ckptfix.transforms.prefix import StateDictChange
 
@@ -96,6 +96,10 @@ def test_census_finds_what_walk_yields_in_the_same_order(tree: Any) -> None:
         [id(s) for s in found.storages],
         [id(r) for r in found.records],
     ) == _census_by_walk(tree)
+    storages = list(iter_storages(tree))
+    assert {id(s) for s in found.distinct_storages()} == {id(s) for s in storages}
+    assert len(found.distinct_storages()) == len(storages)
+    assert found.nbytes() == sum(s.nbytes for s in storages)
 
 
 def test_census_keeps_the_depth_limit() -> None:
