@@ -25,7 +25,7 @@ from ..model.refs import (
     meta_shape,
 )
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts, is_optimizer_state, looks_like_state_dict
-from ..model.walk import census, iter_tensors, walk
+from ..model.walk import BulkMemo, census, iter_tensors, walk
 from ..native import engine
 from ..transforms.foreign import unallowed_globals
 
@@ -124,9 +124,9 @@ def _kind_of(value: Any) -> str:
     return type(value).__name__
 
 
-def _tensor_stats(value: Any) -> tuple[int, dict[str, int]]:
+def _tensor_stats(value: Any, memo: BulkMemo) -> tuple[int, dict[str, int]]:
     """Tensor count and count per device tag under ``value`` (real tensors included): one pass."""
-    found = census(value)
+    found = census(value, memo=memo)
     counts = Counter(map(_DEVICE, found.tensors))
     n = len(found.tensors)
     if found.records:
@@ -163,18 +163,21 @@ def _tensor_stats_in_order(value: Any) -> tuple[int, dict[str, int]]:
 _DEVICE = attrgetter("storage.location")
 _DTYPE = attrgetter("dtype")
 _STORAGE = attrgetter("storage")
+_LOCATION = attrgetter("location")
 #: a storage record's size: numel x itemsize (its ``nbytes``, without a property call each)
 _NUMEL = attrgetter("numel")
 _ITEMSIZE = attrgetter("itemsize")
 
 
-def describe_tree(root: Any, limit: int | None = None) -> list[dict[str, Any]]:
+def describe_tree(root: Any, limit: int | None = None, memo: BulkMemo | None = None) -> list[dict[str, Any]]:
     """One entry per interesting node: state dicts, optimizer states, tensors, plain values;
     the first ``limit`` of them (all with None).
 
     The walk goes at most ``_MAX_DEPTH`` levels down; deeper containers are summarised.
+    ``memo``: what a :func:`census` of the same tree took in bulk (its counts are taken again).
     """
     entries: list[dict[str, Any]] = []
+    memo = {} if memo is None else memo
 
     def describe(path: Path, value: Any) -> bool:
         """Add the entry for ``value``; True when the walk should go into its children."""
@@ -182,10 +185,10 @@ def describe_tree(root: Any, limit: int | None = None) -> list[dict[str, Any]]:
             return False
         where = format_path(path) or "(top level)"
         if looks_like_state_dict(value):
-            n, devices = _tensor_stats(value)
+            n, devices = _tensor_stats(value, memo)
             entries.append({"path": where, "kind": "state dict", "tensors": n, "devices": devices})
         elif is_optimizer_state(value):
-            n, devices = _tensor_stats(value)
+            n, devices = _tensor_stats(value, memo)
             entries.append({"path": where, "kind": "optimizer state", "tensors": n, "devices": devices})
         elif is_tensor_like(value):
             entries.append({"path": where, "kind": "tensor", "value": _tensor_line(value)})
@@ -199,7 +202,7 @@ def describe_tree(root: Any, limit: int | None = None) -> list[dict[str, Any]]:
                 return False
             return True
         elif isinstance(value, (Mapping, list, tuple)):
-            n, devices = _tensor_stats(value)
+            n, devices = _tensor_stats(value, memo)
             entries.append(
                 {"path": where, "kind": type(value).__name__, "items": len(value), "tensors": n, "devices": devices}
             )
@@ -219,15 +222,17 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
 
     One :func:`census` of the tree, then counts over its columns in C loops (``Counter``,
     ``map``): no Python step per tensor, except for the paths of tensors sharing a storage."""
-    found = census(ckpt.root)
+    memo: BulkMemo = {}  # the census's bulk parts, taken again by describe_tree's counts
+    found = census(ckpt.root, memo=memo)
     tensor_list = found.tensors
     tensors = len(tensor_list)
     dtypes = Counter(map(_DTYPE, tensor_list))
-    devices = Counter(map(_DEVICE, tensor_list))
     storage_list = list(map(_STORAGE, tensor_list))
-    storages = dict(zip(map(id, storage_list), storage_list))  # first use first, as met
+    devices = Counter(map(_LOCATION, storage_list))
+    ids = list(map(id, storage_list))
+    storages = dict(zip(ids, storage_list))  # first use first, as met
     # storages used by more than one tensor path (tied weights, views): counted only if any are
-    uses = Counter(map(id, storage_list)) if len(storages) < len(storage_list) else Counter()
+    uses = Counter(ids) if len(storages) < len(ids) else Counter[int]()
     meta = 0  # tensors saved from the meta device: counted, but they have no data
     for value in found.records:
         if isinstance(value, Reduce) and is_meta_tensor(value):
@@ -265,7 +270,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         "dtypes": dict(dtypes.most_common()),
         "devices": dict(devices.most_common()),
         "state_dicts": state_dicts,
-        "tree": describe_tree(ckpt.root),
+        "tree": describe_tree(ckpt.root, memo=memo),
         "shared_storages": shared,
         "globals": sorted(ckpt.globals),
         "unallowed_globals": unallowed,

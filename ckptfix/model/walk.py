@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from itertools import chain
-from operator import attrgetter, mul
-from typing import Any, TypeVar, cast
+from itertools import chain, repeat
+from operator import attrgetter, is_, mul
+from typing import Any, TypeAlias, TypeVar, cast
 
 from ..errors import BadInputError
 from .dtypes import DTYPE_ITEMSIZE
@@ -228,10 +228,18 @@ _STORAGE, _NUMEL, _ITEMSIZE = attrgetter("storage"), attrgetter("numel"), attrge
 _RECORDS = (Reduce, OpaqueObject)
 
 
-def census(root: Tree, *, limit: int = MAX_NESTING) -> Census:
+#: what :func:`census` learnt of the plain containers it took in bulk, by ``id``: their tensors
+#: and the dicts inside them, so a census of a part of the same tree (inspect's per-entry
+#: counts) takes them again without looking. Valid while the tree is not changed.
+BulkMemo: TypeAlias = dict[int, tuple[list[TensorRef], set[int]]]
+
+
+def census(root: Tree, *, limit: int = MAX_NESTING, memo: BulkMemo | None = None) -> Census:
     """One pass over ``root`` with :func:`walk`'s rules (iterative, each container entered once,
     tensors counted on every path, the same depth limit), collecting instead of yielding: the
-    loop body for a tensor is a few bytecodes, where a walk costs a generator step and a path."""
+    loop body for a tensor is a few bytecodes, where a walk costs a generator step and a path;
+    a plain container of tensors (or of plain dicts of tensors) is taken whole, in C loops.
+    ``memo``: share what was taken whole between censuses of one unchanged tree."""
     found = Census()
     tensors, storages, records = found.tensors, found.storages, found.records
     getter = _getter(root)
@@ -246,6 +254,12 @@ def census(root: Tree, *, limit: int = MAX_NESTING) -> Census:
     elif isinstance(root, _RECORDS):
         records.append(root)
     seen: set[int] = {id(root)}
+    memo = {} if memo is None else memo
+    if limit >= 1:
+        bulk = _bulk_tensors(root, seen, memo)
+        if bulk is not None:
+            tensors += bulk
+            return found
     stack: list[tuple[int, Iterator[tuple[Any, Any]]]] = [(0, iter(getter(root)))]
     atoms, children, empty, tensor_type = _ATOMS, CHILDREN, EMPTY_HOOKS, TensorRef
     while stack:
@@ -284,7 +298,7 @@ def census(root: Tree, *, limit: int = MAX_NESTING) -> Census:
             elif isinstance(child, _RECORDS):
                 records.append(child)
             elif depth + 2 <= limit:
-                bulk = _bulk_tensors(child, seen)
+                bulk = _bulk_tensors(child, seen, memo)
                 if bulk is not None:
                     tensors += bulk
                     continue
@@ -301,11 +315,30 @@ _FLAT_TENSORS: frozenset[type] = _ATOMS | {TensorRef}
 _HOOKS, _METADATA, _PARAM = attrgetter("hooks"), attrgetter("metadata"), attrgetter("param")
 
 
-def _bulk_tensors(node: Any, seen: set[int]) -> list[TensorRef] | None:
+def _bulk_tensors(node: Any, seen: set[int], memo: BulkMemo) -> list[TensorRef] | None:
     """The tensor records under a plain dict, list or tuple holding only atoms, tensor records
     and plain dicts of those (a state dict; an optimizer's ``{param_id: {"exp_avg": ...}}``),
     in walk order, taken in C loops; its dicts are marked seen. None when ``node`` is anything
     else -- a tensor with hooks, a dict reached twice... -- and the walk must go one by one."""
+    known = memo.get(id(node))
+    if known is not None:
+        if not seen.isdisjoint(known[1]):
+            return None
+        seen.update(known[1])
+        return known[0]
+    found = _bulk_of(node)
+    if found is None:
+        return None
+    tensors, ids = found
+    if not seen.isdisjoint(ids):  # a dict the walk has entered already: one by one
+        return None
+    seen.update(ids)
+    memo[id(node)] = found
+    return tensors
+
+
+def _bulk_of(node: Any) -> tuple[list[TensorRef], set[int]] | None:
+    """:func:`_bulk_tensors`' look at ``node`` alone: its tensors and the ids of its dicts."""
     kind = type(node)
     values = list(node.values()) if kind is dict else list(node) if kind is list or kind is tuple else None
     if values is None:
@@ -319,23 +352,20 @@ def _bulk_tensors(node: Any, seen: set[int]) -> list[TensorRef] | None:
             return None
         dicts = [value for value in values if type(value) is dict]
         ids = set(map(id, dicts))
-        if len(ids) != len(dicts) or not seen.isdisjoint(ids):
+        if len(ids) != len(dicts):
             return None  # one reached twice: the walk counts its tensors once
         values = list(chain.from_iterable(map(dict.values, dicts)))
         kinds = set(map(type, values))
         if not kinds <= _FLAT_TENSORS:
             return None
     tensors = values if kinds == {TensorRef} else [value for value in values if type(value) is TensorRef]
-    n = len(tensors)
-    if (
-        list(map(_HOOKS, tensors)).count(EMPTY_HOOKS) != n
-        or list(map(_METADATA, tensors)).count(ABSENT) != n
-        or list(map(_PARAM, tensors)).count(None) != n
+    if not (
+        all(map(is_, map(_HOOKS, tensors), repeat(EMPTY_HOOKS)))
+        and all(map(is_, map(_METADATA, tensors), repeat(ABSENT)))
+        and all(map(is_, map(_PARAM, tensors), repeat(None)))
     ):
         return None  # a tensor with something to walk into
-    if dicts:
-        seen.update(ids)
-    return tensors
+    return tensors, ids if dicts else set()
 
 
 def check_nesting(root: Tree, limit: int = MAX_NESTING) -> None:

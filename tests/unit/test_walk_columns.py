@@ -22,7 +22,7 @@ from ckptfix.formats.checkpoint import read_checkpoint
 from ckptfix.model.paths import format_path
 from ckptfix.model.refs import EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef
 from ckptfix.model.statedicts import WRAPPER_PREFIXES
-from ckptfix.model.walk import _ATOMS, census, iter_storages, iter_tensors, substitute, walk
+from ckptfix.model.walk import _ATOMS, BulkMemo, census, iter_storages, iter_tensors, substitute, walk
 from ckptfix.pipeline import Report
 from ckptfix.transforms.prefix import StateDictChange
 
@@ -100,6 +100,10 @@ def test_census_finds_what_walk_yields_in_the_same_order(tree: Any) -> None:
     assert {id(s) for s in found.distinct_storages()} == {id(s) for s in storages}
     assert len(found.distinct_storages()) == len(storages)
     assert found.nbytes() == sum(s.nbytes for s in storages)
+    memo: BulkMemo = {}  # what inspect does: one census of the tree, then of its parts, sharing the memo
+    assert [id(t) for t in census(tree, memo=memo).tensors] == [id(t) for t in found.tensors]
+    for part in _containers(tree):
+        assert [id(t) for t in census(part, memo=memo).tensors] == [id(t) for t in census(part).tensors]
 
 
 def test_census_keeps_the_depth_limit() -> None:
