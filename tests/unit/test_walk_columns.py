@@ -27,7 +27,7 @@ from ckptfix.pipeline import Report
 from ckptfix.transforms.prefix import StateDictChange
 
 _SETTINGS = settings(
-    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
 )
 
 
@@ -185,7 +185,7 @@ def _common_prefixes_by_loop(keys: list[str]) -> list[dict[str, Any]]:
 _key_parts = st.sampled_from([*WRAPPER_PREFIXES, "modul", "model", ".", "a.", "b", "_orig_mod", "fc.weight"])
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(st.lists(st.lists(_key_parts, max_size=5).map("".join), max_size=12))
 def test_common_prefixes_count_as_the_loop_did(keys: list[str]) -> None:
     assert common_prefixes(keys) == _common_prefixes_by_loop(keys)
