@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pathlib
+import re
 from collections import Counter
 from collections.abc import Mapping
+from operator import attrgetter, mul
 from typing import Any
 
 from ..fileio.extents import shared_bytes_of
@@ -23,7 +25,7 @@ from ..model.refs import (
     meta_shape,
 )
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts, is_optimizer_state, looks_like_state_dict
-from ..model.walk import iter_tensors, walk
+from ..model.walk import BulkMemo, census, iter_tensors, walk
 from ..native import engine
 from ..transforms.foreign import unallowed_globals
 
@@ -37,29 +39,24 @@ def common_prefixes(keys: list[str]) -> list[dict[str, Any]]:
     """Prefixes shared by at least half the keys: the wrapper chain first, then first segments.
 
     ``_orig_mod.module.`` counts as one chain, so a compiled DDP model shows both wrappers.
+    Counted in C loops (a regular expression per key, Counter over a list): no Python step per key.
     """
     if not keys:
         return []
-    chains: Counter[str] = Counter()
-    firsts: Counter[str] = Counter()
-    for key in keys:
-        chain = ""
-        rest = key
-        while True:
-            wrapper = next((p for p in WRAPPER_PREFIXES if rest.startswith(p)), None)
-            if wrapper is None:
-                break
-            chain += wrapper
-            rest = rest[len(wrapper) :]
-        if chain:
-            chains[chain] += 1
-        if "." in key:
-            firsts[key.split(".", 1)[0] + "."] += 1
+    chains = Counter([m[0] for m in map(_WRAPPER_CHAIN.match, keys) if m])
+    firsts = Counter([key[: key.find(".") + 1] for key in keys])
+    firsts.pop("", None)  # keys without a dot (find gives -1: an empty head)
     half = (len(keys) + 1) // 2
     result = [{"prefix": p, "keys": n} for p, n in chains.most_common() if n >= half]
     known = {r["prefix"] for r in result}
     result += [{"prefix": p, "keys": n} for p, n in firsts.most_common(3) if n >= half and p not in known]
     return result
+
+
+#: a key's wrapper chain: wrapper prefixes one after another from its start. At most one of
+#: them matches at any place (none is a prefix of another), so the greedy match is the chain
+#: that peeling them off one at a time gives
+_WRAPPER_CHAIN = re.compile("(?:" + "|".join(map(re.escape, WRAPPER_PREFIXES)) + ")+")
 
 
 def _tensor_line(value: Any) -> str:
@@ -127,30 +124,60 @@ def _kind_of(value: Any) -> str:
     return type(value).__name__
 
 
-def _tensor_stats(value: Any) -> tuple[int, dict[str, int]]:
-    """Tensor count and count per device tag under ``value`` (real tensors included): one walk."""
+def _tensor_stats(value: Any, memo: BulkMemo) -> tuple[int, dict[str, int]]:
+    """Tensor count and count per device tag under ``value`` (real tensors included): one pass."""
+    found = census(value, memo=memo)
+    counts = Counter(map(_DEVICE, found.tensors))
+    n = len(found.tensors)
+    if found.records:
+        extra = [_device_of(record) for record in found.records]
+        if any(extra):
+            return _tensor_stats_in_order(value)  # counts met in walk order: ties keep that order
+    return n, dict(counts.most_common())
+
+
+def _device_of(value: Any) -> str | None:
+    """The device a record other than a tensor record counts under: a real tensor's, "meta"
+    for a meta tensor's rebuild call; None for anything else."""
+    if is_torch_tensor(value):
+        return str(value.device)
+    if is_meta_tensor(value):
+        return "meta"
+    return None
+
+
+def _tensor_stats_in_order(value: Any) -> tuple[int, dict[str, int]]:
+    """:func:`_tensor_stats` for trees holding real or meta tensors besides tensor records,
+    counted in walk order as they are met (rare: a file read through torch, or saved on meta)."""
     counts: Counter[str] = Counter()
     n = 0
     for _, leaf in walk(value, leaves=True):
-        if isinstance(leaf, TensorRef):
-            counts[leaf.device] += 1
-            n += 1
-        elif is_torch_tensor(leaf):
-            counts[str(leaf.device)] += 1
-            n += 1
-        elif is_meta_tensor(leaf):
-            counts["meta"] += 1
+        device = leaf.device if isinstance(leaf, TensorRef) else _device_of(leaf)
+        if device is not None:
+            counts[device] += 1
             n += 1
     return n, dict(counts.most_common())
 
 
-def describe_tree(root: Any, limit: int | None = None) -> list[dict[str, Any]]:
+#: a tensor record's device tag and dtype, and its storage, read in C loops (``map``)
+_DEVICE = attrgetter("storage.location")
+_DTYPE = attrgetter("dtype")
+_STORAGE = attrgetter("storage")
+_LOCATION = attrgetter("location")
+#: a storage record's size: numel x itemsize (its ``nbytes``, without a property call each)
+_NUMEL = attrgetter("numel")
+_ITEMSIZE = attrgetter("itemsize")
+
+
+def describe_tree(root: Any, limit: int | None = None, memo: BulkMemo | None = None) -> list[dict[str, Any]]:
     """One entry per interesting node: state dicts, optimizer states, tensors, plain values;
     the first ``limit`` of them (all with None).
 
     The walk goes at most ``_MAX_DEPTH`` levels down; deeper containers are summarised.
+    ``memo``: what a :func:`census` of the same tree took in bulk (its counts are taken again).
     """
     entries: list[dict[str, Any]] = []
+    memo = {} if memo is None else memo
 
     def describe(path: Path, value: Any) -> bool:
         """Add the entry for ``value``; True when the walk should go into its children."""
@@ -158,10 +185,10 @@ def describe_tree(root: Any, limit: int | None = None) -> list[dict[str, Any]]:
             return False
         where = format_path(path) or "(top level)"
         if looks_like_state_dict(value):
-            n, devices = _tensor_stats(value)
+            n, devices = _tensor_stats(value, memo)
             entries.append({"path": where, "kind": "state dict", "tensors": n, "devices": devices})
         elif is_optimizer_state(value):
-            n, devices = _tensor_stats(value)
+            n, devices = _tensor_stats(value, memo)
             entries.append({"path": where, "kind": "optimizer state", "tensors": n, "devices": devices})
         elif is_tensor_like(value):
             entries.append({"path": where, "kind": "tensor", "value": _tensor_line(value)})
@@ -175,7 +202,7 @@ def describe_tree(root: Any, limit: int | None = None) -> list[dict[str, Any]]:
                 return False
             return True
         elif isinstance(value, (Mapping, list, tuple)):
-            n, devices = _tensor_stats(value)
+            n, devices = _tensor_stats(value, memo)
             entries.append(
                 {"path": where, "kind": type(value).__name__, "items": len(value), "tensors": n, "devices": devices}
             )
@@ -191,20 +218,23 @@ def describe_tree(root: Any, limit: int | None = None) -> list[dict[str, Any]]:
 
 
 def summarize(ckpt: Checkpoint) -> dict[str, Any]:
-    """Everything ``inspect`` reports, as plain data (the ``--json`` document)."""
-    dtypes: Counter[str] = Counter()
-    devices: Counter[str] = Counter()
-    tensors = 0
-    storages: dict[int, Any] = {}
-    users: dict[int, list[Path]] = {}
-    for path, tensor in iter_tensors(ckpt.root):
-        tensors += 1
-        dtypes[tensor.dtype] += 1
-        devices[tensor.device] += 1
-        storages[id(tensor.storage)] = tensor.storage
-        users.setdefault(id(tensor.storage), []).append(path)  # formatted only if shared
+    """Everything ``inspect`` reports, as plain data (the ``--json`` document).
+
+    One :func:`census` of the tree, then counts over its columns in C loops (``Counter``,
+    ``map``): no Python step per tensor, except for the paths of tensors sharing a storage."""
+    memo: BulkMemo = {}  # the census's bulk parts, taken again by describe_tree's counts
+    found = census(ckpt.root, memo=memo)
+    tensor_list = found.tensors
+    tensors = len(tensor_list)
+    dtypes = Counter(map(_DTYPE, tensor_list))
+    storage_list = list(map(_STORAGE, tensor_list))
+    devices = Counter(map(_LOCATION, storage_list))
+    ids = list(map(id, storage_list))
+    storages = dict(zip(ids, storage_list))  # first use first, as met
+    # storages used by more than one tensor path (tied weights, views): counted only if any are
+    uses = Counter(ids) if len(storages) < len(ids) else Counter[int]()
     meta = 0  # tensors saved from the meta device: counted, but they have no data
-    for _, value in walk(ckpt.root, leaves=True):
+    for value in found.records:
         if isinstance(value, Reduce) and is_meta_tensor(value):
             meta += 1
             dtypes[meta_shape(value)[0]] += 1
@@ -226,12 +256,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
             }
         )
     unallowed = _unallowed(ckpt)
-    shared = [
-        {"storage": storages[sid].key, "paths": names}
-        for sid, paths in users.items()
-        if len(paths) > 1
-        for names in ([format_path(p) for p in paths],)
-    ]
+    shared = _shared_storages(ckpt.root, storages, [sid for sid, n in uses.items() if n > 1])
     return {
         "input": ckpt.path,
         "diagnosis": _DIAGNOSIS.get(ckpt.format, ckpt.format),
@@ -241,11 +266,11 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         "tensors": tensors,
         "meta_tensors": meta,
         "storages": len(storages),
-        "tensor_bytes": sum(s.nbytes for s in storages.values()),
+        "tensor_bytes": sum(map(mul, map(_NUMEL, storages.values()), map(_ITEMSIZE, storages.values()))),
         "dtypes": dict(dtypes.most_common()),
         "devices": dict(devices.most_common()),
         "state_dicts": state_dicts,
-        "tree": describe_tree(ckpt.root),
+        "tree": describe_tree(ckpt.root, memo=memo),
         "shared_storages": shared,
         "globals": sorted(ckpt.globals),
         "unallowed_globals": unallowed,
@@ -254,6 +279,19 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         "warnings": _warnings(devices) + _meta_warning(meta) + _unallowed_warning(unallowed),
         **({"deepspeed": _deepspeed(ckpt)} if ckpt.deepspeed is not None else {}),
     }
+
+
+def _shared_storages(root: Any, storages: dict[int, Any], shared_ids: list[int]) -> list[dict[str, Any]]:
+    """``{"storage", "paths"}`` for each storage more than one tensor path uses, in the order
+    storages are first met: the one walk that makes paths, run only when there are any."""
+    if not shared_ids:
+        return []
+    users: dict[int, list[Path]] = {sid: [] for sid in shared_ids}
+    for path, tensor in iter_tensors(root):
+        paths = users.get(id(tensor.storage))
+        if paths is not None:
+            paths.append(path)
+    return [{"storage": storages[sid].key, "paths": [format_path(p) for p in paths]} for sid, paths in users.items()]
 
 
 def _deepspeed(ckpt: Checkpoint) -> dict[str, Any]:

@@ -7,7 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard
 
 from .paths import Path
-from .refs import Tree, is_tensor_like
+from .refs import TensorRef, Tree, is_tensor_like
 from .walk import ATTRS, copy_mapping, walk
 
 
@@ -32,6 +32,8 @@ def looks_like_state_dict(value: Any) -> TypeGuard[Mapping[str, Any]]:
     """
     if not isinstance(value, Mapping) or not value:
         return False
+    if set(map(type, value.values())) == {TensorRef} and set(map(type, value)) == {str}:
+        return True  # the usual state dict, told in C loops: string keys, every value a tensor
     tensors = dotted = others = 0
     for key, item in value.items():
         if not isinstance(key, str):

@@ -12,13 +12,15 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
-from itertools import chain
-from typing import Any, TypeVar, cast
+from dataclasses import dataclass, field
+from itertools import chain, repeat
+from operator import attrgetter, is_, mul
+from typing import Any, TypeAlias, TypeVar, cast
 
 from ..errors import BadInputError
 from .dtypes import DTYPE_ITEMSIZE
 from .paths import Path, format_path
-from .refs import ABSENT, Global, OpaqueObject, Reduce, StorageRef, TensorRef, Tree, _EmptyHooks
+from .refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, Reduce, StorageRef, TensorRef, Tree, _EmptyHooks
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -87,7 +89,7 @@ CHILDREN: dict[type, Callable[[Any], Iterable[tuple[Any, Any]]]] = {
     TensorRef: _tensor_children,
 }
 #: values that hold nothing the walk needs to see
-_ATOMS = frozenset({str, int, float, bool, type(None), bytes, bytearray, complex, Global, _EmptyHooks})
+_ATOMS: frozenset[type] = frozenset({str, int, float, bool, type(None), bytes, bytearray, complex, Global, _EmptyHooks})
 
 
 def _getter(value: Any) -> Callable[[Any], Iterable[tuple[Any, Any]]] | None:
@@ -143,7 +145,7 @@ def walk(
     if descend is not None and not descend((), root):
         return
     stack: list[tuple[Path, Iterator[tuple[Any, Any]]]] = [((), iter(getter(root)))]
-    atoms, children = _ATOMS, CHILDREN
+    atoms, children, empty = _ATOMS, CHILDREN, EMPTY_HOOKS
     while stack:
         path, items = stack[-1]
         for key, child in items:
@@ -154,7 +156,8 @@ def walk(
                 continue
             if kind is TensorRef:
                 child_path = path + (key,)
-                inner = child.hooks or child.metadata is not ABSENT or child.param is not None
+                hooks = child.hooks  # the shared empty marker by identity: its __bool__ is a Python call
+                inner = (hooks is not empty and bool(hooks)) or child.metadata is not ABSENT or child.param is not None
                 first = False
                 if inner or revisit is not None:
                     first = id(child) not in seen
@@ -189,6 +192,180 @@ def walk(
                 break
         else:
             stack.pop()
+
+
+@dataclass(slots=True)
+class Census:
+    """What :func:`walk` with ``leaves=True`` would yield, sorted into lists by kind, in walk
+    order: :func:`census` makes it in one pass with no Python call per tensor, for the code that
+    counts and sums over a whole tree (``inspect``) rather than looking at each node's path."""
+
+    #: every tensor record, once per path that reaches it (a tied weight twice), as walk yields them
+    tensors: list[TensorRef] = field(default_factory=list)
+    #: storage records held directly (not through a tensor), once per path
+    storages: list[StorageRef] = field(default_factory=list)
+    #: the rest that is neither an atom nor a plain container: Reduce and OpaqueObject records
+    #: (once each: they are entered once), and leaves walk does not know (real torch tensors,
+    #: on every path)
+    records: list[Any] = field(default_factory=list)
+
+    def distinct_storages(self) -> list[StorageRef]:
+        """Every storage record the tree uses, through tensors or directly, once each: those
+        of the tensors first (in walk order), then the others (not :func:`iter_storages`'s
+        order where a storage is pickled on its own: for sums and sets)."""
+        used = list(map(_STORAGE, self.tensors)) + self.storages
+        return list(dict(zip(map(id, used), used)).values())
+
+    def nbytes(self) -> int:
+        """The bytes of :meth:`distinct_storages` together (each counted once)."""
+        storages = self.distinct_storages()
+        return sum(map(mul, map(_NUMEL, storages), map(_ITEMSIZE, storages)))
+
+
+_STORAGE, _NUMEL, _ITEMSIZE = attrgetter("storage"), attrgetter("numel"), attrgetter("itemsize")
+
+#: what census files as a record: the nodes that are neither plain containers nor tensors
+_RECORDS = (Reduce, OpaqueObject)
+
+
+#: what :func:`census` learnt of the plain containers it took in bulk, by ``id``: their tensors
+#: and the dicts inside them, so a census of a part of the same tree (inspect's per-entry
+#: counts) takes them again without looking. Valid while the tree is not changed.
+BulkMemo: TypeAlias = dict[int, tuple[list[TensorRef], set[int]]]
+
+
+def census(root: Tree, *, limit: int = MAX_NESTING, memo: BulkMemo | None = None) -> Census:
+    """One pass over ``root`` with :func:`walk`'s rules (iterative, each container entered once,
+    tensors counted on every path, the same depth limit), collecting instead of yielding: the
+    loop body for a tensor is a few bytecodes, where a walk costs a generator step and a path;
+    a plain container of tensors (or of plain dicts of tensors) is taken whole, in C loops.
+    ``memo``: share what was taken whole between censuses of one unchanged tree."""
+    found = Census()
+    tensors, storages, records = found.tensors, found.storages, found.records
+    getter = _getter(root)
+    if getter is None:
+        if isinstance(root, StorageRef):
+            storages.append(root)
+        elif type(root) not in _ATOMS:
+            records.append(root)
+        return found
+    if isinstance(root, TensorRef):
+        tensors.append(root)
+    elif isinstance(root, _RECORDS):
+        records.append(root)
+    seen: set[int] = {id(root)}
+    memo = {} if memo is None else memo
+    if limit >= 1:
+        bulk = _bulk_tensors(root, seen, memo)
+        if bulk is not None:
+            tensors += bulk
+            return found
+    stack: list[tuple[int, Iterator[tuple[Any, Any]]]] = [(0, iter(getter(root)))]
+    atoms, children, empty, tensor_type = _ATOMS, CHILDREN, EMPTY_HOOKS, TensorRef
+    while stack:
+        depth, items = stack[-1]
+        for _, child in items:
+            kind = type(child)
+            if kind in atoms:
+                continue
+            if kind is tensor_type:
+                tensors.append(child)
+                hooks = child.hooks  # the shared empty marker by identity: its __bool__ is a Python call
+                if ((hooks is not empty and hooks) or child.metadata is not ABSENT or child.param is not None) and id(
+                    child
+                ) not in seen:
+                    seen.add(id(child))
+                    stack.append((depth + 1, iter(_tensor_children(child))))
+                    break
+                continue
+            if kind is StorageRef:
+                storages.append(child)
+                continue
+            child_getter = children.get(kind) or _getter(child)
+            if child_getter is None:
+                if not isinstance(child, StorageRef):
+                    records.append(child)
+                else:
+                    storages.append(child)
+                continue
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            if depth + 1 > limit:
+                raise BadInputError(f"corrupt or hostile checkpoint: containers nested more than {limit} deep")
+            if isinstance(child, TensorRef):
+                tensors.append(child)
+            elif isinstance(child, _RECORDS):
+                records.append(child)
+            elif depth + 2 <= limit:
+                bulk = _bulk_tensors(child, seen, memo)
+                if bulk is not None:
+                    tensors += bulk
+                    continue
+            stack.append((depth + 1, iter(child_getter(child))))
+            break
+        else:
+            stack.pop()
+    return found
+
+
+#: the types census takes in bulk: atoms, tensor records, and plain dicts of those
+_BULK: frozenset[type] = _ATOMS | {TensorRef, dict}
+_FLAT_TENSORS: frozenset[type] = _ATOMS | {TensorRef}
+_HOOKS, _METADATA, _PARAM = attrgetter("hooks"), attrgetter("metadata"), attrgetter("param")
+
+
+def _bulk_tensors(node: Any, seen: set[int], memo: BulkMemo) -> list[TensorRef] | None:
+    """The tensor records under a plain dict, list or tuple holding only atoms, tensor records
+    and plain dicts of those (a state dict; an optimizer's ``{param_id: {"exp_avg": ...}}``),
+    in walk order, taken in C loops; its dicts are marked seen. None when ``node`` is anything
+    else -- a tensor with hooks, a dict reached twice... -- and the walk must go one by one."""
+    known = memo.get(id(node))
+    if known is not None:
+        if not seen.isdisjoint(known[1]):
+            return None
+        seen.update(known[1])
+        return known[0]
+    found = _bulk_of(node)
+    if found is None:
+        return None
+    tensors, ids = found
+    if not seen.isdisjoint(ids):  # a dict the walk has entered already: one by one
+        return None
+    seen.update(ids)
+    memo[id(node)] = found
+    return tensors
+
+
+def _bulk_of(node: Any) -> tuple[list[TensorRef], set[int]] | None:
+    """:func:`_bulk_tensors`' look at ``node`` alone: its tensors and the ids of its dicts."""
+    kind = type(node)
+    values = list(node.values()) if kind is dict else list(node) if kind is list or kind is tuple else None
+    if values is None:
+        return None
+    kinds = set(map(type, values))
+    if not kinds <= _BULK:
+        return None
+    dicts: list[Any] = []
+    if dict in kinds:
+        if kinds - _ATOMS != {dict}:  # dicts beside tensors: walk order interleaves them
+            return None
+        dicts = [value for value in values if type(value) is dict]
+        ids = set(map(id, dicts))
+        if len(ids) != len(dicts):
+            return None  # one reached twice: the walk counts its tensors once
+        values = list(chain.from_iterable(map(dict.values, dicts)))
+        kinds = set(map(type, values))
+        if not kinds <= _FLAT_TENSORS:
+            return None
+    tensors = values if kinds == {TensorRef} else [value for value in values if type(value) is TensorRef]
+    if not (
+        all(map(is_, map(_HOOKS, tensors), repeat(EMPTY_HOOKS)))
+        and all(map(is_, map(_METADATA, tensors), repeat(ABSENT)))
+        and all(map(is_, map(_PARAM, tensors), repeat(None)))
+    ):
+        return None  # a tensor with something to walk into
+    return tensors, ids if dicts else set()
 
 
 def check_nesting(root: Tree, limit: int = MAX_NESTING) -> None:
@@ -290,6 +467,8 @@ def iter_storages(root: Tree) -> Iterator[StorageRef]:
             yield storage
 
 
+#: the values :func:`substitute` never enters: atoms, and the records it keeps as they are
+_NOT_ENTERED: frozenset[type] = _ATOMS | {TensorRef, StorageRef}
 #: containers a substitution creates empty and fills afterwards, so cycles through them close
 _MUTABLE = (dict, list, set, OpaqueObject)
 
@@ -320,9 +499,11 @@ def substitute(root: Tree, replacements: dict[int, Tree]) -> Tree:
     order: list[Any] = []
     finished: dict[int, bool] = {}
     dirty: set[int] = set()
-    stack: list[tuple[Any, bool]] = [(subst(root), False)]
+    # (node, None) enters a node; (node, (holds a replaced object, its container children))
+    # leaves it, once its children are done
+    stack: list[tuple[Any, tuple[bool, list[Any]] | None]] = [(subst(root), None)]
     back_edges = False
-    atoms, leaves = _ATOMS, (TensorRef, StorageRef)
+    leaves, flat, replaced, get = (TensorRef, StorageRef), _NOT_ENTERED, replacements.keys(), replacements.get
 
     def holds_dirty(value: Any) -> bool:
         getter = _getter(value)
@@ -333,10 +514,11 @@ def substitute(root: Tree, replacements: dict[int, Tree]) -> Tree:
     while stack:
         value, leaving = stack.pop()
         key = id(value)
-        if leaving:
+        if leaving is not None:
             finished[key] = True
             order.append(value)
-            if holds_dirty(value):  # children are done (post-order), except along a cycle
+            direct, inner = leaving  # children are done (post-order), except along a cycle
+            if direct or not dirty.isdisjoint(map(id, inner)):
                 dirty.add(key)
             continue
         if key in finished:
@@ -345,12 +527,29 @@ def substitute(root: Tree, replacements: dict[int, Tree]) -> Tree:
         getter = _getter(value)
         if getter is None or isinstance(value, leaves):
             continue
+        # the children in bulk (C loops): a state dict of tensors costs no Python step per tensor
+        values = list(value.values()) if type(value) is dict else [child for _, child in getter(value)]
+        direct = not replaced.isdisjoint(map(id, values))
+        if direct:
+            values = [get(id(child), child) for child in values]
+        inner = [child for child in values if type(child) not in flat]
+        if len(inner) > 1 and _all_flat(inner, flat, replaced):
+            finished.update(dict.fromkeys(map(id, inner), True))  # clean, whatever else holds them
+            inner = []
+        if not inner:  # only atoms and records below: nothing in it can change but its own children
+            finished[key] = True
+            if direct:
+                order.append(value)
+                dirty.add(key)
+            continue
         finished[key] = False
-        stack.append((value, True))
-        for _, child in getter(value):
-            child = subst(child)
-            if type(child) not in atoms and not isinstance(child, leaves) and id(child) not in finished:
-                stack.append((child, False))
+        stack.append((value, (direct, inner)))
+        for child in inner:
+            state = finished.get(id(child))
+            if state is None:
+                stack.append((child, None))
+            elif not state:  # a container being worked on holds this one: a cycle
+                back_edges = True
     while back_edges:  # news travel back along cycles: repeat until nothing changes
         back_edges = False
         for value in order:
@@ -375,6 +574,21 @@ def substitute(root: Tree, replacements: dict[int, Tree]) -> Tree:
     for old, shell in fill:
         _fill(old, shell, mapped)
     return mapped(root)
+
+
+def _all_flat(nodes: list[Any], flat: frozenset[type], replaced: Any) -> bool:
+    """Whether ``nodes`` -- plain dicts, or plain lists and tuples -- hold only atoms and
+    records, none of them replaced: then none of them can change, and :func:`substitute` need
+    not enter them one by one (an optimizer state's 50 000 ``{"exp_avg": ...}`` dicts). The
+    test runs in C loops over all their children at once."""
+    kinds = set(map(type, nodes))
+    if kinds == {dict}:
+        grandchildren = list(chain.from_iterable(map(dict.values, nodes)))
+    elif kinds <= {list, tuple}:
+        grandchildren = list(chain.from_iterable(nodes))
+    else:
+        return False
+    return set(map(type, grandchildren)) <= flat and bool(replaced.isdisjoint(map(id, grandchildren)))
 
 
 def _empty_like(value: Any) -> Any:
@@ -416,8 +630,11 @@ def copy_mapping(original: Mapping[_K, _V], items: Iterable[tuple[_K, _V]]) -> M
     such as the ``_metadata`` that ``Module.state_dict()`` attaches to its OrderedDict.
     ``original``'s type must be a mutable mapping that takes no arguments (a tree's are)."""
     copy = cast("MutableMapping[_K, _V]", type(original)())
-    for k, v in items:
-        copy[k] = v
+    if type(copy) in (dict, OrderedDict):
+        copy.update(items)  # one C loop (a subclass's own __setitem__ would be bypassed: those loop)
+    else:
+        for k, v in items:
+            copy[k] = v
     attrs = getattr(original, "__dict__", None)
     if attrs:
         copy.__dict__.update(attrs)

@@ -25,7 +25,7 @@ from ..model.data import storage_swap_unit
 from ..model.dtypes import CAST_ALIASES, CASTABLE, DTYPE_ITEMSIZE, DTYPE_STORAGE
 from ..model.paths import format_path
 from ..model.refs import Global, StorageRef, TensorRef
-from ..model.walk import iter_tensors, substitute
+from ..model.walk import census, substitute
 from .prefix import select_state_dicts
 
 
@@ -94,7 +94,7 @@ def cast_floats(root: Any, dtype: str, keep: Sequence[str] = (), keys: Sequence[
         report.shared_with_uncast.append(names[same])
         del wanted[same]
     users: dict[int, list[TensorRef]] = {}
-    for _, tensor in iter_tensors(root):
+    for tensor in census(root).tensors:
         users.setdefault(id(tensor.storage), []).append(tensor)
     replacements: dict[int, Any] = {}
     for storage_id, tensors in users.items():

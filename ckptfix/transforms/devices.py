@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import UsageError
-from ..model.walk import iter_storages, iter_tensors, substitute
+from ..model.walk import census, iter_storages, substitute
 
 _DEVICE = re.compile(r"^(cpu|meta|mps|cuda|xpu|hpu|npu|mtia|xla|privateuseone)(:(\d+))?$")
 _INDEXED = ("cuda", "xpu", "hpu", "npu", "mtia", "xla", "privateuseone")
@@ -87,7 +87,7 @@ def remap_devices(root: Any, spec: str) -> tuple[Any, dict[str, int]]:
             changes[change] = changes.get(change, 0) + 1
     if not replacements:
         return root, changes
-    for _, tensor in iter_tensors(root):
+    for tensor in census(root).tensors:
         new_storage = replacements.get(id(tensor.storage))
         if new_storage is not None and id(tensor) not in replacements:
             replacements[id(tensor)] = replace(tensor, storage=new_storage)

@@ -11,8 +11,9 @@ make two keys collide is an error instead of silently dropping one tensor.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, TypeAlias
 
 from ..errors import CheckFailedError, InputMismatchError, UsageError
@@ -90,6 +91,8 @@ def select_state_dicts(root: Tree, keys: Sequence[str] = ()) -> list[tuple[Path,
 
 
 def _check_collisions(originals: list[str], new_keys: list[str], prefix: str, verb: str) -> None:
+    if len(set(new_keys)) == len(new_keys):
+        return  # the usual case, in one C loop; the loop below finds the first clash to name it
     first: dict[str, str] = {}
     what = prefix if prefix.startswith("the ") else repr(prefix)
     for original, new in zip(originals, new_keys):
@@ -119,15 +122,21 @@ def _strip_metadata_pass(metadata: dict[str, Any], prefix: str) -> None:
             metadata[key[len(prefix) :]] = metadata.pop(key)
 
 
+def _starts(keys: Iterable[str], prefix: str) -> bool:
+    """Whether any key starts with ``prefix`` (a C loop: no Python step per key)."""
+    return any(map(str.startswith, keys, repeat(prefix)))
+
+
 def _strip_one(state_dict: StateDict, prefix: str) -> tuple[StateDict, Renames]:
-    if not any(k.startswith(prefix) for k in state_dict):
+    if not _starts(state_dict, prefix):
         return state_dict, []  # the usual case for an optimizer's per-parameter state
     originals = list(state_dict.keys())
     current = list(originals)
     metadata = getattr(state_dict, "_metadata", None)
     metadata = type(metadata)(metadata) if isinstance(metadata, dict) else None
-    while any(k.startswith(prefix) for k in current):
-        current = [k[len(prefix) :] if k.startswith(prefix) else k for k in current]
+    cut = len(prefix)
+    while _starts(current, prefix):
+        current = [k[cut:] if k.startswith(prefix) else k for k in current]
         _check_collisions(originals, current, prefix, "stripping")
         if metadata is not None:
             _strip_metadata_pass(metadata, prefix)

@@ -22,7 +22,7 @@ from typing import Any
 from ..model.paths import Path, format_path
 from ..model.refs import Tree, is_tensor_like
 from ..model.statedicts import find_state_dicts, is_optimizer_state
-from ..model.walk import copy_mapping, iter_storages, substitute, walk
+from ..model.walk import census, copy_mapping, substitute, walk
 
 #: entries a training loop saves besides the weights (Lightning, plain PyTorch, timm, mmengine...)
 TRAINING_STATE = (
@@ -84,7 +84,7 @@ def filter_tree(root: Tree, drop: Sequence[str] = (), keep: Sequence[str] = ()) 
     its first path); :func:`substitute` then writes the smaller containers in, keeping sharing
     and cycles. Dropped sub-trees are not entered.
     """
-    report = SelectionReport(bytes_before=sum(s.nbytes for s in iter_storages(root)))
+    report = SelectionReport(bytes_before=census(root).nbytes())
     state_dict_ids = {id(sd) for _, sd in find_state_dicts(root)}
     replacements: dict[int, Tree] = {}
     dropped: set[Path] = set()
@@ -113,7 +113,7 @@ def filter_tree(root: Tree, drop: Sequence[str] = (), keep: Sequence[str] = ()) 
     for _ in walk(root, descend):
         pass
     new_root = substitute(root, replacements)
-    report.bytes_after = sum(s.nbytes for s in iter_storages(new_root))
+    report.bytes_after = census(new_root).nbytes()
     return new_root, report
 
 
