@@ -255,3 +255,38 @@ pub fn extents_fit(pids: &[u8], needed: &[u8], sizes: &[u8]) -> Result<bool, Str
     }
     Ok(true)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::extents_fit;
+
+    fn cols(pids: &[u32], needed: &[i64], sizes: &[i64]) -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+        (
+            pids.iter().flat_map(|p| p.to_le_bytes()).collect(),
+            needed.iter().flat_map(|n| n.to_le_bytes()).collect(),
+            sizes.iter().flat_map(|s| s.to_ne_bytes()).collect(),
+        )
+    }
+
+    #[test]
+    fn every_extent_must_fit_its_storage() {
+        let (p, n, s) = cols(&[0, 1, 1], &[16, 0, 8], &[16, 8]);
+        assert_eq!(extents_fit(&p, &n, &s), Ok(true));
+        let (p, n, s) = cols(&[0, 1], &[17, 0], &[16, 8]);
+        assert_eq!(extents_fit(&p, &n, &s), Ok(false)); // one byte past the end
+        let (p, n, s) = cols(&[0], &[-1], &[16]);
+        assert_eq!(extents_fit(&p, &n, &s), Ok(false)); // Python decides
+        let (p, n, s) = cols(&[2], &[0], &[16, 8]);
+        assert_eq!(extents_fit(&p, &n, &s), Ok(false)); // no such storage
+        let (p, n, s) = cols(&[], &[], &[]);
+        assert_eq!(extents_fit(&p, &n, &s), Ok(true));
+    }
+
+    #[test]
+    fn columns_of_different_lengths_are_refused() {
+        let (p, n, s) = cols(&[0, 0], &[1], &[16]);
+        assert!(extents_fit(&p, &n, &s).is_err());
+        assert!(extents_fit(&[0, 0, 0], &[], &[]).is_err());
+        assert!(extents_fit(&[], &[], &[0; 7]).is_err());
+    }
+}
