@@ -20,7 +20,7 @@ import contextlib
 import re
 import struct
 from array import array
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 from operator import add, mul
@@ -282,13 +282,26 @@ class _ZipStorages:
         which torch ignores too) give the reference's result."""
         if not keys:
             return [], array("q")
-        found = self.records.rows(map("data/".__add__, keys))
-        if None in found:
-            return None  # "storage ... is referenced but its record data/... is missing"
-        rows = cast("list[int]", found)
+        names = list(map("data/".__add__, keys))
         columns = self.records.columns()
-        sizes = list(map(columns.size.__getitem__, rows))
-        if any(map(columns.method.__getitem__, rows)):
+        start = self.records.rows(names[:1])[0]
+        offsets: Iterable[int]
+        crcs: Iterable[int]
+        if start is not None and columns.names[start : start + len(names)] == names:
+            # torch.save's layout: one record per key, in the order the pickle first names them
+            # (the names are unique, so these are the rows a lookup per name would find)
+            span = slice(start, start + len(names))
+            sizes, compressed = columns.size[span].tolist(), any(columns.method[span])
+            offsets, crcs = columns.data_offset[span], columns.crc[span]
+        else:
+            found = self.records.rows(names)
+            if None in found:
+                return None  # "storage ... is referenced but its record data/... is missing"
+            rows = cast("list[int]", found)
+            sizes, compressed = list(map(columns.size.__getitem__, rows)), any(map(columns.method.__getitem__, rows))
+            offsets, crcs = map(columns.data_offset.__getitem__, rows), map(columns.crc.__getitem__, rows)
+        del names
+        if compressed:
             return None  # a compressed storage: its inflation is checked per record
         dtypes = [STORAGE_DTYPE.get(g.name) for g in globals_]  # as make_storage finds them
         itemsizes = [DTYPE_ITEMSIZE[d] if d else 0 for d in dtypes]
@@ -307,13 +320,7 @@ class _ZipStorages:
                 kinds,
                 locations,
                 numels,
-                map(
-                    FileRange,
-                    repeat(path),
-                    map(add, repeat(base), map(columns.data_offset.__getitem__, rows)),
-                    sizes,
-                    map(columns.crc.__getitem__, rows),
-                ),
+                map(FileRange, repeat(path), map(add, repeat(base), offsets), sizes, crcs),
             )
         ]
         if unique != len(keys):  # the first use of a key decides, unless its storage is empty

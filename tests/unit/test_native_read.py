@@ -129,6 +129,8 @@ CASES: list[tuple[bytes, dict[str, bytes], tuple[str, ...], bool]] = [
     (two(T(P("0", 0), size=(0,)), T(P("0", 0), size=(0,))), {"0": b""}, (), True),  # empty: one storage each
     (two(T(P("0", 0), size=(0,)), T(P("0", 4))), {"0": b""}, (), False),
     (two(T(), T(P("1", 2), size=(2,))), {"0": bytes(16), "1": bytes(8)}, (), True),
+    (two(T(P("1", 4)), T()), {"0": bytes(16), "1": bytes(16)}, (), True),  # records in another order
+    (two(T(P("1", 4)), T()), {"0": bytes(16), "1": bytes(12)}, (), False),
     (hostile.ckpt(weight=T(offset=1)), B16, (), False),  # one element past the end
     (hostile.ckpt(weight=T(offset=3, size=(1,))), B16, (), True),  # the last element
     (hostile.ckpt(weight=T(size=(2, 3), stride=(3, 1))), B16, (), False),
