@@ -1530,6 +1530,10 @@ pub fn load_with(
     };
     let (root, stop) = vm.run(start).ok()?;
     let mut head = meta(&vm, stop);
+    if checks {
+        // before the emitter's arrays and output exist: the VM's are at their largest here
+        head = checks::extend_meta(&vm, &head, root)?;
+    }
     let storage_base = PID_GLOBALS + vm.globals.len() as u64;
     let mut em = Emitter {
         vm: &vm,
@@ -1551,9 +1555,6 @@ pub fn load_with(
     };
     em.count(root);
     em.emit(root).ok()?;
-    if checks {
-        head = checks::extend_meta(&vm, &head, root)?;
-    }
     let mut result = head;
     result.extend_from_slice(&Out::framed(&em.out.buf));
     Some(result)

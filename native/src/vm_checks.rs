@@ -90,7 +90,7 @@ fn needed(vm: &Vm, t: &Tensor) -> i64 {
 
 /// The node values `n` holds, each with the levels the walk puts between them (see the module
 /// documentation).
-fn children(vm: &Vm, n: u32, out: &mut Vec<(Val, u32)>) {
+fn children(vm: &Vm, n: u32, out: &mut Vec<(Val, u16)>) {
     match &vm.nodes[n as usize] {
         Node::Tuple(..) | Node::List(_) => {
             out.extend(vm.seq(Val::Node(n)).unwrap_or(&[]).iter().map(|&v| (v, 1)))
@@ -116,14 +116,15 @@ fn children(vm: &Vm, n: u32, out: &mut Vec<(Val, u32)>) {
     }
 }
 
-const UNSEEN: u32 = u32::MAX;
-const OPEN: u32 = u32::MAX - 1;
-/// heights saturate here (far above `MAX_NESTING`)
-const CAP: u32 = 1 << 20;
+const UNSEEN: u16 = u16::MAX;
+const OPEN: u16 = u16::MAX - 1;
+/// heights saturate here (far above `MAX_NESTING`; two bytes a node: the VM's arrays are at
+/// their largest while this runs)
+const CAP: u16 = 60_000;
 
 /// The longest path (in the walk's levels) from `root` to any node, or None for a cycle (the
 /// emitter refuses those anyway).
-fn nesting_bound(vm: &Vm, root: Val) -> Option<u32> {
+fn nesting_bound(vm: &Vm, root: Val) -> Option<u16> {
     let root = match root {
         Val::Node(n) => n,
         _ => return Some(0),
@@ -153,7 +154,7 @@ fn nesting_bound(vm: &Vm, root: Val) -> Option<u32> {
         } else {
             kids.clear();
             children(vm, n, &mut kids);
-            let mut best = 0u32;
+            let mut best = 0u16;
             for &(v, w) in &kids {
                 let below = match v {
                     Val::Node(c) => match height[c as usize] {
