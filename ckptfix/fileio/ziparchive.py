@@ -20,7 +20,7 @@ import io
 import re
 import struct
 from array import array
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import BinaryIO, NamedTuple, TypeGuard, cast
@@ -339,6 +339,21 @@ class ZipDirectory(Mapping[str, ZipRecord]):
         other.__dict__.update(self.__dict__)
         other._index = {rename(name): i for name, i in self._index.items()}
         if len(other._index) != len(self._index):
+            raise ValueError("renaming made two records share a name")
+        return other
+
+    def rows(self, names: Iterable[str]) -> list[int | None]:
+        """Each name's row in :meth:`columns` (None where there is no such record), looked up
+        in one C loop: the reader resolves 200 000 storages at once."""
+        return list(map(self._index.get, names))
+
+    def with_names(self, names: list[str]) -> ZipDirectory:
+        """The same records under ``names`` (one per record, in directory order; unique): what
+        :meth:`renamed` makes, for names computed in bulk (no Python call per record)."""
+        other = ZipDirectory.__new__(ZipDirectory)
+        other.__dict__.update(self.__dict__)
+        other._index = dict(zip(names, self._index.values()))
+        if len(other._index) != len(self._index) or len(names) != len(self._index):
             raise ValueError("renaming made two records share a name")
         return other
 

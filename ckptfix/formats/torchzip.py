@@ -19,12 +19,15 @@ from __future__ import annotations
 import contextlib
 import re
 import struct
-from collections.abc import Callable, Mapping, Sequence
+from array import array
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, BinaryIO
+from itertools import repeat
+from operator import add, mul
+from typing import Any, BinaryIO, cast
 
 from ..errors import BadInputError, UnsafeInputError
-from ..fileio.ranges import FileSlice, OpenFiles
+from ..fileio.ranges import FileRange, FileSlice, OpenFiles
 from ..fileio.ziparchive import (
     STORED,
     ZipDirectory,
@@ -34,6 +37,7 @@ from ..fileio.ziparchive import (
     read_record_bytes,
     shares_blocks,
 )
+from ..model.dtypes import DTYPE_ITEMSIZE, STORAGE_DTYPE
 from ..model.refs import Global, StorageRef, make_storage
 from ..model.walk import check_extents
 from ..native.crc import crc32
@@ -79,7 +83,11 @@ class TorchZipArchive:
     @property
     def dropped(self) -> list[str]:
         """Records that are neither torch metadata nor storages: not carried into outputs."""
-        return [name for name in self.records if name not in _TORCH_NAMES and not name.startswith("data/")]
+        records = self.records
+        joined = _joined(records)
+        if joined is not None and joined.count("\0data/") + sum(n in records for n in _TORCH_NAMES) == len(records):
+            return []  # every record is a storage or torch's (one count over the names: 200 000 of them)
+        return _dropped_each(records)
 
     def notes(self) -> list[str]:
         """What a user should know about the input's records: the ones outputs leave out."""
@@ -91,6 +99,11 @@ class TorchZipArchive:
         return [f"not written to outputs ({count} torch never reads): {shown}"]
 
 
+def _dropped_each(records: Collection[str]) -> list[str]:
+    """:attr:`TorchZipArchive.dropped` name by name (the reference of its one-count test)."""
+    return [name for name in records if name not in _TORCH_NAMES and not name.startswith("data/")]
+
+
 def _refuse_wrapped(records: Mapping[str, ZipRecord], path: str) -> None:
     """A zip that carries a checkpoint file (a download bundle) rather than being one."""
     inside = [n for n in records if n.lower().endswith(CHECKPOINT_SUFFIXES)]
@@ -98,8 +111,39 @@ def _refuse_wrapped(records: Mapping[str, ZipRecord], path: str) -> None:
         raise BadInputError(f"{path}: a zip archive containing {inside[0]}: extract the checkpoint from it first")
 
 
+def _joined(names: Collection[str]) -> str | None:
+    """The names as one string, each after a NUL (``"\\0a\\0b"``): what the fast paths below ask
+    their questions of, with a C loop each instead of a Python step per record (a training
+    checkpoint has ~4 records per parameter). None when a name holds a NUL itself (the zip
+    readers refuse those; any other mapping gets the per-name checks)."""
+    joined = "\0" + "\0".join(names) if names else ""
+    return joined if joined.count("\0") == len(names) else None
+
+
+def _common_prefix(names: Collection[str]) -> tuple[str, str] | None:
+    """``(top + "/", names joined as in _joined)`` when every name starts with the first name's
+    top folder and a slash (torch's layout), else None."""
+    joined = _joined(names)
+    if not joined:
+        return None
+    top, slash, _ = next(iter(names)).partition("/")
+    prefix = top + slash
+    if not slash or joined.count("\0" + prefix) != len(names):  # a count of name starts
+        return None
+    return prefix, joined
+
+
 def split_archive_names(records: ZipDirectory, path: str) -> ZipDirectory:
     """Strip the single top folder torch puts every record in; refuse other layouts."""
+    common = _common_prefix(records)
+    if common is not None:  # the usual layout: every name under one top folder
+        prefix, joined = common
+        return records.with_names(joined.replace("\0" + prefix, "\0")[1:].split("\0"))
+    return _split_each(records, path)
+
+
+def _split_each(records: ZipDirectory, path: str) -> ZipDirectory:
+    """:func:`split_archive_names` name by name: the reference of its one-prefix test."""
     tops = {name.split("/", 1)[0] for name in records}
     if len(tops) != 1 or any("/" not in name for name in records):
         _refuse_wrapped(records, path)
@@ -116,6 +160,13 @@ def check_record_names(records: Mapping[str, ZipRecord], path: str) -> None:
     must not ride along unchecked. TorchScript archives and zips that hold no data.pkl are left
     to their own readers (ours refuses them with a clearer message).
     """
+    if not _names_pass(records):
+        _check_names_each(records, path)
+
+
+def _check_names_each(records: Mapping[str, ZipRecord], path: str) -> None:
+    """:func:`check_record_names` name by name: the reference, and what decides (and says why)
+    wherever the all-at-once test :func:`_names_pass` does not pass."""
     relative = {name: name.split("/", 1)[-1] for name in records}
     torchscript = "constants.pkl" in relative.values() or any(n.startswith("code/") for n in relative.values())
     if torchscript or "data.pkl" not in {name.lower() for name in relative.values()}:
@@ -132,6 +183,29 @@ def check_record_names(records: Mapping[str, ZipRecord], path: str) -> None:
                 f"{path}: record {full!r} is torch's {lower!r} in other case: torch's zip reader ignores case "
                 "and would read it, a case-sensitive reader would not; refusing"
             )
+
+
+def _names_pass(records: Collection[str]) -> bool:
+    """True when :func:`check_record_names` finds nothing to refuse, asked of all the names at
+    once (C loops over one joined string); False when it must look name by name (it then
+    refuses, or the layout is not the usual one: the per-name loop decides, as it always did)."""
+    if not records:
+        return True  # no data.pkl: left to the readers
+    common = _common_prefix(records)
+    if common is None:
+        return False
+    prefix, joined = common
+    relative = joined.replace("\0" + prefix, "\0") + "\0"  # "\0name\0name\0", top folder cut
+    if "\0constants.pkl\0" in relative or "\0code/" in relative:
+        return True  # TorchScript: left to its reader
+    if not relative.isascii():
+        return False  # str.lower() of non-ASCII text: the per-name loop
+    lower = relative.lower()
+    if "\0data.pkl\0" not in lower:
+        return True  # no data.pkl: left to the readers
+    # no name in other case, and no pickle but data.pkl ("\0data.pkl\0" counted without overlap:
+    # two data.pkl names in a row count once, and the per-name loop then looks)
+    return lower == relative and lower.count(".pkl\0") == lower.count("\0data.pkl\0")
 
 
 def read_checked_directory(f: BinaryIO, file_size: int, path: str) -> ZipDirectory:
@@ -163,6 +237,98 @@ def _read_versions(f: BinaryIO, records: Mapping[str, ZipRecord], path: str) -> 
     return versions
 
 
+class _ZipStorages:
+    """The storage of each persistent id: its ``data/<key>`` record, checked as torch checks it.
+
+    Called per persistent id (the Python VM; the reference), or asked for all of them at once
+    (:meth:`many`: the native VM's columns), with the same result: the record must exist and
+    hold exactly the bytes the id declares, and as in torch's ``loaded_storages`` the first use
+    of a key decides what later uses get, unless its storage is empty.
+    """
+
+    def __init__(self, records: ZipDirectory, path: str, base: int, order: str) -> None:
+        self.records, self.path, self.base, self.order = records, path, base, order
+        self.storages: dict[str, StorageRef] = {}
+        #: see :class:`~ckptfix.pickling.native_tree.BulkStorageLoader`
+        self.extents_checked = False
+
+    def __call__(self, storage_type: Global, key: str, location: str, numel: int, view: Any) -> StorageRef:
+        path, storages = self.path, self.storages
+        if key in storages:
+            return storages[key]
+        record = self.records.get(f"data/{key}")
+        if view is not None:
+            raise BadInputError(f"{path}: corrupt pickle: a storage view in a zip checkpoint")
+        if record is None:
+            raise BadInputError(f"{path}: storage {key!r} is referenced but its record data/{key} is missing")
+        storage = make_storage(storage_type, key, location, numel, record.source(path, self.base), self.order)
+        if record.size != storage.nbytes:  # torch.load: "record size ... does not match expected size"
+            raise BadInputError(
+                f"{path}: storage data/{key} holds {record.size} bytes but the checkpoint "
+                f"declares {storage.nbytes}: the file is truncated or corrupt (torch refuses it too)"
+            )
+        if storage.nbytes:  # as torch's loaded_storages: the first use decides, unless it is empty
+            storages[key] = storage
+        return storage
+
+    def many(
+        self, globals_: list[Global], kinds: list[int], keys: list[str], locations: list[str], numels: list[int]
+    ) -> tuple[list[StorageRef], array[int]] | None:
+        """Every persistent id's storage at once, in C loops over the columns (no Python call per
+        storage but the records' own constructors), and each one's size in bytes; None where
+        calling :meth:`__call__` per id must decide: a record missing, compressed or of another
+        size, a storage class without a dtype, a key used with two classes -- the per-id calls
+        then raise the reference's error, or (a later use of a key declaring another size,
+        which torch ignores too) give the reference's result."""
+        if not keys:
+            return [], array("q")
+        names = list(map("data/".__add__, keys))
+        columns = self.records.columns()
+        start = self.records.rows(names[:1])[0]
+        offsets: Iterable[int]
+        crcs: Iterable[int]
+        if start is not None and columns.names[start : start + len(names)] == names:
+            # torch.save's layout: one record per key, in the order the pickle first names them
+            # (the names are unique, so these are the rows a lookup per name would find)
+            span = slice(start, start + len(names))
+            sizes, compressed = columns.size[span].tolist(), any(columns.method[span])
+            offsets, crcs = columns.data_offset[span], columns.crc[span]
+        else:
+            found = self.records.rows(names)
+            if None in found:
+                return None  # "storage ... is referenced but its record data/... is missing"
+            rows = cast("list[int]", found)
+            sizes, compressed = list(map(columns.size.__getitem__, rows)), any(map(columns.method.__getitem__, rows))
+            offsets, crcs = map(columns.data_offset.__getitem__, rows), map(columns.crc.__getitem__, rows)
+        del names
+        if compressed:
+            return None  # a compressed storage: its inflation is checked per record
+        dtypes = [STORAGE_DTYPE.get(g.name) for g in globals_]  # as make_storage finds them
+        itemsizes = [DTYPE_ITEMSIZE[d] if d else 0 for d in dtypes]
+        if not all(map(itemsizes.__getitem__, set(kinds))):
+            return None  # make_storage's "unknown storage type"
+        if list(map(mul, numels, map(itemsizes.__getitem__, kinds))) != sizes:
+            return None  # "holds N bytes but the checkpoint declares M"
+        unique = len(set(keys))
+        if unique != len(keys) and len(set(zip(keys, kinds))) != unique:
+            return None  # one key, two storage classes: the first use decides the dtype
+        path, base, order = self.path, self.base, self.order
+        made = [
+            StorageRef(key, globals_[kind], location, numel, itemsizes[kind], dtypes[kind], source, order)  # type: ignore[arg-type]
+            for key, kind, location, numel, source in zip(
+                keys,
+                kinds,
+                locations,
+                numels,
+                map(FileRange, repeat(path), map(add, repeat(base), offsets), sizes, crcs),
+            )
+        ]
+        if unique != len(keys):  # the first use of a key decides, unless its storage is empty
+            first = dict(zip(reversed(keys), reversed(made)))
+            made = [first[key] if size else storage for key, size, storage in zip(keys, sizes, made)]
+        return made, array("q", sizes)
+
+
 def read_torch_zip(
     path: str,
     f: BinaryIO,
@@ -182,7 +348,9 @@ def read_torch_zip(
         raise BadInputError(f"{path}: an empty zip archive, not a checkpoint")
     archive_name = next(iter(raw)).split("/", 1)[0]
     records = split_archive_names(raw, path)
-    if "constants.pkl" in records or any(n.startswith("code/") for n in records):
+    joined = _joined(records)
+    code = "\0code/" in joined if joined is not None else any(n.startswith("code/") for n in records)
+    if "constants.pkl" in records or code:
         raise BadInputError(
             f"{path}: this is a TorchScript archive (a scripted/traced module), not a "
             "checkpoint; load it with torch.jit.load(), and use module.state_dict() to get weights"
@@ -206,26 +374,7 @@ def read_torch_zip(
     order = (byteorder or b"little").decode()
     versions = _read_versions(f, records, path)
 
-    storages: dict[str, StorageRef] = {}
-
-    def load_storage(storage_type: Global, key: str, location: str, numel: int, view: Any) -> StorageRef:
-        if key in storages:
-            return storages[key]
-        record = records.get(f"data/{key}")
-        if view is not None:
-            raise BadInputError(f"{path}: corrupt pickle: a storage view in a zip checkpoint")
-        if record is None:
-            raise BadInputError(f"{path}: storage {key!r} is referenced but its record data/{key} is missing")
-        storage = make_storage(storage_type, key, location, numel, record.source(path, base), order)
-        if record.size != storage.nbytes:  # torch.load: "record size ... does not match expected size"
-            raise BadInputError(
-                f"{path}: storage data/{key} holds {record.size} bytes but the checkpoint "
-                f"declares {storage.nbytes}: the file is truncated or corrupt (torch refuses it too)"
-            )
-        if storage.nbytes:  # as torch's loaded_storages: the first use decides, unless it is empty
-            storages[key] = storage
-        return storage
-
+    load_storage = _ZipStorages(records, path, base, order)
     try:
         root, _ = restricted_load(
             pickle_bytes,
@@ -238,7 +387,8 @@ def read_torch_zip(
         )
     except UnsafeInputError as exc:
         raise exc.at(path) from None
-    check_extents(root, path)
+    if not load_storage.extents_checked:  # the native pass found every extent fine, or Python looks
+        check_extents(root, path)
     return root, TorchZipArchive(path, archive_name, records, byteorder, versions)
 
 

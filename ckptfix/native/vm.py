@@ -37,20 +37,71 @@ def _load_function() -> Any | None:
         return None
 
 
+_VM_ARGS = (
+    ctypes.c_void_p,
+    ctypes.c_size_t,
+    ctypes.c_size_t,
+    ctypes.c_size_t,
+    ctypes.c_char_p,
+    ctypes.c_size_t,
+    ctypes.POINTER(ctypes.c_uint64),
+    ctypes.c_int32,
+)
+
+
+@functools.cache
+def _read_function() -> Any | None:
+    """``ckptfix_vm_read`` (the VM with the extent-check columns), or None: a library built
+    before it was added reads through ``ckptfix_vm_load`` and the Python checks run."""
+    try:
+        return function("ckptfix_vm_read", *_VM_ARGS)
+    except AttributeError:
+        return None
+
+
+@functools.cache
+def _extents_function() -> Any | None:
+    try:
+        return function("ckptfix_vm_extents", *(ctypes.c_void_p, ctypes.c_size_t) * 3)
+    except AttributeError:
+        return None
+
+
 def available() -> bool:
     """True when the native engine runs (the library is built and not switched off)."""
     return _load_function() is not None
 
 
 def load(
-    data: Any, start: int, end: int, table: bytes, budgets: tuple[int, int, int], has_loader: bool
+    data: Any,
+    start: int,
+    end: int,
+    table: bytes,
+    budgets: tuple[int, int, int],
+    has_loader: bool,
+    checks: bool = False,
 ) -> bytes | None:
     """Run the native VM over ``data[start:end]`` (bytes or a read-only mmap) with the allow-list
     ``table`` and ``(max_objects, max_alloc, max_memo)``; its output, or None where the Python VM
-    is to read this pickle (no library, or something the native VM leaves to it)."""
+    is to read this pickle (no library, or something the native VM leaves to it). ``checks``:
+    the meta pickle also carries the extent-check columns and the nesting bound where the
+    library has them (vm_checks.rs; its length says which)."""
     fn = _load_function()
     if fn is None:
         return None
+    if checks:
+        fn = _read_function() or fn
     source = Input(data)
     limits = (ctypes.c_uint64 * 3)(*(min(b, (1 << 64) - 1) for b in budgets))
     return call(fn, source.address, source.length, start, end, table, len(table), limits, int(has_loader))
+
+
+def extents_fit(pids: bytes, needed: bytes, sizes: Any) -> bool:
+    """Whether every tensor's extent (``needed``, i64 per tensor, from :func:`load`'s columns)
+    fits the byte size of its storage (``sizes``: an ``array("q")`` indexed by persistent id,
+    ``pids`` u32 per tensor); False also where the library cannot say (Python checks then)."""
+    fn = _extents_function()
+    if fn is None:
+        return False
+    inputs = [Input(b) for b in (pids, needed, sizes)]
+    return call(fn, *(v for i in inputs for v in (i.address, i.length))) is not None

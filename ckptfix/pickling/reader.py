@@ -584,7 +584,7 @@ def native_table() -> bytes:
     left out: the native VM meets them as unknown names and leaves such a pickle to the Python VM.
     Kinds: a builder it runs (:data:`_NATIVE_KINDS`), ``x`` a Python builder it leaves to Python
     when called, ``r`` a torch name whose call is a :class:`Reduce` record; flags ``s`` a storage
-    class, ``d`` a dtype."""
+    class, ``d`` a dtype; a fourth field gives a storage class's or a dtype's element size."""
     lines = []
     for full in sorted(TORCH_GLOBALS | PYTHON_GLOBALS):
         module, name = full.rsplit(".", 1)
@@ -592,7 +592,9 @@ def native_table() -> bytes:
             continue
         kind = _NATIVE_KINDS.get(full) or ("x" if full in PYTHON_GLOBALS else "r")
         kind += ("s" if full in STORAGE_GLOBALS else "") + ("d" if full in DTYPE_GLOBALS else "")
-        lines.append(f"{kind}\t{module}\t{name}\n")
+        dtype = STORAGE_DTYPE.get(name) if full in STORAGE_GLOBALS else name if full in DTYPE_GLOBALS else None
+        itemsize = f"\t{DTYPE_ITEMSIZE[dtype]}" if dtype else ""  # for the native extent check
+        lines.append(f"{kind}\t{module}\t{name}{itemsize}\n")
     return "".join(lines).encode()
 
 

@@ -64,6 +64,8 @@ struct GlobalInfo {
     kind: Kind,
     storage: bool,
     dtype: bool,
+    /// the element size of a storage class's or a dtype's elements (0: not given)
+    itemsize: u8,
 }
 
 /// The allow-list, parsed from Python's config: `kind flags\tmodule\tname\n` per name.
@@ -92,10 +94,16 @@ impl Config {
                 b'r' => Kind::Reduce,
                 _ => return None,
             };
+            // an optional fourth field: the element size (storage classes and dtypes)
+            let itemsize = match parts.next() {
+                Some(text) => std::str::from_utf8(text).ok()?.parse::<u8>().ok()?,
+                None => 0,
+            };
             let info = GlobalInfo {
                 kind,
                 storage: code.contains(&b's'),
                 dtype: code.contains(&b'd'),
+                itemsize,
             };
             names.insert((module.to_vec(), name.to_vec()), info);
         }
@@ -1475,6 +1483,20 @@ pub fn load(
     budgets: Budgets,
     has_loader: bool,
 ) -> Option<Vec<u8>> {
+    load_with(data, start, end, config, budgets, has_loader, false)
+}
+
+/// [`load`], and with `checks` the meta pickle carries three more items: the tensor columns
+/// the extent check needs and the nesting bound (see `vm_checks.rs`).
+pub fn load_with(
+    data: &[u8],
+    start: usize,
+    end: usize,
+    config: &Config,
+    budgets: Budgets,
+    has_loader: bool,
+    checks: bool,
+) -> Option<Vec<u8>> {
     if start > end || end > data.len() {
         return None;
     }
@@ -1507,7 +1529,11 @@ pub fn load(
         has_loader,
     };
     let (root, stop) = vm.run(start).ok()?;
-    let head = meta(&vm, stop);
+    let mut head = meta(&vm, stop);
+    if checks {
+        // before the emitter's arrays and output exist: the VM's are at their largest here
+        head = checks::extend_meta(&vm, &head, root)?;
+    }
     let storage_base = PID_GLOBALS + vm.globals.len() as u64;
     let mut em = Emitter {
         vm: &vm,
@@ -1578,7 +1604,53 @@ pub unsafe extern "C" fn ckptfix_vm_load(
     }
 }
 
+/// `ckptfix_vm_read`: [`ckptfix_vm_load`] whose meta pickle also carries the extent-check
+/// columns and the nesting bound ([`load_with`] with `checks`). Same arguments.
+///
+/// # Safety
+/// As [`ckptfix_vm_load`].
+#[no_mangle]
+pub unsafe extern "C" fn ckptfix_vm_read(
+    data: *const u8,
+    data_len: usize,
+    start: usize,
+    end: usize,
+    config: *const u8,
+    config_len: usize,
+    budgets: *const u64,
+    has_loader: i32,
+    out: *mut crate::ffi::OutBuf,
+) -> i32 {
+    // SAFETY: the caller's contract (ffi conventions): valid for the call.
+    let data = unsafe { crate::ffi::input(data, data_len) };
+    // SAFETY: as above.
+    let config = unsafe { crate::ffi::input(config, config_len) };
+    // SAFETY: `budgets` points to three u64 (the caller's contract).
+    let limits = unsafe { crate::ffi::input(budgets as *const u8, 24) };
+    // SAFETY: `out` is the caller's out-parameter.
+    unsafe {
+        crate::ffi::guard(out, move || {
+            let budgets = checks::budgets(limits);
+            let config = Config::parse(config)
+                .ok_or_else(|| "native VM: malformed allow-list table".to_string())?;
+            Ok(load_with(
+                data,
+                start,
+                end,
+                &config,
+                budgets,
+                has_loader != 0,
+                true,
+            ))
+        })
+    }
+}
+
 const _: () = assert!(std::mem::size_of::<Node>() <= 32 && std::mem::size_of::<Val>() <= 16);
+
+#[path = "vm_checks.rs"]
+mod checks;
+pub use checks::ckptfix_vm_extents;
 
 #[cfg(test)]
 #[path = "vm_tests.rs"]
