@@ -131,6 +131,15 @@ NOT_RUN = {
         "starts processes and names buckets of the reader's: tests/e2e/test_distributed.py runs the "
         "same against moto S3 (two ranks, -m distributed)"
     ),
+    **dict.fromkeys(
+        [
+            "apt-get install libfuzzer-19-dev",
+            "native/fuzz/run.sh vm 600          # target, seconds; crashes go to native/fuzz/artifacts/vm/",
+            ".venv/bin/python native/fuzz/replay.py   # the grown corpus through both engines",
+        ],
+        "docs/engine.md's coverage-guided fuzzing: installs a system package and fuzzes for minutes (run by "
+        "hand; the differential fuzzer runs in this suite)",
+    ),
     "srun --nodes 4 --ntasks-per-node 1 torchrun --nnodes 4 --nproc-per-node 8 --rdzv-backend c10d "
     '--rdzv-endpoint "$(scontrol show hostnames | head -1):29500" --rdzv-id "$SLURM_JOB_ID" '
     "-m ckptfix convert /shared/ckpt/ /shared/hub/ --max-shard-size 5GB --distributed": (
