@@ -20,9 +20,11 @@ import io
 import re
 import struct
 from array import array
-from collections.abc import Callable, Iterator, Mapping
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from itertools import accumulate, groupby
 from typing import BinaryIO, NamedTuple, TypeGuard, cast
 
 from ..errors import BadInputError
@@ -43,6 +45,7 @@ from .ranges import (
     is_local_range,
     is_plain_range,
 )
+from .urls import is_url
 
 _LOCAL_SIG = b"PK\x03\x04"
 _CENTRAL_SIG = b"PK\x01\x02"
@@ -711,6 +714,10 @@ _DESCRIPTOR = struct.Struct("<4sIII")
 #: small records wait for the native engine to lay them out until this many bytes or records
 _PENDING_LIMIT = 1 << 20
 _PENDING_COUNT = 4096
+#: a run of small records copied by the native engine goes in calls of at most this many records
+#: and (past its first record) bytes: memory stays bounded whatever the run's length
+_COPY_COUNT = 4096
+_COPY_BYTES = 1 << 20
 #: the "FB" extra field's length and padding, for every padding torch's 64-byte alignment needs
 _PAD_LENGTH = [struct.pack("<H", n) + b"Z" * n for n in range(RECORD_ALIGNMENT)]
 
@@ -733,7 +740,8 @@ class ZipWriter:
         self._base = self._stream.offset if embedded else 0
         # what the central directory needs of each record written, as columns (~4 records a
         # parameter in a training checkpoint: an object each would cost ~180 bytes)
-        self._names: list[bytes] = []
+        self._name_blob = bytearray()  # the names (with the archive folder) end to end
+        self._name_ends = array("Q")  # where each one ends in it
         self._header_offsets = array("q")
         self._sizes = array("q")
         self._crcs = array("I")
@@ -771,7 +779,7 @@ class ZipWriter:
             return
         records, offsets = built
         self._write(records)
-        self._names.extend(names)
+        self._add_names(b"".join(names), map(len, names))
         self._header_offsets.extend(offsets)
         self._sizes.extend(map(len, data))
         self._crcs.extend(crcs)
@@ -814,8 +822,16 @@ class ZipWriter:
     def _write(self, data: bytes | bytearray) -> None:
         self._stream.write(data)
 
+    def _add_names(self, blob: bytes, lengths: Iterable[int]) -> None:
+        """Note the names of records written (``blob``: the names end to end, of these lengths)."""
+        ends = accumulate(lengths, initial=len(self._name_blob))
+        next(ends)  # (the initial value: where the first one starts)
+        self._name_ends.extend(ends)
+        self._name_blob += blob
+
     def _record_written(self, full: bytes, header_offset: int, size: int, crc: int) -> None:
-        self._names.append(full)
+        self._name_blob += full
+        self._name_ends.append(len(self._name_blob))
         self._header_offsets.append(header_offset)
         self._sizes.append(size)
         self._crcs.append(crc)
@@ -899,6 +915,113 @@ class ZipWriter:
         self._finish_record(full, header_offset, source.size, copied_crc)
         return copied_crc
 
+    def add_copies(
+        self,
+        names: Sequence[str],
+        sources: Sequence[FileRange | ComputedSource],
+        files: OpenFiles,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[int]:
+        """:meth:`add_copy` for each name and source, in order; returns their CRCs. ``progress``
+        gets byte counts as they are written (for a run of records, their sum).
+
+        The same bytes and the same errors as calling :meth:`add_copy` for each. With the native
+        engine, runs of small records (a stored range of a local file below
+        :data:`~ckptfix.fileio.ranges.SMALL_COPY`: a training checkpoint's ~4 per parameter) are
+        read, checked against their recorded CRCs and laid out by the library from columns, in
+        calls of up to :data:`_COPY_COUNT` records or :data:`_COPY_BYTES` bytes, rather than one
+        Python call each; any other record, and a run the library leaves to Python (a CRC that
+        does not match, a file that ends inside a record: the reference raises its own error),
+        goes through :meth:`add_copy`.
+        """
+        crcs: list[int] = []
+        if len(names) != len(sources):
+            raise ValueError("add_copies needs one name per source")
+        small = (
+            [type(s) is FileRange and s.deflated_size is None and s.size < SMALL_COPY for s in sources]
+            if self._native
+            else [False] * len(sources)
+        )
+        candidates = cast("list[FileRange]", [s for s, f in zip(sources, small) if f])
+        remote = {path for path in {s.path for s in candidates} if is_url(path)}
+        if remote:  # a remote object's bytes have no descriptor: they stream through add_copy
+            small = [f and s.path not in remote for s, f in zip(sources, small)]  # type: ignore[union-attr]
+        start = 0
+        for is_small, run in groupby(small):
+            end = start + len(list(run))
+            if is_small:
+                self._copy_small_run(names[start:end], sources[start:end], files, crcs, progress)  # type: ignore[arg-type]
+            else:
+                for name, source in zip(names[start:end], sources[start:end]):
+                    crcs.append(self.add_copy(name, source, files))
+                    if progress:
+                        progress(source.size)
+            start = end
+        return crcs
+
+    def _copy_small_run(
+        self,
+        names: Sequence[str],
+        sources: Sequence[FileRange],
+        files: OpenFiles,
+        crcs: list[int],
+        progress: Callable[[int], None] | None,
+    ) -> None:
+        """Small stored ranges of local files, by the native engine in bounded calls."""
+        sizes = array("q", [s.size for s in sources])
+        ends = list(accumulate(sizes))
+        i, n = 0, len(sources)
+        while i < n:
+            j = min(n, i + _COPY_COUNT)
+            before = ends[i - 1] if i else 0
+            if ends[j - 1] - before > _COPY_BYTES:
+                j = max(i + 1, bisect_right(ends, before + _COPY_BYTES, i, j))
+            self._copy_small(names[i:j], sources[i:j], sizes[i:j], files, crcs)
+            if progress:
+                progress(ends[j - 1] - before)
+            i = j
+
+    def _copy_small(
+        self, names: Sequence[str], sources: Sequence[FileRange], sizes: array[int], files: OpenFiles, crcs: list[int]
+    ) -> None:
+        blob, lengths = self._full_names(names)
+        paths = [s.path for s in sources]
+        index = {path: k for k, path in enumerate(dict.fromkeys(paths))}
+        try:
+            columns = (
+                array("i", [files.file(path).fileno() for path in index]),
+                array("I", map(index.__getitem__, paths)),
+                array("q", [s.offset for s in sources]),
+                sizes,
+                array("q", [-1 if s.crc is None else s.crc for s in sources]),
+            )
+        except OverflowError:  # a value no field holds: the reference's own error
+            columns = None
+        offset = self._offset  # (writes the small records waiting first)
+        copied = (
+            None if columns is None else native_zip.copy_records(*columns, blob, lengths, offset, self._zip64_threshold)
+        )
+        if copied is None:
+            for name, source in zip(names, sources):
+                crcs.append(self.add_copy(name, source, files))
+            return
+        self._write(copied.data)
+        self._add_names(blob, lengths)
+        self._header_offsets.extend(copied.header_offsets)
+        self._sizes.extend(sizes)
+        self._crcs.extend(copied.crcs)
+        crcs.extend(copied.crcs)
+
+    def _full_names(self, names: Sequence[str]) -> tuple[bytes, array[int]]:
+        """Record names with the archive folder, end to end, and each one's length in bytes
+        (built by C loops: a training checkpoint has ~4 records per parameter)."""
+        full = list(map(f"{self._prefix}/".__add__, names))
+        blob = "".join(full).encode()
+        lengths = array("q", map(len, full))
+        if len(blob) != sum(lengths):  # a non-ASCII name: lengths in bytes, one by one
+            lengths = array("q", [len(name.encode()) for name in full])
+        return blob, lengths
+
     def close(self) -> None:
         """Write the central directory and the (zip64 and classic) end records, once every
         copied record's bytes matched the CRC its source recorded."""
@@ -908,7 +1031,13 @@ class ZipWriter:
         cd_offset = self._offset
         built = (
             native_zip.central_directory(
-                self._names, self._header_offsets, self._sizes, self._crcs, cd_offset, self._zip64_threshold
+                bytes(self._name_blob),
+                self._name_ends,
+                self._header_offsets,
+                self._sizes,
+                self._crcs,
+                cd_offset,
+                self._zip64_threshold,
             )
             if self._native
             else None
@@ -921,7 +1050,9 @@ class ZipWriter:
 
     def _close_python(self, cd_offset: int) -> None:
         """:meth:`close`'s directory and end records in Python (the reference)."""
-        for name, header_offset, size, crc in zip(self._names, self._header_offsets, self._sizes, self._crcs):
+        blob, ends = bytes(self._name_blob), self._name_ends
+        names = (blob[start:end] for start, end in zip((0, *ends), ends))
+        for name, header_offset, size, crc in zip(names, self._header_offsets, self._sizes, self._crcs):
             zip64 = b""
             size32, offset32 = size, header_offset
             if self._needs_zip64(size):
@@ -955,7 +1086,7 @@ class ZipWriter:
                 + extra
             )
         cd_size = self._offset - cd_offset
-        count = len(self._names)
+        count = len(self._name_ends)
         eocd64_at = self._offset
         self._write(_EOCD64.pack(_EOCD64_SIG, 44, 0x031E, 0x2D, 0, 0, count, count, cd_size, cd_offset))
         self._write(_EOCD64_LOCATOR.pack(_EOCD64_LOCATOR_SIG, 0, eocd64_at, 1))
