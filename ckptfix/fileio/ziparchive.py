@@ -25,10 +25,11 @@ from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import accumulate, groupby
-from typing import BinaryIO, NamedTuple, TypeGuard, cast
+from typing import BinaryIO, NamedTuple, TypeGuard, cast, overload
 
 from ..errors import BadInputError
 from ..native import zip as native_zip
+from ..native import zipsources as native_sources
 from ..native.crc import crc32
 from .deferred import VIRTUAL
 from .ranges import (
@@ -722,6 +723,28 @@ _COPY_BYTES = 1 << 20
 _PAD_LENGTH = [struct.pack("<H", n) + b"Z" * n for n in range(RECORD_ALIGNMENT)]
 
 
+class NumberedNames(Sequence[str]):
+    """The record names ``prefix + str(n)`` for ``n`` in ``numbers`` (``data/0``, ``data/1``...),
+    without a string made per name until one is asked for."""
+
+    def __init__(self, prefix: str, numbers: range) -> None:
+        self.prefix, self.numbers = prefix, numbers
+
+    def __len__(self) -> int:
+        return len(self.numbers)
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> NumberedNames: ...
+
+    def __getitem__(self, index: int | slice) -> str | NumberedNames:
+        if isinstance(index, slice):
+            return NumberedNames(self.prefix, self.numbers[index])
+        return f"{self.prefix}{self.numbers[index]}"
+
+
 class ZipWriter:
     """Writes a zip the way torch's ``PyTorchStreamWriter`` does, one record after another.
 
@@ -918,103 +941,116 @@ class ZipWriter:
     def add_copies(
         self,
         names: Sequence[str],
-        sources: Sequence[FileRange | ComputedSource],
+        sources: list[FileRange | ComputedSource],
         files: OpenFiles,
         progress: Callable[[int], None] | None = None,
     ) -> list[int]:
         """:meth:`add_copy` for each name and source, in order; returns their CRCs. ``progress``
-        gets byte counts as they are written (for a run of records, their sum).
+        gets byte counts as they are written (for a run of records, their sum). ``names`` may
+        be a :class:`NumberedNames` (``data/0``, ``data/1``...: made without a string each).
 
         The same bytes and the same errors as calling :meth:`add_copy` for each. With the native
         engine, runs of small records (a stored range of a local file below
-        :data:`~ckptfix.fileio.ranges.SMALL_COPY`: a training checkpoint's ~4 per parameter) are
-        read, checked against their recorded CRCs and laid out by the library from columns, in
-        calls of up to :data:`_COPY_COUNT` records or :data:`_COPY_BYTES` bytes, rather than one
-        Python call each; any other record, and a run the library leaves to Python (a CRC that
-        does not match, a file that ends inside a record: the reference raises its own error),
-        goes through :meth:`add_copy`.
+        :data:`~ckptfix.fileio.ranges.SMALL_COPY`: a training checkpoint has ~4 per parameter)
+        are read from their objects into columns, read from their files, checked against their
+        recorded CRCs and laid out by the library, in calls of up to :data:`_COPY_COUNT` records
+        or :data:`_COPY_BYTES` bytes -- no Python call per record; any other record, and a run
+        the library leaves to Python (a CRC that does not match, a file that ends inside a
+        record: the reference raises its own error), goes through :meth:`add_copy`.
         """
-        crcs: list[int] = []
         if len(names) != len(sources):
             raise ValueError("add_copies needs one name per source")
-        small = (
-            [type(s) is FileRange and s.deflated_size is None and s.size < SMALL_COPY for s in sources]
-            if self._native
-            else [False] * len(sources)
-        )
-        candidates = cast("list[FileRange]", [s for s, f in zip(sources, small) if f])
-        remote = {path for path in {s.path for s in candidates} if is_url(path)}
-        if remote:  # a remote object's bytes have no descriptor: they stream through add_copy
-            small = [f and s.path not in remote for s, f in zip(sources, small)]  # type: ignore[union-attr]
+        crcs: list[int] = []
+        columns = native_sources.source_columns(sources, FileRange, SMALL_COPY) if self._native else None
+        if columns is not None and any(map(is_url, columns.paths)):
+            columns = None  # a remote object's bytes have no descriptor: they stream through add_copy
+        if columns is None:
+            self._copy_each(names, sources, range(len(sources)), files, crcs, progress)
+            return crcs
+        fds = array("i", [-1]) * len(columns.paths)  # opened as runs need them
         start = 0
-        for is_small, run in groupby(small):
+        for kind, run in groupby(columns.kinds):
             end = start + len(list(run))
-            if is_small:
-                self._copy_small_run(names[start:end], sources[start:end], files, crcs, progress)  # type: ignore[arg-type]
+            if kind:
+                self._copy_small_run(start, end, names, sources, columns, fds, files, crcs, progress)
             else:
-                for name, source in zip(names[start:end], sources[start:end]):
-                    crcs.append(self.add_copy(name, source, files))
-                    if progress:
-                        progress(source.size)
+                self._copy_each(names, sources, range(start, end), files, crcs, progress)
             start = end
         return crcs
 
-    def _copy_small_run(
+    def _copy_each(
         self,
         names: Sequence[str],
-        sources: Sequence[FileRange],
+        sources: list[FileRange | ComputedSource],
+        rows: range,
         files: OpenFiles,
         crcs: list[int],
         progress: Callable[[int], None] | None,
     ) -> None:
-        """Small stored ranges of local files, by the native engine in bounded calls."""
-        sizes = array("q", [s.size for s in sources])
-        ends = list(accumulate(sizes))
-        i, n = 0, len(sources)
-        while i < n:
-            j = min(n, i + _COPY_COUNT)
-            before = ends[i - 1] if i else 0
-            if ends[j - 1] - before > _COPY_BYTES:
-                j = max(i + 1, bisect_right(ends, before + _COPY_BYTES, i, j))
-            self._copy_small(names[i:j], sources[i:j], sizes[i:j], files, crcs)
+        for i in rows:
+            crcs.append(self.add_copy(names[i], sources[i], files))
             if progress:
-                progress(ends[j - 1] - before)
-            i = j
+                progress(sources[i].size)
 
-    def _copy_small(
-        self, names: Sequence[str], sources: Sequence[FileRange], sizes: array[int], files: OpenFiles, crcs: list[int]
+    def _copy_small_run(
+        self,
+        start: int,
+        end: int,
+        names: Sequence[str],
+        sources: list[FileRange | ComputedSource],
+        columns: native_sources.SourceColumns,
+        fds: array[int],
+        files: OpenFiles,
+        crcs: list[int],
+        progress: Callable[[int], None] | None,
     ) -> None:
-        blob, lengths = self._full_names(names)
-        paths = [s.path for s in sources]
-        index = {path: k for k, path in enumerate(dict.fromkeys(paths))}
-        try:
-            columns = (
-                array("i", [files.file(path).fileno() for path in index]),
-                array("I", map(index.__getitem__, paths)),
-                array("q", [s.offset for s in sources]),
-                sizes,
-                array("q", [-1 if s.crc is None else s.crc for s in sources]),
+        """Rows ``start:end`` of ``columns`` (small stored ranges), by the library in bounded calls."""
+        i = start
+        while i < end:
+            j = min(end, i + _COPY_COUNT)
+            total = sum(columns.sizes[i:j])
+            if total > _COPY_BYTES:
+                ends = list(accumulate(columns.sizes[i:j]))
+                j = i + max(1, bisect_right(ends, _COPY_BYTES))
+                total = ends[j - i - 1]
+            for k in set(columns.files[i:j]):
+                if fds[k] < 0:
+                    fds[k] = files.file(columns.paths[k]).fileno()
+            blob, lengths = self._full_names(names[i:j])
+            offset = self._offset  # (writes the small records waiting first)
+            copied = native_zip.copy_records(
+                fds,
+                columns.files[i:j],
+                columns.offsets[i:j],
+                columns.sizes[i:j],
+                columns.crcs[i:j],
+                blob,
+                lengths,
+                offset,
+                self._zip64_threshold,
             )
-        except OverflowError:  # a value no field holds: the reference's own error
-            columns = None
-        offset = self._offset  # (writes the small records waiting first)
-        copied = (
-            None if columns is None else native_zip.copy_records(*columns, blob, lengths, offset, self._zip64_threshold)
-        )
-        if copied is None:
-            for name, source in zip(names, sources):
-                crcs.append(self.add_copy(name, source, files))
-            return
-        self._write(copied.data)
-        self._add_names(blob, lengths)
-        self._header_offsets.extend(copied.header_offsets)
-        self._sizes.extend(sizes)
-        self._crcs.extend(copied.crcs)
-        crcs.extend(copied.crcs)
+            if copied is None:  # the reference writes them, or raises its error
+                self._copy_each(names, sources, range(i, j), files, crcs, None)
+            else:
+                self._write(copied.data)
+                self._add_names(blob, lengths)
+                self._header_offsets.extend(copied.header_offsets)
+                self._sizes.extend(columns.sizes[i:j])
+                self._crcs.extend(copied.crcs)
+                crcs.extend(copied.crcs)
+            if progress:
+                progress(total)
+            i = j
 
     def _full_names(self, names: Sequence[str]) -> tuple[bytes, array[int]]:
         """Record names with the archive folder, end to end, and each one's length in bytes
         (built by C loops: a training checkpoint has ~4 records per parameter)."""
+        if isinstance(names, NumberedNames):
+            head = f"{self._prefix}/{names.prefix}"
+            keys = list(map(str, names.numbers))
+            blob = (head + head.join(keys)).encode() if keys else b""
+            if len(blob) == len(head) * len(keys) + sum(map(len, keys)):  # an ASCII prefix
+                return blob, array("q", map(len(head.encode()).__add__, map(len, keys)))
         full = list(map(f"{self._prefix}/".__add__, names))
         blob = "".join(full).encode()
         lengths = array("q", map(len, full))

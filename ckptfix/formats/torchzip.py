@@ -30,6 +30,7 @@ from ..fileio.ranges import SMALL_COPY, FileRange, FileSlice, OpenFiles
 from ..fileio.urls import is_url
 from ..fileio.ziparchive import (
     STORED,
+    NumberedNames,
     ZipDirectory,
     ZipRecord,
     ZipWriter,
@@ -305,8 +306,7 @@ def write_torch_zip(
             files = stack.enter_context(OpenFiles())
         if _may_be_remote(sources):
             files.plan(sources)  # a remote input: fetched ahead, in this order
-        names = list(map("data/".__add__, map(str, range(len(sources)))))
-        crcs += writer.add_copies(names, sources, files, progress)
+        crcs += writer.add_copies(NumberedNames("data/", range(len(sources))), sources, files, progress)
         if missing is not None:
             raise BadInputError(f"storage {pickled.storages[missing].key!r} has no source bytes to copy")
         versions = source.versions if source else {}

@@ -30,7 +30,7 @@ pub struct PyObject {
     _private: [u8; 0],
 }
 
-type Obj = *mut PyObject;
+pub(crate) type Obj = *mut PyObject;
 
 /// Addresses of the C API functions used here (all in the stable ABI), filled by Python.
 #[repr(C)]
@@ -154,8 +154,9 @@ impl Uses {
 /// `formats/compact.py`'s `compact_storages` has nothing to cut (it cuts only storages no tensor
 /// spans from first byte to last), and the tree is written as it is. Its test, per tensor:
 /// offset 0 and `extent * itemsize >= storage numel * storage itemsize`, the extent as its
-/// `_extent` computes it. Anything it cannot decide (an unknown dtype, a value past 128 bits,
-/// shape and stride of different lengths) counts as not whole: Python then runs the reference.
+/// `_extent` computes it. A tensor it cannot decide (an unknown dtype, a value past 128 bits,
+/// shape and stride of different lengths) makes the answer false: Python then runs the
+/// reference, which meets the same tensor (and raises whatever it raises about it).
 fn storages_used_whole(arena: &Arena, uses: &Uses) -> bool {
     const USED: u8 = 1;
     const WHOLE: u8 = 2;
@@ -164,15 +165,20 @@ fn storages_used_whole(arena: &Arena, uses: &Uses) -> bool {
         let storage_itemsize = uses.storage_itemsize.get(tensor.storage as usize).copied();
         let Some(state) = seen.get_mut(tensor.storage as usize) else { return false };
         *state |= USED;
-        if spans_whole(arena, tensor, itemsize, storage_itemsize) == Some(true) {
-            *state |= WHOLE;
+        match spans_whole(arena, tensor, itemsize, storage_itemsize) {
+            Some(true) => *state |= WHOLE,
+            Some(false) => {}
+            None => return false, // one it cannot decide: the reference decides them all
         }
     }
     arena.tensors.len() == uses.tensor_itemsize.len() && seen.iter().all(|&s| s != USED)
 }
 
 fn spans_whole(arena: &Arena, tensor: &crate::emit::Tensor, itemsize: u64, storage_itemsize: Option<i64>) -> Option<bool> {
-    if tensor.offset != 0 || itemsize == 0 {
+    if itemsize == 0 {
+        return None; // not a known dtype: the reference's own error
+    }
+    if tensor.offset != 0 {
         return Some(false);
     }
     let Node::Storage { numel, .. } = arena.nodes.get(tensor.storage as usize)? else { return None };
@@ -202,7 +208,7 @@ fn spans_whole(arena: &Arena, tensor: &crate::emit::Tensor, itemsize: u64, stora
 /// `ctypes.PyDLL`), and every object passed in is alive -- it is reachable from the root the
 /// caller holds, and nothing here runs Python code or changes the tree, so nothing reachable is
 /// freed during the call.
-struct Api {
+pub(crate) struct Api {
     dict_next: unsafe extern "C" fn(Obj, *mut isize, *mut Obj, *mut Obj) -> c_int,
     list_size: unsafe extern "C" fn(Obj) -> isize,
     list_get_item: unsafe extern "C" fn(Obj, isize) -> Obj,
@@ -238,7 +244,7 @@ impl Drop for Owned<'_> {
 }
 
 impl Api {
-    fn new(table: &PyApi, ob_type: usize) -> Option<Api> {
+    pub(crate) fn new(table: &PyApi, ob_type: usize) -> Option<Api> {
         Some(Api {
             ob_type,
             dict_next: table.dict_next?,
@@ -274,14 +280,14 @@ impl Api {
         Ok(Owned { api: self, obj })
     }
 
-    fn type_of(&self, obj: Obj) -> Obj {
+    pub(crate) fn type_of(&self, obj: Obj) -> Obj {
         // SAFETY: struct invariant (`obj` is a live object); `ob_type` is the offset of its
         // type pointer, which Python found on probe objects and every object has.
         unsafe { obj.cast::<u8>().add(self.ob_type).cast::<Obj>().read_unaligned() }
     }
 
     /// A record's slot (a borrowed reference held by the record), or Unsupported if unset.
-    fn slot(&self, obj: Obj, offset: usize) -> Result<Obj, Unsupported> {
+    pub(crate) fn slot(&self, obj: Obj, offset: usize) -> Result<Obj, Unsupported> {
         // SAFETY: struct invariant; callers pass only objects whose exact type they checked,
         // with that type's slot offset (found by Python within its basic size).
         let value = unsafe { obj.cast::<u8>().add(offset).cast::<Obj>().read_unaligned() };
@@ -300,7 +306,7 @@ impl Api {
         Ok(self.owned(value)?.obj)
     }
 
-    fn list_items(&self, list: Obj, into: &mut Vec<Obj>) -> Result<(), Unsupported> {
+    pub(crate) fn list_items(&self, list: Obj, into: &mut Vec<Obj>) -> Result<(), Unsupported> {
         // SAFETY: struct invariant; `list` is an exact list.
         let n = unsafe { (self.list_size)(list) };
         for i in 0..n.max(0) {
@@ -382,7 +388,7 @@ impl Api {
         Ok(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), size as usize) })
     }
 
-    fn int(&self, value: Obj) -> Result<i64, Unsupported> {
+    pub(crate) fn int(&self, value: Obj) -> Result<i64, Unsupported> {
         let mut overflow: c_int = 0;
         // SAFETY: struct invariant; `value` is an exact int.
         let result = unsafe { (self.as_i64)(value, &mut overflow) };
@@ -398,7 +404,7 @@ impl Api {
         unsafe { (self.as_f64)(value) }
     }
 
-    fn append(&self, list: Obj, item: Obj) -> Result<(), Unsupported> {
+    pub(crate) fn append(&self, list: Obj, item: Obj) -> Result<(), Unsupported> {
         // SAFETY: struct invariant; `list` is the caller's exact list, `item` a live object.
         if unsafe { (self.list_append)(list, item) } != 0 {
             return self.fail();

@@ -21,6 +21,7 @@ pub mod le;
 pub mod vm;
 pub mod zip;
 pub mod zipcopy;
+pub mod zipsources;
 pub mod zipwrite;
 
 /// Bumped whenever an exported function changes its signature or meaning; the Python side

@@ -45,6 +45,15 @@ impl ReadAt for [u8] {
     }
 }
 
+/// A source with no bytes (a file the caller did not open).
+pub struct Empty;
+
+impl ReadAt for Empty {
+    fn read_at(&self, _buf: &mut [u8], _offset: u64) -> io::Result<usize> {
+        Ok(0)
+    }
+}
+
 /// One record to copy: which source, where, how long, and the CRC the source recorded.
 #[derive(Clone, Copy, Debug)]
 pub struct Record {
@@ -172,7 +181,8 @@ pub fn records_of(files: &[u8], offsets: &[u8], sizes: &[u8], crcs: &[u8]) -> Op
     Some(records)
 }
 
-/// Small records copied from open files: `i32 fds[k]` (the sources, borrowed: not closed),
+/// Small records copied from open files: `i32 fds[k]` (the sources, borrowed: not closed; -1
+/// for one no record of this call reads),
 /// the record columns of [`records_of`], names (`blob`, `u64 ends[n]`), written from `offset`
 /// with zip64 from `threshold` on. Output as [`copy_records`]. Unsupported: what the Python
 /// writer does otherwise (see the module's doc), and platforms without `pread`.
@@ -227,14 +237,16 @@ pub unsafe extern "C" fn ckptfix_zip_copy_records(
         let mut files = Vec::with_capacity(fds.len() / 4);
         for word in fds.chunks_exact(4) {
             let fd = i32::from_le_bytes([word[0], word[1], word[2], word[3]]);
-            if fd < 0 {
-                return Ok(None);
-            }
-            // SAFETY: the caller's contract: `fd` is an open descriptor for the whole call. The
-            // File is never dropped (ManuallyDrop), so the caller's descriptor stays open.
-            files.push(std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) }));
+            // a negative fd: a file not opened (no record of this call reads it; one that did
+            // would read nothing and be left to Python, which opens it)
+            files.push((fd >= 0).then(|| {
+                // SAFETY: the caller's contract: `fd` is an open descriptor for the whole call.
+                // The File is never dropped (ManuallyDrop), so the caller's descriptor stays open.
+                std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) })
+            }));
         }
-        let sources: Vec<&std::fs::File> = files.iter().map(|f| &**f).collect();
+        let sources: Vec<&dyn ReadAt> =
+            files.iter().map(|f| f.as_ref().map_or(&Empty as &dyn ReadAt, |f| &**f as &dyn ReadAt)).collect();
         Ok(copy_records(&sources, &records, &names, offset, threshold))
     };
     #[cfg(not(unix))]

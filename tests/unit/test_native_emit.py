@@ -65,8 +65,9 @@ def whole_reference(root: Any) -> bool:
 
 def assert_whole(root: Any) -> bool:
     """The ``_whole`` entry point writes what the plain one writes, and its flag is the
-    reference's answer (or False where it cannot decide: shape and stride of different
-    lengths); when it says True, compaction indeed leaves the tree as it is."""
+    reference's answer (where a tensor's shape and stride differ in length the reference may
+    fail to measure it: there the library answers False unless no measure is needed); when it
+    says True, compaction indeed leaves the tree as it is."""
     got = writer.dumps_whole(root)
     plain = native_emit.torch_pickle(root, writer._NATIVE_OBJECTS, writer._NATIVE_SLOTS)
     assert (got is None) == (plain is None)
@@ -74,10 +75,10 @@ def assert_whole(root: Any) -> bool:
         return False
     result, flag = got
     assert result.data == plain[0] and all(a is b for a, b in zip(result.storages, plain[1], strict=True))
-    reference = whole_reference(root)
     ranks_match = all(len(t.shape) == len(t.stride) for _, t in walk(root) if type(t) is TensorRef)
-    assert flag == reference if ranks_match else flag <= reference
-    if flag:
+    if ranks_match:
+        assert flag == whole_reference(root)
+    if flag:  # (with ranks that differ too: the reference must not meet one it cannot measure)
         assert compact.compact_storages(root)[0] is root
     return flag
 

@@ -34,6 +34,7 @@ from ckptfix.errors import BadInputError
 from ckptfix.fileio import ranges, ziparchive
 from ckptfix.fileio.ranges import FileSlice
 from ckptfix.native import zip as native_zip
+from ckptfix.native import zipsources as native_sources
 
 pytestmark = needs_native
 
@@ -452,3 +453,66 @@ def test_add_copies_refuses_what_add_copy_refuses(copy_sources: tuple[Path, Path
             _copied(names, sources, use_native, batch)
         messages.append(error.value.message)
     assert messages[0] == messages[1] and ("CRC32" in messages[0] or "ended inside" in messages[0])
+
+
+def _columns_reference(
+    sources: list[Any], small: int
+) -> tuple[list[int], list[int], list[int], list[int], list[int], list[Any]]:
+    """zipsources.rs's columns, in Python: which sources are small stored ranges of a file, and
+    their file (by path object, in order of first use), offset, size and CRC (-1: none)."""
+    kinds, files, offsets, sizes, crcs, paths = [], [], [], [], [], []  # type: ignore[var-annotated]
+    index: dict[int, int] = {}
+    for s in sources:
+        ints = type(s) is ranges.FileRange and type(s.offset) is int and type(s.size) is int
+        crc_ok = ints and (s.crc is None or (type(s.crc) is int and 0 <= s.crc < 1 << 32))
+        if not (crc_ok and s.deflated_size is None and s.offset >= 0 and 0 <= s.size < small and type(s.path) is str):
+            kinds.append(0)
+            files.append(0), offsets.append(0), sizes.append(0), crcs.append(0)
+            continue
+        if id(s.path) not in index:
+            index[id(s.path)] = len(paths)
+            paths.append(s.path)
+        kinds.append(1)
+        files.append(index[id(s.path)]), offsets.append(s.offset), sizes.append(s.size)
+        crcs.append(-1 if s.crc is None else s.crc)
+    return kinds, files, offsets, sizes, crcs, paths
+
+
+def test_source_columns_are_read_as_python_reads_them() -> None:
+    """The library's columns of a writer's sources are what Python reads from the same objects:
+    only exact FileRanges of a str path, stored, with offsets, sizes and CRCs in range count as
+    small records; anything else is left to the Python writer."""
+
+    class Sub(ranges.FileRange):
+        pass
+
+    rng = random.Random(4)
+    paths = ["a.pth", "b.pth", "s3://bucket/c.pth"]
+    for _ in range(30):
+        sources: list[Any] = []
+        for _ in range(rng.randrange(0, 60)):
+            path = rng.choice(paths)
+            kind = rng.randrange(12)
+            size = rng.choice((0, 1, 65535, 65536, 1 << 40))
+            offset = rng.choice((0, 7, 1 << 40, -1))
+            crc = rng.choice((None, 0, 123, 0xFFFFFFFF, 1 << 32, -1, True))
+            if kind == 0:
+                sources.append(ranges.ComputedSource(3, lambda _files: b"abc"))
+            elif kind == 1:
+                sources.append(ranges.FileRange(path, offset, size, crc, 10))  # deflated
+            elif kind == 2:
+                sources.append(Sub(path, offset, size, crc))
+            elif kind == 3:
+                sources.append(ranges.FileRange(Path(path), offset, size, crc))  # type: ignore[arg-type]
+            elif kind == 4:
+                sources.append(ranges.FileRange(path + "x" * rng.randrange(2), offset, True, crc))  # type: ignore[arg-type]
+            else:
+                sources.append(ranges.FileRange(path, offset, size, crc))
+        got = native_sources.source_columns(sources, ranges.FileRange, ranges.SMALL_COPY)
+        assert got is not None
+        kinds, files, offsets, sizes, crcs, names = _columns_reference(sources, ranges.SMALL_COPY)
+        assert list(got.kinds) == kinds and list(got.files) == files and list(got.offsets) == offsets
+        assert list(got.sizes) == sizes and list(got.crcs) == crcs
+        assert len(got.paths) == len(names) and all(a is b for a, b in zip(got.paths, names))
+    # a value past 64 bits: the whole list is left to Python (which refuses it, or copies it)
+    assert native_sources.source_columns([ranges.FileRange("a", 1 << 70, 1)], ranges.FileRange, 10) is None
