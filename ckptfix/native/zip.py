@@ -12,9 +12,10 @@ to the reference (a non-ASCII name, an I/O error).
 from __future__ import annotations
 
 import ctypes
+import functools
 from array import array
 from itertools import accumulate
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from . import Input, call, function, library
 
@@ -132,6 +133,15 @@ def central_directory(
     return call(fn, *(v for i in inputs for v in (i.address, i.length)), cd_offset, threshold)
 
 
+@functools.cache
+def _copy_function(lib: ctypes.CDLL) -> Any:
+    """``ckptfix_zip_copy_records`` of ``lib``, bound once (setting a ctypes function's argument
+    types costs about a millisecond: one call per run of records)."""
+    return function(
+        "ckptfix_zip_copy_records", *(ctypes.c_void_p, ctypes.c_size_t) * 7, ctypes.c_uint64, ctypes.c_uint64
+    )
+
+
 class Copied(NamedTuple):
     """What :func:`copy_records` wrote: the records' bytes, and each one's header offset and CRC."""
 
@@ -158,7 +168,8 @@ def copy_records(
     ``name_lengths[i]`` bytes long). None for the Python writer: the
     library is not loaded, or a record is one the reference refuses or words an error about (a
     CRC that does not match, a file that ends inside a record) -- it then raises its own."""
-    fn = function("ckptfix_zip_copy_records", *(ctypes.c_void_p, ctypes.c_size_t) * 7, ctypes.c_uint64, ctypes.c_uint64)
+    lib = library()
+    fn = None if lib is None else _copy_function(lib)
     if fn is None or not 0 <= offset < 1 << 63 or not 0 <= threshold < 1 << 64:
         return None
     widths = ((fds, 4), (files, 4), (offsets, 8), (sizes, 8), (crcs, 8))
