@@ -24,7 +24,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from itertools import accumulate, groupby
+from itertools import accumulate, chain, groupby
 from typing import BinaryIO, NamedTuple, TypeGuard, cast, overload
 
 from ..errors import BadInputError
@@ -733,6 +733,9 @@ class NumberedNames(Sequence[str]):
     def __len__(self) -> int:
         return len(self.numbers)
 
+    def __iter__(self) -> Iterator[str]:
+        return map(self.prefix.__add__, map(str, self.numbers))
+
     @overload
     def __getitem__(self, index: int) -> str: ...
 
@@ -987,10 +990,10 @@ class ZipWriter:
         crcs: list[int],
         progress: Callable[[int], None] | None,
     ) -> None:
-        for i in rows:
-            crcs.append(self.add_copy(names[i], sources[i], files))
+        for name, source in zip(names[rows.start : rows.stop], sources[rows.start : rows.stop]):
+            crcs.append(self.add_copy(name, source, files))
             if progress:
-                progress(sources[i].size)
+                progress(source.size)
 
     def _copy_small_run(
         self,
@@ -1087,7 +1090,7 @@ class ZipWriter:
     def _close_python(self, cd_offset: int) -> None:
         """:meth:`close`'s directory and end records in Python (the reference)."""
         blob, ends = bytes(self._name_blob), self._name_ends
-        names = (blob[start:end] for start, end in zip((0, *ends), ends))
+        names = map(blob.__getitem__, map(slice, chain((0,), ends), ends))
         for name, header_offset, size, crc in zip(names, self._header_offsets, self._sizes, self._crcs):
             zip64 = b""
             size32, offset32 = size, header_offset
