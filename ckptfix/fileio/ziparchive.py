@@ -20,13 +20,16 @@ import io
 import re
 import struct
 from array import array
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from bisect import bisect_right
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import BinaryIO, NamedTuple, TypeGuard, cast
+from itertools import accumulate, chain, groupby
+from typing import BinaryIO, NamedTuple, TypeGuard, cast, overload
 
 from ..errors import BadInputError
 from ..native import zip as native_zip
+from ..native import zipsources as native_sources
 from ..native.crc import crc32
 from .deferred import VIRTUAL
 from .ranges import (
@@ -43,6 +46,7 @@ from .ranges import (
     is_local_range,
     is_plain_range,
 )
+from .urls import is_url
 
 _LOCAL_SIG = b"PK\x03\x04"
 _CENTRAL_SIG = b"PK\x01\x02"
@@ -726,8 +730,37 @@ _DESCRIPTOR = struct.Struct("<4sIII")
 #: small records wait for the native engine to lay them out until this many bytes or records
 _PENDING_LIMIT = 1 << 20
 _PENDING_COUNT = 4096
+#: a run of small records copied by the native engine goes in calls of at most this many records
+#: and (past its first record) bytes: memory stays bounded whatever the run's length
+_COPY_COUNT = 4096
+_COPY_BYTES = 1 << 20
 #: the "FB" extra field's length and padding, for every padding torch's 64-byte alignment needs
 _PAD_LENGTH = [struct.pack("<H", n) + b"Z" * n for n in range(RECORD_ALIGNMENT)]
+
+
+class NumberedNames(Sequence[str]):
+    """The record names ``prefix + str(n)`` for ``n`` in ``numbers`` (``data/0``, ``data/1``...),
+    without a string made per name until one is asked for."""
+
+    def __init__(self, prefix: str, numbers: range) -> None:
+        self.prefix, self.numbers = prefix, numbers
+
+    def __len__(self) -> int:
+        return len(self.numbers)
+
+    def __iter__(self) -> Iterator[str]:
+        return map(self.prefix.__add__, map(str, self.numbers))
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> NumberedNames: ...
+
+    def __getitem__(self, index: int | slice) -> str | NumberedNames:
+        if isinstance(index, slice):
+            return NumberedNames(self.prefix, self.numbers[index])
+        return f"{self.prefix}{self.numbers[index]}"
 
 
 class ZipWriter:
@@ -748,7 +781,8 @@ class ZipWriter:
         self._base = self._stream.offset if embedded else 0
         # what the central directory needs of each record written, as columns (~4 records a
         # parameter in a training checkpoint: an object each would cost ~180 bytes)
-        self._names: list[bytes] = []
+        self._name_blob = bytearray()  # the names (with the archive folder) end to end
+        self._name_ends = array("Q")  # where each one ends in it
         self._header_offsets = array("q")
         self._sizes = array("q")
         self._crcs = array("I")
@@ -786,7 +820,7 @@ class ZipWriter:
             return
         records, offsets = built
         self._write(records)
-        self._names.extend(names)
+        self._add_names(b"".join(names), map(len, names))
         self._header_offsets.extend(offsets)
         self._sizes.extend(map(len, data))
         self._crcs.extend(crcs)
@@ -829,8 +863,16 @@ class ZipWriter:
     def _write(self, data: bytes | bytearray) -> None:
         self._stream.write(data)
 
+    def _add_names(self, blob: bytes, lengths: Iterable[int]) -> None:
+        """Note the names of records written (``blob``: the names end to end, of these lengths)."""
+        ends = accumulate(lengths, initial=len(self._name_blob))
+        next(ends)  # (the initial value: where the first one starts)
+        self._name_ends.extend(ends)
+        self._name_blob += blob
+
     def _record_written(self, full: bytes, header_offset: int, size: int, crc: int) -> None:
-        self._names.append(full)
+        self._name_blob += full
+        self._name_ends.append(len(self._name_blob))
         self._header_offsets.append(header_offset)
         self._sizes.append(size)
         self._crcs.append(crc)
@@ -914,6 +956,126 @@ class ZipWriter:
         self._finish_record(full, header_offset, source.size, copied_crc)
         return copied_crc
 
+    def add_copies(
+        self,
+        names: Sequence[str],
+        sources: list[FileRange | ComputedSource],
+        files: OpenFiles,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[int]:
+        """:meth:`add_copy` for each name and source, in order; returns their CRCs. ``progress``
+        gets byte counts as they are written (for a run of records, their sum). ``names`` may
+        be a :class:`NumberedNames` (``data/0``, ``data/1``...: made without a string each).
+
+        The same bytes and the same errors as calling :meth:`add_copy` for each. With the native
+        engine, runs of small records (a stored range of a local file below
+        :data:`~ckptfix.fileio.ranges.SMALL_COPY`: a training checkpoint has ~4 per parameter)
+        are read from their objects into columns, read from their files, checked against their
+        recorded CRCs and laid out by the library, in calls of up to :data:`_COPY_COUNT` records
+        or :data:`_COPY_BYTES` bytes -- no Python call per record; any other record, and a run
+        the library leaves to Python (a CRC that does not match, a file that ends inside a
+        record: the reference raises its own error), goes through :meth:`add_copy`.
+        """
+        if len(names) != len(sources):
+            raise ValueError("add_copies needs one name per source")
+        crcs: list[int] = []
+        columns = native_sources.source_columns(sources, FileRange, SMALL_COPY) if self._native else None
+        if columns is not None and any(map(is_url, columns.paths)):
+            columns = None  # a remote object's bytes have no descriptor: they stream through add_copy
+        if columns is None:
+            self._copy_each(names, sources, range(len(sources)), files, crcs, progress)
+            return crcs
+        fds = array("i", [-1]) * len(columns.paths)  # opened as runs need them
+        start = 0
+        for kind, run in groupby(columns.kinds):
+            end = start + len(list(run))
+            if kind:
+                self._copy_small_run(start, end, names, sources, columns, fds, files, crcs, progress)
+            else:
+                self._copy_each(names, sources, range(start, end), files, crcs, progress)
+            start = end
+        return crcs
+
+    def _copy_each(
+        self,
+        names: Sequence[str],
+        sources: list[FileRange | ComputedSource],
+        rows: range,
+        files: OpenFiles,
+        crcs: list[int],
+        progress: Callable[[int], None] | None,
+    ) -> None:
+        for name, source in zip(names[rows.start : rows.stop], sources[rows.start : rows.stop]):
+            crcs.append(self.add_copy(name, source, files))
+            if progress:
+                progress(source.size)
+
+    def _copy_small_run(
+        self,
+        start: int,
+        end: int,
+        names: Sequence[str],
+        sources: list[FileRange | ComputedSource],
+        columns: native_sources.SourceColumns,
+        fds: array[int],
+        files: OpenFiles,
+        crcs: list[int],
+        progress: Callable[[int], None] | None,
+    ) -> None:
+        """Rows ``start:end`` of ``columns`` (small stored ranges), by the library in bounded calls."""
+        i = start
+        while i < end:
+            j = min(end, i + _COPY_COUNT)
+            total = sum(columns.sizes[i:j])
+            if total > _COPY_BYTES:
+                ends = list(accumulate(columns.sizes[i:j]))
+                j = i + max(1, bisect_right(ends, _COPY_BYTES))
+                total = ends[j - i - 1]
+            for k in set(columns.files[i:j]):
+                if fds[k] < 0:
+                    fds[k] = files.file(columns.paths[k]).fileno()
+            blob, lengths = self._full_names(names[i:j])
+            offset = self._offset  # (writes the small records waiting first)
+            copied = native_zip.copy_records(
+                fds,
+                columns.files[i:j],
+                columns.offsets[i:j],
+                columns.sizes[i:j],
+                columns.crcs[i:j],
+                blob,
+                lengths,
+                offset,
+                self._zip64_threshold,
+            )
+            if copied is None:  # the reference writes them, or raises its error
+                self._copy_each(names, sources, range(i, j), files, crcs, None)
+            else:
+                self._write(copied.data)
+                self._add_names(blob, lengths)
+                self._header_offsets.extend(copied.header_offsets)
+                self._sizes.extend(columns.sizes[i:j])
+                self._crcs.extend(copied.crcs)
+                crcs.extend(copied.crcs)
+            if progress:
+                progress(total)
+            i = j
+
+    def _full_names(self, names: Sequence[str]) -> tuple[bytes, array[int]]:
+        """Record names with the archive folder, end to end, and each one's length in bytes
+        (built by C loops: a training checkpoint has ~4 records per parameter)."""
+        if isinstance(names, NumberedNames):
+            head = f"{self._prefix}/{names.prefix}"
+            keys = list(map(str, names.numbers))
+            blob = (head + head.join(keys)).encode() if keys else b""
+            if len(blob) == len(head) * len(keys) + sum(map(len, keys)):  # an ASCII prefix
+                return blob, array("q", map(len(head.encode()).__add__, map(len, keys)))
+        full = list(map(f"{self._prefix}/".__add__, names))
+        blob = "".join(full).encode()
+        lengths = array("q", map(len, full))
+        if len(blob) != sum(lengths):  # a non-ASCII name: lengths in bytes, one by one
+            lengths = array("q", [len(name.encode()) for name in full])
+        return blob, lengths
+
     def close(self) -> None:
         """Write the central directory and the (zip64 and classic) end records, once every
         copied record's bytes matched the CRC its source recorded."""
@@ -923,7 +1085,13 @@ class ZipWriter:
         cd_offset = self._offset
         built = (
             native_zip.central_directory(
-                self._names, self._header_offsets, self._sizes, self._crcs, cd_offset, self._zip64_threshold
+                bytes(self._name_blob),
+                self._name_ends,
+                self._header_offsets,
+                self._sizes,
+                self._crcs,
+                cd_offset,
+                self._zip64_threshold,
             )
             if self._native
             else None
@@ -936,7 +1104,9 @@ class ZipWriter:
 
     def _close_python(self, cd_offset: int) -> None:
         """:meth:`close`'s directory and end records in Python (the reference)."""
-        for name, header_offset, size, crc in zip(self._names, self._header_offsets, self._sizes, self._crcs):
+        blob, ends = bytes(self._name_blob), self._name_ends
+        names = map(blob.__getitem__, map(slice, chain((0,), ends), ends))
+        for name, header_offset, size, crc in zip(names, self._header_offsets, self._sizes, self._crcs):
             zip64 = b""
             size32, offset32 = size, header_offset
             if self._needs_zip64(size):
@@ -970,7 +1140,7 @@ class ZipWriter:
                 + extra
             )
         cd_size = self._offset - cd_offset
-        count = len(self._names)
+        count = len(self._name_ends)
         eocd64_at = self._offset
         self._write(_EOCD64.pack(_EOCD64_SIG, 44, 0x031E, 0x2D, 0, 0, count, count, cd_size, cd_offset))
         self._write(_EOCD64_LOCATOR.pack(_EOCD64_LOCATOR_SIG, 0, eocd64_at, 1))

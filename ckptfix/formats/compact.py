@@ -17,6 +17,7 @@ from ..fileio.ranges import ComputedSource, OpenFiles, is_plain_range, read_all
 from ..model.dtypes import DTYPE_ITEMSIZE
 from ..model.refs import Source, StorageRef, TensorRef, Tree
 from ..model.walk import substitute, walk
+from ..pickling.writer import PickleResult, dumps, dumps_whole
 
 
 def _extent(t: TensorRef) -> int:
@@ -92,3 +93,20 @@ def compact_storages(root: Tree) -> tuple[Tree, int]:
                 offset = tensor.storage_offset - shift if _extent(tensor) else 0
                 replacements[id(tensor)] = replace(tensor, storage=new_storage, storage_offset=offset)
     return (substitute(root, replacements) if replacements else root), saved
+
+
+def pickle_compacted(root: Tree) -> PickleResult:
+    """``root`` with its storages compacted (:func:`compact_storages`), pickled (``dumps``).
+
+    With the native engine the emitter says, from the tensors it reads anyway, whether every
+    storage is spanned whole by one of its tensors -- the usual case, where compaction has
+    nothing to cut -- so the tree is not walked in Python once per tensor to find that out.
+    Otherwise :func:`compact_storages` runs (the reference), and the pickle already made is
+    kept when it cut nothing."""
+    native = dumps_whole(root)
+    if native is not None and native[1]:
+        return native[0]
+    compacted, _ = compact_storages(root)
+    if native is not None and compacted is root:
+        return native[0]
+    return dumps(compacted)

@@ -22,14 +22,16 @@ import struct
 from array import array
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from itertools import repeat
-from operator import add, mul
+from itertools import compress, count, repeat
+from operator import add, attrgetter, is_, mul
 from typing import Any, BinaryIO, cast
 
 from ..errors import BadInputError, UnsafeInputError
-from ..fileio.ranges import FileRange, FileSlice, OpenFiles
+from ..fileio.ranges import SMALL_COPY, FileRange, FileSlice, OpenFiles
+from ..fileio.urls import is_url
 from ..fileio.ziparchive import (
     STORED,
+    NumberedNames,
     ZipDirectory,
     ZipRecord,
     ZipWriter,
@@ -38,13 +40,12 @@ from ..fileio.ziparchive import (
     shares_blocks,
 )
 from ..model.dtypes import DTYPE_ITEMSIZE, STORAGE_DTYPE
-from ..model.refs import Global, StorageRef, make_storage
+from ..model.refs import Global, Source, StorageRef, make_storage
 from ..model.walk import check_extents
 from ..native.crc import crc32
 from ..pickling.reader import restricted_load
 from ..pickling.vm import Budgets
-from ..pickling.writer import dumps
-from .compact import compact_storages
+from .compact import pickle_compacted
 from .detect import CHECKPOINT_SUFFIXES
 
 #: data.pkl holds only structure (no tensor data); anything larger is hostile or not ours
@@ -428,37 +429,45 @@ def write_torch_zip(
     offsets counted from where it starts. ``files``: the caller's open inputs, for many small
     archives written from the same files.
     """
-    root, _ = compact_storages(root)
-    pickled = dumps(root)
-    orders = {s.byteorder for s in pickled.storages}
+    pickled = pickle_compacted(root)
+    every = [s.source for s in pickled.storages]
+    # the first storage with no bytes: the ones before it are written, then it is refused
+    # (found by identity: ``None in every`` would call each source's __eq__)
+    missing = next(compress(count(), map(is_, every, repeat(None))), None)
+    sources = cast("list[Source]", every if missing is None else every[:missing])
+    orders = set(map(attrgetter("byteorder"), pickled.storages))
     if len(orders) > 1:
         raise BadInputError("cannot write storages of both byte orders into one checkpoint")
     byteorder = orders.pop() if orders else "little"
     threshold = {"zip64_threshold": zip64_threshold} if zip64_threshold else {}
     writer = ZipWriter(out, archive_name, embedded=embedded, **threshold)
     crcs = [writer.add_bytes("data.pkl", pickled.data)]
-    if not any(s.source is not None and shares_blocks(s.source) for s in pickled.storages):
+    sizes = list(map(attrgetter("size"), sources))
+    # only big records can share blocks: the others are not asked
+    if not any(shares_blocks(s) for s, size in zip(sources, sizes) if size >= SMALL_COPY):
         crcs.append(writer.add_bytes(".format_version", b"1"))
     crcs.append(writer.add_bytes(".storage_alignment", b"64"))
     if source is None or source.byteorder is not None or byteorder != "little":
         crcs.append(writer.add_bytes("byteorder", byteorder.encode()))
-    total = 0
     with contextlib.ExitStack() as stack:
         if files is None:
             files = stack.enter_context(OpenFiles())
-        files.plan(s.source for s in pickled.storages)  # a remote input: fetched ahead, in this order
-        for key, storage in enumerate(pickled.storages):
-            if storage.source is None:
-                raise BadInputError(f"storage {storage.key!r} has no source bytes to copy")
-            crcs.append(writer.add_copy(f"data/{key}", storage.source, files))
-            total += storage.source.size
-            if progress:
-                progress(storage.source.size)
+        if _may_be_remote(sources):
+            files.plan(sources)  # a remote input: fetched ahead, in this order
+        crcs += writer.add_copies(NumberedNames("data/", range(len(sources))), sources, files, progress)
+        if missing is not None:
+            raise BadInputError(f"storage {pickled.storages[missing].key!r} has no source bytes to copy")
         versions = source.versions if source else {}
         if "version" not in versions:
             crcs.append(writer.add_bytes("version", b"3\n"))
         for name, value in versions.items():
             crcs.append(writer.add_bytes(name, value))
-        writer.add_bytes(".data/serialization_id", _serialization_id(crcs, total))
+        writer.add_bytes(".data/serialization_id", _serialization_id(crcs, sum(sizes)))
         writer.close()
     return pickled.storages
+
+
+def _may_be_remote(sources: list[Source]) -> bool:
+    """Whether any of ``sources`` is a range of a remote object (what :meth:`OpenFiles.plan`
+    fetches ahead): one question per distinct file, not per storage."""
+    return any(map(is_url, {s.path for s in sources if isinstance(s, FileRange)}))

@@ -137,8 +137,19 @@ class _Objects(ctypes.Structure):
     ]
 
 
+class _Uses(ctypes.Structure):
+    """emit_py.rs's ``PyUses``: what the ``_whole`` entry point reads besides."""
+
+    _fields_ = (
+        ("t_dtype", ctypes.c_size_t),
+        ("s_itemsize", ctypes.c_size_t),
+        ("dtypes_ptr", ctypes.c_char_p),
+        ("dtypes_len", ctypes.c_size_t),
+    )
+
+
 class _Bound:
-    """The emitter function of one loaded library, with its C API table."""
+    """The emitter functions of one loaded library, with its C API table."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
@@ -152,6 +163,17 @@ class _Bound:
             ctypes.POINTER(OutBuf),
         )
         self.fn.restype = ctypes.c_int32
+        self.whole_fn = ctypes.PyDLL(lib._name).ckptfix_emit_torch_pickle_whole
+        self.whole_fn.argtypes = (
+            ctypes.POINTER(_Api),
+            ctypes.POINTER(_Objects),
+            ctypes.POINTER(_Uses),
+            ctypes.py_object,
+            ctypes.py_object,
+            ctypes.POINTER(ctypes.c_uint8),
+            ctypes.POINTER(OutBuf),
+        )
+        self.whole_fn.restype = ctypes.c_int32
         api = ctypes.pythonapi
         self.api = _Api(*(ctypes.cast(getattr(api, name), ctypes.c_void_p).value for name in _API_FUNCTIONS))
 
@@ -174,6 +196,70 @@ def available() -> bool:
     return library() is not None
 
 
+def _objects(objects: Mapping[str, Any], slots: Mapping[str, tuple[type, str]]) -> _Objects | None:
+    offsets = [type_offset(), *(slot_offset(*slots[name]) for name in SLOT_FIELDS)]
+    if None in offsets:  # an interpreter whose objects are not laid out as probed
+        return None
+    return _Objects(*(id(objects[name]) for name in OBJECT_FIELDS), *offsets)
+
+
+def _called(fn: Any, *args: Any) -> bytes | None:
+    collecting = gc.isenabled()
+    gc.disable()  # no collection (and so no finalizer's Python code) while the library reads
+    try:
+        return call(fn, *args)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+@functools.cache
+def _dtype_table(itemsizes: tuple[tuple[str, int], ...]) -> bytes:
+    """``u8 len, name, u8 itemsize`` for each dtype (emit_py.rs's ``PyUses`` table); a dtype
+    that does not fit is left out (the library then leaves its storages to Python)."""
+    table = bytearray()
+    for name, size in itemsizes:
+        raw = name.encode()
+        if len(raw) < 256 and 0 < size < 256:
+            table += bytes((len(raw), *raw, size))
+    return bytes(table)
+
+
+def torch_pickle_whole(
+    root: Any,
+    objects: Mapping[str, Any],
+    slots: Mapping[str, tuple[type, str]],
+    uses: tuple[tuple[type, str], tuple[type, str]],
+    itemsizes: Mapping[str, int],
+) -> tuple[bytes, list[Any], bool] | None:
+    """:func:`torch_pickle`, and whether every storage a tensor uses is spanned whole by one of
+    them (offset 0, ``extent * itemsize >= storage bytes``: compaction has nothing to cut).
+    ``uses`` names the tensor's dtype attribute and the storage's item size attribute as
+    (class, attribute); ``itemsizes`` maps each dtype to its item size. None as
+    :func:`torch_pickle`."""
+    bound = _function()
+    if bound is None:
+        return None
+    table = _objects(objects, slots)
+    at = [slot_offset(*uses[0]), slot_offset(*uses[1])]
+    if table is None or None in at:
+        return None
+    dtypes = _dtype_table(tuple(itemsizes.items()))
+    use_table = _Uses(at[0], at[1], dtypes, len(dtypes))
+    storages: list[Any] = []
+    whole = ctypes.c_uint8(0)
+    data = _called(
+        bound.whole_fn,
+        ctypes.byref(bound.api),
+        ctypes.byref(table),
+        ctypes.byref(use_table),
+        root,
+        storages,
+        ctypes.byref(whole),
+    )
+    return None if data is None else (data, storages, bool(whole.value))
+
+
 def torch_pickle(
     root: Any, objects: Mapping[str, Any], slots: Mapping[str, tuple[type, str]]
 ) -> tuple[bytes, list[Any]] | None:
@@ -185,18 +271,11 @@ def torch_pickle(
     bound = _function()
     if bound is None:
         return None
-    offsets = [type_offset(), *(slot_offset(*slots[name]) for name in SLOT_FIELDS)]
-    if None in offsets:  # an interpreter whose objects are not laid out as probed
+    table = _objects(objects, slots)
+    if table is None:
         return None
-    table = _Objects(*(id(objects[name]) for name in OBJECT_FIELDS), *offsets)
     storages: list[Any] = []
-    collecting = gc.isenabled()
-    gc.disable()  # no collection (and so no finalizer's Python code) while the library reads
-    try:
-        data = call(bound.fn, ctypes.byref(bound.api), ctypes.byref(table), root, storages)
-    finally:
-        if collecting:
-            gc.enable()
+    data = _called(bound.fn, ctypes.byref(bound.api), ctypes.byref(table), root, storages)
     if data is None:
         return None
     return data, storages

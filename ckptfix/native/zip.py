@@ -12,9 +12,10 @@ to the reference (a non-ASCII name, an I/O error).
 from __future__ import annotations
 
 import ctypes
+import functools
 from array import array
 from itertools import accumulate
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from . import Input, call, function, library
 
@@ -110,22 +111,79 @@ def small_records(
 
 
 def central_directory(
-    names: list[bytes],
+    name_blob: bytes,
+    name_ends: array[int],
     header_offsets: array[int],
     sizes: array[int],
     crcs: array[int],
     cd_offset: int,
     threshold: int,
 ) -> bytes | None:
-    """``ZipWriter.close``'s central directory and end records for these records, the directory
+    """``ZipWriter.close``'s central directory and end records for these records (named by
+    ``name_blob``, the names end to end, ``name_ends`` where each ends: ``u64``), the directory
     starting at ``cd_offset``; or None for the Python writer."""
     fn = function(
         "ckptfix_zip_central_directory", *(ctypes.c_void_p, ctypes.c_size_t) * 5, ctypes.c_uint64, ctypes.c_uint64
     )
     if fn is None or not 0 <= cd_offset < 1 << 63 or not 0 <= threshold < 1 << 64:
         return None
-    if header_offsets.itemsize != 8 or sizes.itemsize != 8 or crcs.itemsize != 4:
+    if name_ends.itemsize != 8 or header_offsets.itemsize != 8 or sizes.itemsize != 8 or crcs.itemsize != 4:
         return None
-    name_blob, name_ends = _items(names)
     inputs = [Input(b) for b in (name_blob, name_ends, header_offsets, sizes, crcs)]
     return call(fn, *(v for i in inputs for v in (i.address, i.length)), cd_offset, threshold)
+
+
+@functools.cache
+def _copy_function(lib: ctypes.CDLL) -> Any:
+    """``ckptfix_zip_copy_records`` of ``lib``, bound once (setting a ctypes function's argument
+    types costs about a millisecond: one call per run of records)."""
+    return function(
+        "ckptfix_zip_copy_records", *(ctypes.c_void_p, ctypes.c_size_t) * 7, ctypes.c_uint64, ctypes.c_uint64
+    )
+
+
+class Copied(NamedTuple):
+    """What :func:`copy_records` wrote: the records' bytes, and each one's header offset and CRC."""
+
+    data: bytes
+    header_offsets: array[int]
+    crcs: array[int]
+
+
+def copy_records(
+    fds: array[int],
+    files: array[int],
+    offsets: array[int],
+    sizes: array[int],
+    crcs: array[int],
+    name_blob: bytes,
+    name_lengths: array[int],
+    offset: int,
+    threshold: int,
+) -> Copied | None:
+    """The bytes ``ZipWriter.add_copy`` writes for each of these small records, read from the
+    open descriptors ``fds`` (record ``i`` is ``sizes[i]`` bytes of ``fds[files[i]]`` at
+    ``offsets[i]``; ``crcs[i]`` the CRC its source recorded, -1 for none), one after another
+    from ``offset``, named by ``name_blob`` (the names with the archive folder, end to end, each
+    ``name_lengths[i]`` bytes long). None for the Python writer: the
+    library is not loaded, or a record is one the reference refuses or words an error about (a
+    CRC that does not match, a file that ends inside a record) -- it then raises its own."""
+    lib = library()
+    fn = None if lib is None else _copy_function(lib)
+    if fn is None or not 0 <= offset < 1 << 63 or not 0 <= threshold < 1 << 64:
+        return None
+    widths = ((fds, 4), (files, 4), (offsets, 8), (sizes, 8), (crcs, 8))
+    if any(column.itemsize != width for column, width in widths):
+        return None
+    name_ends = array("Q", accumulate(name_lengths))
+    inputs = [Input(b) for b in (fds, files, offsets, sizes, crcs, name_blob, name_ends)]
+    built = call(fn, *(v for i in inputs for v in (i.address, i.length)), offset, threshold)
+    if built is None:
+        return None
+    n = len(sizes)
+    view = memoryview(built)
+    cut = len(built) - 12 * n
+    header_offsets, written = array("q"), array("I")
+    header_offsets.frombytes(view[cut : cut + 8 * n])
+    written.frombytes(view[cut + 8 * n :])
+    return Copied(built[:cut], header_offsets, written)

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import BadInputError, UnsafeInputError
+from ..model.dtypes import DTYPE_ITEMSIZE
 from ..model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef, Tree
 from ..model.walk import walk
 from ..native import emit as native_emit
@@ -521,6 +522,16 @@ def dumps(root: Tree, *, only: frozenset[str] | None = None) -> PickleResult:
         if native is not None:
             return PickleResult(native[0], native[1])
     return dumps_python(root, only=only)
+
+
+def dumps_whole(root: Tree) -> tuple[PickleResult, bool] | None:
+    """The native engine's :func:`dumps`, and whether every storage a tensor uses is spanned
+    whole by one of its tensors (so compaction, ``formats/compact.py``, has nothing to cut and
+    need not walk the tree); None where the native emitter does not run."""
+    native = native_emit.torch_pickle_whole(
+        root, _NATIVE_OBJECTS, _NATIVE_SLOTS, ((TensorRef, "dtype"), (StorageRef, "itemsize")), DTYPE_ITEMSIZE
+    )
+    return None if native is None else (PickleResult(native[0], native[1]), native[2])
 
 
 def dumps_python(root: Tree, *, only: frozenset[str] | None = None) -> PickleResult:

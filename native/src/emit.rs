@@ -246,6 +246,11 @@ impl Arena {
         Ok(Span { start, len })
     }
 
+    /// The ints of a span made by [`Arena::add_ints`].
+    pub fn ints_of(&self, span: Span) -> &[i64] {
+        &self.ints[span.range()]
+    }
+
     pub fn add_tensor(&mut self, tensor: Tensor) -> Result<u32, Unsupported> {
         let index = u32::try_from(self.tensors.len()).map_err(|_| Unsupported)?;
         self.tensors.push(tensor);

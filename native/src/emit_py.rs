@@ -30,7 +30,7 @@ pub struct PyObject {
     _private: [u8; 0],
 }
 
-type Obj = *mut PyObject;
+pub(crate) type Obj = *mut PyObject;
 
 /// Addresses of the C API functions used here (all in the stable ABI), filled by Python.
 #[repr(C)]
@@ -105,13 +105,110 @@ pub struct PyTypes {
     pub r_state: usize,
 }
 
+/// What [`ckptfix_emit_torch_pickle_whole`] reads besides: where a tensor keeps its dtype (a
+/// str) and a storage its item size (an int), and each dtype's item size (`model/dtypes.py`'s
+/// table, passed as `u8 name_len, name, u8 itemsize` repeated).
+#[repr(C)]
+pub struct PyUses {
+    pub t_dtype: usize,
+    pub s_itemsize: usize,
+    pub dtypes_ptr: *const u8,
+    pub dtypes_len: usize,
+}
+
+/// [`PyUses`] read, and what the builder collects with it.
+struct Uses {
+    t_dtype: usize,
+    s_itemsize: usize,
+    itemsizes: HashMap<Vec<u8>, u64>,
+    /// dtype str object -> item size (0: not a known dtype)
+    by_object: AddressMap<u64>,
+    /// per tensor in the arena, its dtype's item size
+    tensor_itemsize: Vec<u64>,
+    /// per node, its `itemsize` if it is a storage (0 otherwise)
+    storage_itemsize: Vec<i64>,
+}
+
+impl Uses {
+    fn new(table: &PyUses, dtypes: &[u8]) -> Option<Uses> {
+        let mut itemsizes = HashMap::new();
+        let mut rest = dtypes;
+        while let Some((&len, tail)) = rest.split_first() {
+            let name = tail.get(..len as usize)?;
+            let &size = tail.get(len as usize)?;
+            itemsizes.insert(name.to_vec(), u64::from(size));
+            rest = &tail[len as usize + 1..];
+        }
+        Some(Uses {
+            t_dtype: table.t_dtype,
+            s_itemsize: table.s_itemsize,
+            itemsizes,
+            by_object: AddressMap::default(),
+            tensor_itemsize: Vec::new(),
+            storage_itemsize: Vec::new(),
+        })
+    }
+}
+
+/// Whether every storage a tensor uses is spanned whole by one of its tensors: then
+/// `formats/compact.py`'s `compact_storages` has nothing to cut (it cuts only storages no tensor
+/// spans from first byte to last), and the tree is written as it is. Its test, per tensor:
+/// offset 0 and `extent * itemsize >= storage numel * storage itemsize`, the extent as its
+/// `_extent` computes it. A tensor it cannot decide (an unknown dtype, a value past 128 bits,
+/// shape and stride of different lengths) makes the answer false: Python then runs the
+/// reference, which meets the same tensor (and raises whatever it raises about it).
+fn storages_used_whole(arena: &Arena, uses: &Uses) -> bool {
+    const USED: u8 = 1;
+    const WHOLE: u8 = 2;
+    let mut seen = vec![0u8; arena.nodes.len()]; // per storage node: used, spanned whole
+    for (tensor, &itemsize) in arena.tensors.iter().zip(&uses.tensor_itemsize) {
+        let storage_itemsize = uses.storage_itemsize.get(tensor.storage as usize).copied();
+        let Some(state) = seen.get_mut(tensor.storage as usize) else { return false };
+        *state |= USED;
+        match spans_whole(arena, tensor, itemsize, storage_itemsize) {
+            Some(true) => *state |= WHOLE,
+            Some(false) => {}
+            None => return false, // one it cannot decide: the reference decides them all
+        }
+    }
+    arena.tensors.len() == uses.tensor_itemsize.len() && seen.iter().all(|&s| s != USED)
+}
+
+fn spans_whole(arena: &Arena, tensor: &crate::emit::Tensor, itemsize: u64, storage_itemsize: Option<i64>) -> Option<bool> {
+    if itemsize == 0 {
+        return None; // not a known dtype: the reference's own error
+    }
+    if tensor.offset != 0 {
+        return Some(false);
+    }
+    let Node::Storage { numel, .. } = arena.nodes.get(tensor.storage as usize)? else { return None };
+    let (shape, stride) = (arena.ints_of(tensor.shape), arena.ints_of(tensor.stride));
+    if shape.len() != stride.len() {
+        return None;
+    }
+    let extent: i128 = if shape.len() == 1 && stride[0] == 1 {
+        i128::from(shape[0])
+    } else if shape.contains(&0) {
+        0
+    } else {
+        let mut sum = 1i128;
+        for (&n, &s) in shape.iter().zip(stride) {
+            sum = sum.checked_add((i128::from(n) - 1).checked_mul(i128::from(s))?)?;
+        }
+        sum
+    };
+    let used = extent.checked_mul(i128::from(itemsize))?;
+    let nbytes = i128::from(*numel).checked_mul(i128::from(storage_itemsize?))?;
+    Some(used >= nbytes)
+}
+
 /// The C API with every function present, behind methods that each hold one `unsafe` call.
 ///
 /// Invariant for every method: the GIL is held (the exported function is only called through
 /// `ctypes.PyDLL`), and every object passed in is alive -- it is reachable from the root the
 /// caller holds, and nothing here runs Python code or changes the tree, so nothing reachable is
 /// freed during the call.
-struct Api {
+pub(crate) struct Api {
     dict_next: unsafe extern "C" fn(Obj, *mut isize, *mut Obj, *mut Obj) -> c_int,
     list_size: unsafe extern "C" fn(Obj) -> isize,
     list_get_item: unsafe extern "C" fn(Obj, isize) -> Obj,
@@ -147,7 +244,7 @@ impl Drop for Owned<'_> {
 }
 
 impl Api {
-    fn new(table: &PyApi, ob_type: usize) -> Option<Api> {
+    pub(crate) fn new(table: &PyApi, ob_type: usize) -> Option<Api> {
         Some(Api {
             ob_type,
             dict_next: table.dict_next?,
@@ -183,14 +280,14 @@ impl Api {
         Ok(Owned { api: self, obj })
     }
 
-    fn type_of(&self, obj: Obj) -> Obj {
+    pub(crate) fn type_of(&self, obj: Obj) -> Obj {
         // SAFETY: struct invariant (`obj` is a live object); `ob_type` is the offset of its
         // type pointer, which Python found on probe objects and every object has.
         unsafe { obj.cast::<u8>().add(self.ob_type).cast::<Obj>().read_unaligned() }
     }
 
     /// A record's slot (a borrowed reference held by the record), or Unsupported if unset.
-    fn slot(&self, obj: Obj, offset: usize) -> Result<Obj, Unsupported> {
+    pub(crate) fn slot(&self, obj: Obj, offset: usize) -> Result<Obj, Unsupported> {
         // SAFETY: struct invariant; callers pass only objects whose exact type they checked,
         // with that type's slot offset (found by Python within its basic size).
         let value = unsafe { obj.cast::<u8>().add(offset).cast::<Obj>().read_unaligned() };
@@ -209,7 +306,7 @@ impl Api {
         Ok(self.owned(value)?.obj)
     }
 
-    fn list_items(&self, list: Obj, into: &mut Vec<Obj>) -> Result<(), Unsupported> {
+    pub(crate) fn list_items(&self, list: Obj, into: &mut Vec<Obj>) -> Result<(), Unsupported> {
         // SAFETY: struct invariant; `list` is an exact list.
         let n = unsafe { (self.list_size)(list) };
         for i in 0..n.max(0) {
@@ -291,7 +388,7 @@ impl Api {
         Ok(unsafe { std::slice::from_raw_parts(data.cast::<u8>(), size as usize) })
     }
 
-    fn int(&self, value: Obj) -> Result<i64, Unsupported> {
+    pub(crate) fn int(&self, value: Obj) -> Result<i64, Unsupported> {
         let mut overflow: c_int = 0;
         // SAFETY: struct invariant; `value` is an exact int.
         let result = unsafe { (self.as_i64)(value, &mut overflow) };
@@ -307,7 +404,7 @@ impl Api {
         unsafe { (self.as_f64)(value) }
     }
 
-    fn append(&self, list: Obj, item: Obj) -> Result<(), Unsupported> {
+    pub(crate) fn append(&self, list: Obj, item: Obj) -> Result<(), Unsupported> {
         // SAFETY: struct invariant; `list` is the caller's exact list, `item` a live object.
         if unsafe { (self.list_append)(list, item) } != 0 {
             return self.fail();
@@ -355,6 +452,8 @@ struct Builder<'a> {
     objects: Vec<Obj>,
     todo: Vec<Todo>,
     scratch: Vec<Obj>,
+    /// also read what compaction needs (the `_whole` entry point)
+    uses: Option<Uses>,
 }
 
 impl Builder<'_> {
@@ -536,6 +635,16 @@ impl Builder<'_> {
                 }
             };
             let numel = self.exact_int(api.slot(obj, t.s_numel)?)?;
+            if let Some(at) = self.uses.as_ref().map(|u| u.s_itemsize) {
+                let itemsize = self.exact_int(api.slot(obj, at)?)?;
+                if let Some(uses) = self.uses.as_mut() {
+                    let at = node as usize;
+                    if uses.storage_itemsize.len() <= at {
+                        uses.storage_itemsize.resize(at + 1, 0);
+                    }
+                    uses.storage_itemsize[at] = itemsize;
+                }
+            }
             Node::Storage { storage_type, location, numel }
         } else if ty == t.reduce {
             let func = self.global_index(api.slot(obj, t.r_func)?)?;
@@ -588,6 +697,22 @@ impl Builder<'_> {
             param,
         });
         self.arena.nodes[node as usize] = Node::Tensor(index);
+        if let Some(uses) = self.uses.as_mut() {
+            let dtype = api.slot(obj, uses.t_dtype)?;
+            let itemsize = match uses.by_object.get(&(dtype as usize)) {
+                Some(&size) => size,
+                None => {
+                    let size = if api.type_of(dtype) == t.str_ {
+                        uses.itemsizes.get(api.utf8(dtype)?).copied().unwrap_or(0)
+                    } else {
+                        0
+                    };
+                    uses.by_object.insert(dtype as usize, size);
+                    size
+                }
+            };
+            uses.tensor_itemsize.push(itemsize);
+        }
         Ok(())
     }
 
@@ -626,9 +751,16 @@ impl Builder<'_> {
     }
 }
 
-/// Read `root` into an arena; the arena, the root's value, and each node's object.
-fn build(api: &Api, types: &PyTypes, root: Obj) -> Result<(Arena, Val, Vec<Obj>), Unsupported> {
+/// Read `root` into an arena; the arena, the root's value, each node's object, and what `uses`
+/// collected.
+fn build(
+    api: &Api,
+    types: &PyTypes,
+    root: Obj,
+    uses: Option<Uses>,
+) -> Result<(Arena, Val, Vec<Obj>, Option<Uses>), Unsupported> {
     let mut builder = Builder {
+        uses,
         api,
         types,
         arena: Arena::new(),
@@ -642,7 +774,29 @@ fn build(api: &Api, types: &PyTypes, root: Obj) -> Result<(Arena, Val, Vec<Obj>)
     };
     let root = builder.value(root)?;
     builder.finish()?;
-    Ok((builder.arena, root, builder.objects))
+    Ok((builder.arena, root, builder.objects, builder.uses))
+}
+
+/// The pickle of `root` (storages appended to `storages`), and with `uses`, whether every
+/// storage is used whole ([`storages_used_whole`]); `None` for the Python emitter.
+fn emit(
+    api: &PyApi,
+    types: &PyTypes,
+    uses: Option<Uses>,
+    root: Obj,
+    storages: Obj,
+) -> Option<(Vec<u8>, bool)> {
+    let api = Api::new(api, types.ob_type)?;
+    if root.is_null() || storages.is_null() {
+        return None;
+    }
+    let (arena, root, objects, uses) = build(&api, types, root, uses).ok()?;
+    let whole = uses.as_ref().is_some_and(|uses| storages_used_whole(&arena, uses));
+    let pickled = crate::emit::dumps(&arena, root).ok()?;
+    for node in pickled.storages {
+        api.append(storages, objects[node as usize]).ok()?;
+    }
+    Some((pickled.data, whole))
 }
 
 /// Pickle the tree `root` as `ckptfix.pickling.writer.dumps` does. On OK the output is the
@@ -665,19 +819,51 @@ pub unsafe extern "C" fn ckptfix_emit_torch_pickle(
     let tables = unsafe { (api.as_ref(), types.as_ref()) };
     let body = move || -> Result<Option<Vec<u8>>, String> {
         let (Some(api), Some(types)) = tables else { return Ok(None) };
-        let Some(api) = Api::new(api, types.ob_type) else { return Ok(None) };
-        if root.is_null() || storages.is_null() {
-            return Ok(None);
-        }
-        let Ok((arena, root, objects)) = build(&api, types, root) else { return Ok(None) };
-        let Ok(pickled) = crate::emit::dumps(&arena, root) else { return Ok(None) };
-        for node in pickled.storages {
-            if api.append(storages, objects[node as usize]).is_err() {
-                return Ok(None);
-            }
-        }
-        Ok(Some(pickled.data))
+        Ok(emit(api, types, None, root, storages).map(|(data, _)| data))
     };
     // SAFETY: `out` is the caller's out-parameter (ffi::guard's contract).
     unsafe { crate::ffi::guard(out, std::panic::AssertUnwindSafe(body)) }
+}
+
+/// [`ckptfix_emit_torch_pickle`], also reading what compaction needs (`uses`): `*whole` is set
+/// to 1 when every storage a tensor uses is spanned whole by one of its tensors (so
+/// `compact_storages` would return the tree unchanged), else 0.
+///
+/// # Safety
+/// As [`ckptfix_emit_torch_pickle`]; `uses` points to a [`PyUses`] filled by
+/// `ckptfix/native/emit.py` whose table is readable for the call, and `whole` is valid for one
+/// write.
+#[no_mangle]
+pub unsafe extern "C" fn ckptfix_emit_torch_pickle_whole(
+    api: *const PyApi,
+    types: *const PyTypes,
+    uses: *const PyUses,
+    root: Obj,
+    storages: Obj,
+    whole: *mut u8,
+    out: *mut crate::ffi::OutBuf,
+) -> i32 {
+    // SAFETY: the caller's contract above: each table pointer is null or valid for reads.
+    let tables = unsafe { (api.as_ref(), types.as_ref(), uses.as_ref()) };
+    // SAFETY: the caller's contract: the dtype table is readable for the call.
+    let dtypes = unsafe { tables.2.map(|u| crate::ffi::input(u.dtypes_ptr, u.dtypes_len)) };
+    let mut found = false;
+    let found_ref = &mut found;
+    let body = move || -> Result<Option<Vec<u8>>, String> {
+        let (Some(api), Some(types), Some(uses), Some(dtypes)) = (tables.0, tables.1, tables.2, dtypes) else {
+            return Ok(None);
+        };
+        let Some(uses) = Uses::new(uses, dtypes) else { return Ok(None) };
+        Ok(emit(api, types, Some(uses), root, storages).map(|(data, all_whole)| {
+            *found_ref = all_whole;
+            data
+        }))
+    };
+    // SAFETY: `out` is the caller's out-parameter (ffi::guard's contract).
+    let status = unsafe { crate::ffi::guard(out, std::panic::AssertUnwindSafe(body)) };
+    if !whole.is_null() {
+        // SAFETY: the caller's contract: `whole` is valid for one write.
+        unsafe { whole.write(u8::from(found)) };
+    }
+    status
 }

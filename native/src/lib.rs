@@ -20,6 +20,8 @@ pub mod ffi;
 pub mod le;
 pub mod vm;
 pub mod zip;
+pub mod zipcopy;
+pub mod zipsources;
 pub mod zipwrite;
 
 /// Bumped whenever an exported function changes its signature or meaning; the Python side

@@ -45,14 +45,29 @@ impl<'a> Items<'a> {
         Some(Items { blob, ends })
     }
 
-    fn get(&self, i: usize) -> &'a [u8] {
+    /// How many items there are.
+    pub fn len(&self) -> usize {
+        self.ends.len()
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.ends.is_empty()
+    }
+
+    /// The bytes of all items together.
+    pub fn blob_len(&self) -> usize {
+        self.blob.len()
+    }
+
+    pub(crate) fn get(&self, i: usize) -> &'a [u8] {
         let start = if i == 0 { 0 } else { self.ends[i - 1] as usize };
         &self.blob[start..self.ends[i] as usize]
     }
 }
 
 /// One small record at `offset`, appended to `out`: `ZipWriter.add_small`.
-fn small_record(out: &mut Vec<u8>, offset: u64, full: &[u8], data: &[u8], crc: u32, threshold: u64) -> Option<()> {
+pub(crate) fn small_record(out: &mut Vec<u8>, offset: u64, full: &[u8], data: &[u8], crc: u32, threshold: u64) -> Option<()> {
     let size = data.len() as u64;
     let needs = |v: u64| v >= threshold;
     let size_wide = needs(size);
@@ -208,7 +223,7 @@ pub fn central_directory(
 }
 
 /// `(ptr, len)` of `count` little-endian words of type `T`, as a slice (checked alignment).
-fn words<T: Copy>(bytes: &[u8], count: usize, from: fn(&[u8]) -> T) -> Option<Vec<T>> {
+pub(crate) fn words<T: Copy>(bytes: &[u8], count: usize, from: fn(&[u8]) -> T) -> Option<Vec<T>> {
     let width = std::mem::size_of::<T>();
     if bytes.len() != count.checked_mul(width)? {
         return None;
@@ -216,13 +231,13 @@ fn words<T: Copy>(bytes: &[u8], count: usize, from: fn(&[u8]) -> T) -> Option<Ve
     Some(bytes.chunks_exact(width).map(from).collect())
 }
 
-fn u64_word(b: &[u8]) -> u64 {
+pub(crate) fn u64_word(b: &[u8]) -> u64 {
     let mut w = [0u8; 8];
     w.copy_from_slice(b);
     u64::from_le_bytes(w)
 }
 
-fn u32_word(b: &[u8]) -> u32 {
+pub(crate) fn u32_word(b: &[u8]) -> u32 {
     u32::from_le_bytes([b[0], b[1], b[2], b[3]])
 }
 

@@ -23,8 +23,10 @@ from hypothesis import strategies as st
 
 import ckptfix
 from ckptfix.errors import BadInputError, CkptfixError, UnsafeInputError
-from ckptfix.formats import torchzip
+from ckptfix.formats import compact
+from ckptfix.model.dtypes import DTYPE_ITEMSIZE
 from ckptfix.model.refs import ABSENT, EMPTY_HOOKS, Global, OpaqueObject, ParamInfo, Reduce, StorageRef, TensorRef
+from ckptfix.model.walk import walk
 from ckptfix.native import emit as native_emit
 from ckptfix.pickling import writer
 
@@ -45,6 +47,40 @@ def assert_same(root: Any, *, handled: bool = True) -> None:
     assert data == bytes(python.data)
     assert len(storages) == len(python.storages)
     assert all(a is b for a, b in zip(storages, python.storages))
+    assert_whole(root)
+
+
+def whole_reference(root: Any) -> bool:
+    """Whether every storage a tensor uses is spanned whole by one of its tensors, by
+    compact.py's own test (``compact_storages`` cuts only storages for which it is not)."""
+    used, whole = set(), set()
+    for _, leaf in walk(root):
+        if type(leaf) is TensorRef:
+            used.add(id(leaf.storage))
+            itemsize = DTYPE_ITEMSIZE[leaf.dtype]
+            if leaf.storage_offset == 0 and compact._extent(leaf) * itemsize >= leaf.storage.nbytes:
+                whole.add(id(leaf.storage))
+    return used <= whole
+
+
+def assert_whole(root: Any) -> bool:
+    """The ``_whole`` entry point writes what the plain one writes, and its flag is the
+    reference's answer (where a tensor's shape and stride differ in length the reference may
+    fail to measure it: there the library answers False unless no measure is needed); when it
+    says True, compaction indeed leaves the tree as it is."""
+    got = writer.dumps_whole(root)
+    plain = native_emit.torch_pickle(root, writer._NATIVE_OBJECTS, writer._NATIVE_SLOTS)
+    assert (got is None) == (plain is None)
+    if got is None or plain is None:
+        return False
+    result, flag = got
+    assert result.data == plain[0] and all(a is b for a, b in zip(result.storages, plain[1], strict=True))
+    ranks_match = all(len(t.shape) == len(t.stride) for _, t in walk(root) if type(t) is TensorRef)
+    if ranks_match:
+        assert flag == whole_reference(root)
+    if flag:  # (with ranks that differ too: the reference must not meet one it cannot measure)
+        assert compact.compact_storages(root)[0] is root
+    return flag
 
 
 # -- the fixtures, after each transform ---------------------------------------------------------
@@ -62,6 +98,8 @@ OPTIONS = [
 
 def test_fixture_trees_after_each_transform(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[bool] = []
+    flags: list[bool] = []
+    real_whole = writer.dumps_whole
 
     def checked(root: Any) -> writer.PickleResult:
         python, native = both(root)
@@ -71,13 +109,21 @@ def test_fixture_trees_after_each_transform(tmp_path: Path, monkeypatch: pytest.
             assert [id(s) for s in native[1]] == [id(s) for s in python.storages]
         return python
 
-    monkeypatch.setattr(torchzip, "dumps", checked)
+    def checked_whole(root: Any) -> tuple[writer.PickleResult, bool] | None:
+        flags.append(assert_whole(root))
+        return real_whole(root)
+
+    # the writer pickles through dumps_whole (and dumps again after a compaction that cut)
+    monkeypatch.setattr(compact, "dumps", checked)
+    monkeypatch.setattr(compact, "dumps_whole", checked_whole)
     for i, fixture in enumerate(FIXTURES):
         for j, options in enumerate(OPTIONS):
             with contextlib.suppress(CkptfixError):  # an option that does not apply to this file
                 ckptfix.convert(fixture, tmp_path / f"{i}_{j}.pth", options)
-    # every fixture's tree is plain records: the native emitter wrote each one
-    assert len(seen) >= 2 * len(FIXTURES) and all(seen), seen
+    # every fixture's tree is plain records: the native emitter wrote each one, and most use
+    # their storages whole
+    assert len(flags) >= 2 * len(FIXTURES) and all(seen), seen
+    assert sum(flags) >= len(FIXTURES), flags
 
 
 # -- generated trees ------------------------------------------------------------------------
@@ -194,6 +240,51 @@ def test_generated_record_trees(tree: Any) -> None:
 @given(record_trees(exotic=True))
 def test_generated_trees_with_rare_records_are_written_or_left_to_python(tree: Any) -> None:
     assert_same(tree, handled=False)
+
+
+@st.composite
+def views(draw: st.DrawFn) -> Any:
+    """Tensors viewing a few storages (shape and stride of one rank, typed and untyped
+    storages, dtypes of other sizes): the cases compaction decides on."""
+    storages = [
+        StorageRef("0", Global("torch", "FloatStorage"), "cpu", draw(st.sampled_from([0, 1, 6, 24])), 4, "float32"),
+        StorageRef(
+            "1", Global("torch.storage", "UntypedStorage"), "cpu", draw(st.sampled_from([0, 8, 48])), 1, "uint8"
+        ),
+        StorageRef("2", Global("torch", "DoubleStorage"), "cpu", draw(st.sampled_from([3, 12])), 8, "float64"),
+    ]
+    tensors = []
+    for _ in range(draw(st.integers(1, 6))):
+        rank = draw(st.integers(0, 3))
+        shape = tuple(draw(st.lists(st.sampled_from([0, 1, 2, 3, 4, 6]), min_size=rank, max_size=rank)))
+        stride = tuple(draw(st.lists(st.sampled_from([-1, 0, 1, 2, 4, 12]), min_size=rank, max_size=rank)))
+        dtype = draw(st.sampled_from(["float32", "bfloat16", "float64", "uint8"]))
+        tensors.append(
+            TensorRef(draw(st.sampled_from(storages)), draw(st.sampled_from([0, 0, 1, 5])), shape, stride, dtype)
+        )
+    return {"t": tensors}
+
+
+@settings(max_examples=60, deadline=None)
+@given(views())
+def test_the_whole_flag_is_compactions_own_test(tree: Any) -> None:
+    assert_whole(tree)
+
+
+def test_the_whole_flag_sees_a_partly_used_storage() -> None:
+    """A storage only half used by its one tensor, beside one used whole: not whole (and
+    compaction cuts it); a second tensor spanning it whole makes it whole."""
+    used = StorageRef("0", _GLOBALS[0], "cpu", 8, 4, "float32")
+    half = StorageRef("1", _GLOBALS[0], "cpu", 8, 4, "float32")
+    tree: dict[str, Any] = {
+        "a": TensorRef(used, 0, (8,), (1,), "float32"),
+        "b": TensorRef(half, 0, (4,), (1,), "float32"),
+    }
+    assert assert_whole(tree) is False
+    tree["c"] = TensorRef(half, 0, (2, 4), (4, 1), "float32")
+    assert assert_whole(tree) is True
+    tree["d"] = TensorRef(half, 0, (8,), (1,), "bfloat16")  # 16 of its 32 bytes: not whole alone
+    assert assert_whole({"d": tree["d"]}) is False
 
 
 # -- what it leaves to Python, and errors ---------------------------------------------------

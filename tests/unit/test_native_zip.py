@@ -18,9 +18,11 @@ import struct
 import sys
 import tempfile
 import zipfile
+import zlib
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -29,9 +31,10 @@ from hostile import make_base_zip, with_data_pkl
 
 from ckptfix import native
 from ckptfix.errors import BadInputError
-from ckptfix.fileio import ziparchive
+from ckptfix.fileio import ranges, ziparchive
 from ckptfix.fileio.ranges import FileSlice
 from ckptfix.native import zip as native_zip
+from ckptfix.native import zipsources as native_sources
 
 pytestmark = needs_native
 
@@ -312,3 +315,204 @@ def test_the_native_writer_lays_out_small_records_and_the_directory(monkeypatch:
     monkeypatch.setattr(ziparchive.ZipWriter, "_close_python", lambda *args: pytest.fail("Python directory"))
     for threshold in (0xFFFFFFFF, 1_000):
         assert _write(random.Random(3), True, threshold)[:4] == b"PK\x03\x04"
+
+
+# -- copies: add_copies against add_copy -----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def copy_sources(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two source files of random bytes (one 200 KiB, one a few KiB)."""
+    folder = tmp_path_factory.mktemp("copies")
+    rng = random.Random(26)
+    big, small = folder / "big.bin", folder / "small.bin"
+    big.write_bytes(rng.randbytes(200_000))
+    small.write_bytes(rng.randbytes(5_000))
+    return big, small
+
+
+def _copy_plan(
+    rng: random.Random, files: tuple[Path, Path]
+) -> tuple[list[str], list[ranges.FileRange | ranges.ComputedSource]]:
+    """Names and sources as a writer meets them: small ranges of two files in and out of order,
+    with no CRC, the right one, or 0 (CRCs off); empty ones; big ones (kernel copies) and
+    computed ones between runs."""
+    contents = [p.read_bytes() for p in files]
+    names: list[str] = []
+    sources: list[ranges.FileRange | ranges.ComputedSource] = []
+    for i in range(rng.randrange(1, 300)):
+        which = rng.randrange(2)
+        size = rng.choice((0, 1, 8, 300, 4000, 4000)) if rng.random() < 0.95 else 70_000
+        size = min(size, len(contents[which]))
+        offset = rng.randrange(len(contents[which]) - size + 1)
+        data = contents[which][offset : offset + size]
+        crc = rng.choice((None, zlib.crc32(data), 0))
+        if rng.random() < 0.03:
+            sources.append(ranges.ComputedSource(size, lambda _files, data=data: data))
+        else:
+            sources.append(ranges.FileRange(str(files[which]), offset, size, crc))
+        names.append(f"data/{i}")
+    return names, sources
+
+
+def _copied(
+    names: list[str],
+    sources: list[ranges.FileRange | ranges.ComputedSource],
+    use_native: bool,
+    batch: bool,
+    threshold: int = 0xFFFFFFFF,
+    prefix: bytes = b"",
+) -> tuple[bytes, list[int]]:
+    """The archive written with add_copies (``batch``) or add_copy per record, after ``prefix``
+    (embedded: offsets count from the archive's start, as a .distcp item's do)."""
+    with tempfile.TemporaryFile() as out, ranges.OpenFiles() as files:
+        out.write(prefix)
+        writer = ziparchive.ZipWriter(out, "archive", zip64_threshold=threshold, embedded=bool(prefix))
+        writer._native = use_native
+        writer.add_bytes("data.pkl", b"\x80\x02}q\x00.")
+        if batch:
+            crcs = writer.add_copies(names, sources, files)
+        else:
+            crcs = [writer.add_copy(name, source, files) for name, source in zip(names, sources)]
+        writer.add_bytes("version", b"3\n")
+        writer.close()
+        out.seek(0)
+        return out.read(), crcs
+
+
+@pytest.mark.parametrize("threshold", [0xFFFFFFFF, 100_000, 1_000])
+def test_add_copies_writes_what_add_copy_writes(copy_sources: tuple[Path, Path], threshold: int) -> None:
+    """The same archive and CRCs from add_copies (native runs of small records) as from the
+    reference's add_copy per record, with the Python writer or the native one, zip64 or not."""
+    for seed in range(3):
+        names, sources = _copy_plan(random.Random(seed), copy_sources)
+        reference = _copied(names, sources, False, False, threshold)
+        for use_native, batch in ((True, True), (True, False), (False, True)):
+            assert _copied(names, sources, use_native, batch, threshold) == reference, (seed, use_native, batch)
+    with zipfile.ZipFile(io.BytesIO(reference[0])) as z:  # the CRCs are right (or 0): zipfile checks them
+        for name, source in zip(names, sources):
+            if not isinstance(source, ranges.FileRange) or source.crc != 0:
+                z.read(f"archive/{name}")
+
+
+def test_add_copies_copies_small_records_natively(
+    copy_sources: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The comparison above holds because the library copied the small records: add_copy is
+    asked only for the big and computed ones."""
+    names, sources = _copy_plan(random.Random(5), copy_sources)
+    asked: list[str] = []
+    real = ziparchive.ZipWriter.add_copy
+
+    def add_copy(self: ziparchive.ZipWriter, name: str, source: Any, files: ranges.OpenFiles) -> int:
+        asked.append(name)
+        return real(self, name, source, files)
+
+    monkeypatch.setattr(ziparchive.ZipWriter, "add_copy", add_copy)
+    _copied(names, sources, True, True)
+    expected = [n for n, s in zip(names, sources) if not isinstance(s, ranges.FileRange) or s.size >= ranges.SMALL_COPY]
+    assert asked == expected and len(expected) < len(names)
+
+
+def test_add_copies_from_an_embedded_archive_into_an_embedded_one(tmp_path: Path) -> None:
+    """Records of a zip stored inside another file (a .distcp item: its FileRanges are absolute
+    offsets of the outer file) copied into an archive written after other bytes: the same
+    bytes as add_copy's, and the copy's records read back as the source's."""
+    names = [f"data/{i}" for i in range(40)]
+    inner = _written(
+        lambda w: [
+            w.add_small(n, bytes([i]) * (i * 37 % 500), zlib.crc32(bytes([i]) * (i * 37 % 500)))
+            for i, n in enumerate(names)
+        ],
+        0xFFFFFFFF,
+    )
+    outer = tmp_path / "outer.distcp"
+    outer.write_bytes(b"y" * 777 + inner)
+    with open(outer, "rb") as f:
+        records = ziparchive.read_directory(FileSlice(f, 777, len(inner)), len(inner), str(outer))
+    sources: list[ranges.FileRange | ranges.ComputedSource] = [
+        records[f"archive/{n}"].source(str(outer), 777) for n in names
+    ]
+    reference = _copied(names, sources, False, False, prefix=b"z" * 1000)
+    assert _copied(names, sources, True, True, prefix=b"z" * 1000) == reference
+    with zipfile.ZipFile(io.BytesIO(reference[0][1000:])) as z:
+        assert [z.read(f"archive/{n}") for n in names] == [bytes([i]) * (i * 37 % 500) for i in range(40)]
+
+
+@pytest.mark.parametrize("fault", ["crc", "truncated"])
+def test_add_copies_refuses_what_add_copy_refuses(copy_sources: tuple[Path, Path], fault: str) -> None:
+    """A record whose bytes do not match its recorded CRC, or that the file ends inside: the
+    reference's error, in its words, from the batch as from add_copy."""
+    names, sources = _copy_plan(random.Random(9), copy_sources)
+    path = str(copy_sources[1])
+    bad = ranges.FileRange(path, 10, 20, 1234) if fault == "crc" else ranges.FileRange(path, 4_990, 20)
+    sources[len(sources) // 2] = bad
+    messages = []
+    for use_native, batch in ((False, False), (True, True)):
+        with pytest.raises(BadInputError) as error:
+            _copied(names, sources, use_native, batch)
+        messages.append(error.value.message)
+    assert messages[0] == messages[1] and ("CRC32" in messages[0] or "ended inside" in messages[0])
+
+
+def _columns_reference(
+    sources: list[Any], small: int
+) -> tuple[list[int], list[int], list[int], list[int], list[int], list[Any]]:
+    """zipsources.rs's columns, in Python: which sources are small stored ranges of a file, and
+    their file (by path object, in order of first use), offset, size and CRC (-1: none)."""
+    kinds, files, offsets, sizes, crcs, paths = [], [], [], [], [], []  # type: ignore[var-annotated]
+    index: dict[int, int] = {}
+    for s in sources:
+        ints = type(s) is ranges.FileRange and type(s.offset) is int and type(s.size) is int
+        crc_ok = ints and (s.crc is None or (type(s.crc) is int and 0 <= s.crc < 1 << 32))
+        if not (crc_ok and s.deflated_size is None and s.offset >= 0 and 0 <= s.size < small and type(s.path) is str):
+            kinds.append(0)
+            files.append(0), offsets.append(0), sizes.append(0), crcs.append(0)
+            continue
+        if id(s.path) not in index:
+            index[id(s.path)] = len(paths)
+            paths.append(s.path)
+        kinds.append(1)
+        files.append(index[id(s.path)]), offsets.append(s.offset), sizes.append(s.size)
+        crcs.append(-1 if s.crc is None else s.crc)
+    return kinds, files, offsets, sizes, crcs, paths
+
+
+def test_source_columns_are_read_as_python_reads_them() -> None:
+    """The library's columns of a writer's sources are what Python reads from the same objects:
+    only exact FileRanges of a str path, stored, with offsets, sizes and CRCs in range count as
+    small records; anything else is left to the Python writer."""
+
+    class Sub(ranges.FileRange):
+        pass
+
+    rng = random.Random(4)
+    paths = ["a.pth", "b.pth", "s3://bucket/c.pth"]
+    for _ in range(30):
+        sources: list[Any] = []
+        for _ in range(rng.randrange(0, 60)):
+            path = rng.choice(paths)
+            kind = rng.randrange(12)
+            size = rng.choice((0, 1, 65535, 65536, 1 << 40))
+            offset = rng.choice((0, 7, 1 << 40, -1))
+            crc = rng.choice((None, 0, 123, 0xFFFFFFFF, 1 << 32, -1, True))
+            if kind == 0:
+                sources.append(ranges.ComputedSource(3, lambda _files: b"abc"))
+            elif kind == 1:
+                sources.append(ranges.FileRange(path, offset, size, crc, 10))  # deflated
+            elif kind == 2:
+                sources.append(Sub(path, offset, size, crc))
+            elif kind == 3:
+                sources.append(ranges.FileRange(Path(path), offset, size, crc))  # type: ignore[arg-type]
+            elif kind == 4:
+                sources.append(ranges.FileRange(path + "x" * rng.randrange(2), offset, True, crc))  # type: ignore[arg-type]
+            else:
+                sources.append(ranges.FileRange(path, offset, size, crc))
+        got = native_sources.source_columns(sources, ranges.FileRange, ranges.SMALL_COPY)
+        assert got is not None
+        kinds, files, offsets, sizes, crcs, names = _columns_reference(sources, ranges.SMALL_COPY)
+        assert list(got.kinds) == kinds and list(got.files) == files and list(got.offsets) == offsets
+        assert list(got.sizes) == sizes and list(got.crcs) == crcs
+        assert len(got.paths) == len(names) and all(a is b for a, b in zip(got.paths, names))
+    # a value past 64 bits: the whole list is left to Python (which refuses it, or copies it)
+    assert native_sources.source_columns([ranges.FileRange("a", 1 << 70, 1)], ranges.FileRange, 10) is None
