@@ -15,7 +15,9 @@ Spawning a process from outside ``tests/e2e/`` (through any API) and :func:`invo
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import functools
 import inspect
 import json
 import os
@@ -28,16 +30,26 @@ from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
-import torch
 from hypothesis import settings as _hypothesis_settings
+
+if TYPE_CHECKING:  # the functions below import torch themselves: the xdist controller loads this
+    # file too and runs no test, so it never imports torch (1.4 s of CPU before the workers start)
+    import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = ROOT / "tests"
 FIXTURES = ROOT / "fixtures"
 sys.path.insert(0, str(FIXTURES))
+
+# The suite's own bytecode is cached even under PYTHONDONTWRITEBYTECODE=1 (set in some shells and
+# sandboxes): without the cache every pytest process rewrites the asserts of every test module
+# again (about 3.5 s of CPU per xdist worker), and every ckptfix process the tests start compiles
+# the package again. Only these processes are changed (the variable stays set for their children,
+# which read the caches written here); what is written goes to the git-ignored __pycache__ folders.
+sys.dont_write_bytecode = False
 
 # =========================================================================== tiers
 
@@ -77,6 +89,50 @@ def _require_tier(what: str, allowed: tuple[str, ...], hint: str) -> None:
             f"{what} is for tests under {' or '.join(f'tests/{t}/' for t in allowed)} only, "
             f"not {where} (tier {tier}): {hint}"
         )
+
+
+#: the test files that take the most CPU (seconds, on the two-core CI machine, the larger of the two
+#: engines' passes; pytest --durations=0, summed by file). They are handed out first, longest first:
+#: with --dist loadfile a worker takes the next file only when it is done with one, so a long file
+#: taken last keeps one core busy while the other waits (pytest-xdist's own reordering, by number of
+#: tests, put the 1-test fuzzers last; pyproject turns it off). Other files follow in the usual
+#: order; a file missing here, or a stale figure, only costs balance, never a result.
+SLOW_FILES = {
+    "e2e/test_hostile_processes.py": 16,
+    "unit/test_fuzz.py": 9,
+    "unit/test_differential.py": 8.5,
+    "cli/test_hostile_core.py": 7,
+    "cli/test_remote.py": 7,
+    "e2e/test_entry_points.py": 6.5,
+    "unit/test_torch_matrix.py": 4.5,
+    "cli/test_fuzz_cli.py": 3.5,
+    "unit/test_oracle.py": 3.3,
+    "e2e/test_crash_safety.py": 3.2,
+    "cli/test_batch.py": 3,
+    "unit/test_native_vm.py": 3,
+    "unit/test_core_v2.py": 2.7,
+    "unit/test_layers.py": 2.6,
+    "unit/test_convert.py": 2.5,
+    "unit/test_pickle_semantics.py": 2.4,
+    "cli/test_surgery.py": 2.3,
+    "cli/test_review17.py": 2.3,
+    "unit/test_torch_view_containers.py": 2.2,
+    "unit/test_api.py": 2,
+    "cli/test_containers_cli.py": 2,
+}
+
+
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files of :data:`SLOW_FILES` first, longest first (a stable sort: each file's tests stay
+    together and in order; every worker sorts its collection the same way)."""
+
+    def cost(item: pytest.Item) -> float:
+        try:
+            return SLOW_FILES.get(Path(item.path).relative_to(TESTS).as_posix(), 0)
+        except ValueError:
+            return 0
+
+    items.sort(key=lambda item: -cost(item))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -473,6 +529,7 @@ def train_and_save_lightning(module: Any, data: Any, path: Path, *, batch_size: 
     import warnings
 
     import pytorch_lightning as pl  # a test dependency (pyproject's [test] extra): never skipped
+    import torch
 
     quiet = {"logger": False, "enable_checkpointing": False, "enable_progress_bar": False}
     run = pl.Trainer(accelerator="cpu", enable_model_summary=False, default_root_dir=path.parent, **quiet, **trainer)
@@ -484,6 +541,8 @@ def train_and_save_lightning(module: Any, data: Any, path: Path, *, batch_size: 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
     """A tensor's values as raw bytes in logical (row-major) order: bitwise, NaN-safe."""
+    import torch
+
     flat = t.detach().cpu()
     if flat.is_quantized:
         flat = flat.int_repr()
@@ -493,6 +552,8 @@ def tensor_bytes(t: torch.Tensor) -> bytes:
 
 def assert_same_checkpoint(a: Path, b: Path) -> None:
     """Two .pth files torch loads to the same tree (what an unchanged rewrite must give)."""
+    import torch
+
     assert_same_tree(torch.load(a, weights_only=True), torch.load(b, weights_only=True))
 
 
@@ -508,6 +569,8 @@ def assert_values(loaded: dict, original: dict) -> None:
 def assert_tensor_equal(a: torch.Tensor, b: torch.Tensor, where: str, *, check_stride: bool = True) -> None:
     """Same type, dtype, shape, stride, device, requires_grad and bits; quantized, sparse, nested
     and meta tensors by their own parts (quantization parameters, indices and values, components)."""
+    import torch
+
     assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
     assert a.dtype == b.dtype, f"{where}: dtype {a.dtype} != {b.dtype}"
     assert a.layout == b.layout, f"{where}: layout {a.layout} != {b.layout}"
@@ -545,6 +608,8 @@ def assert_tensor_equal(a: torch.Tensor, b: torch.Tensor, where: str, *, check_s
 
 def assert_same_tree(a: Any, b: Any, where: str = "root", *, check_stride: bool = True) -> None:
     """Structural equality of two loaded checkpoints, tensors compared bit for bit."""
+    import torch
+
     if isinstance(a, torch.Tensor):
         assert_tensor_equal(a, b, where, check_stride=check_stride)
         return
@@ -573,6 +638,8 @@ def assert_same_tree(a: Any, b: Any, where: str = "root", *, check_stride: bool 
 
 def sharing_groups(tree: Any) -> set[frozenset[str]]:
     """Which (non-empty) tensors share one storage, as a set of groups of tensor paths."""
+    import torch
+
     groups: dict[tuple[str, int], set[str]] = {}
 
     def visit(value: Any, path: str) -> None:
@@ -595,6 +662,7 @@ def sharing_groups(tree: Any) -> set[frozenset[str]]:
 def reference_strip(path: Path, *prefixes: str) -> Any:
     """What torch itself gives: load, then for each prefix in turn (default ``module.``),
     consume_prefix_in_state_dict_if_present until no key has it."""
+    import torch
     from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
     tree = torch.load(path, weights_only=True)
@@ -606,6 +674,8 @@ def reference_strip(path: Path, *prefixes: str) -> Any:
 
 
 def _state_dicts(tree: Any) -> list[dict]:
+    import torch
+
     if isinstance(tree, Mapping) and tree and all(isinstance(v, torch.Tensor) for v in tree.values()):
         return [tree]
     if isinstance(tree, Mapping) and not ("state" in tree and "param_groups" in tree):
@@ -613,6 +683,14 @@ def _state_dicts(tree: Any) -> list[dict]:
     if isinstance(tree, (list, tuple)):
         return [sd for v in tree for sd in _state_dicts(v)]
     return []
+
+
+@functools.cache
+def parsed(path: Path) -> ast.Module:
+    """``ast.parse`` of a source file, once per process: the static checks of the package
+    (test_layers, test_core_v2, test_numeric) read every module, several tests each, and parsing
+    the package takes half a second. The trees are shared: read them, never change them."""
+    return ast.parse(path.read_text())
 
 
 @pytest.fixture
@@ -642,6 +720,8 @@ def fit_setup(tmp_path: Path) -> dict[str, Path]:
 def make_fit_setup(tmp_path: Path) -> dict[str, Path]:
     """An installed-like module folder (on PYTHONPATH), a working folder holding shadows of it
     and of a stdlib module that the installed one imports, and a DataParallel checkpoint."""
+    import torch
+
     site, work, models = tmp_path / "site", tmp_path / "work", tmp_path / "models"
     for folder in (site, work, models):
         folder.mkdir()

@@ -17,15 +17,6 @@ from typing import Any
 import pytest
 import torch
 from conftest import deadline, invoke_cli
-from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (
-    BytesStorageMetadata,
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
 
 import ckptfix
 
@@ -40,6 +31,18 @@ def _saved(obj: Any) -> bytes:
 
 def _dcp(folder: Path, entries: dict[str, Any], planner: dict[str, Any] | None = None) -> Path:
     """A DCP folder: fqn -> ("bytes", item) or ("tensor", dtype, shape, [(offsets, sizes, item)])."""
+    # imported here, not at the top: torch.distributed.checkpoint takes seconds to import, and
+    # every pytest worker imports every test module to collect it
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (
+        BytesStorageMetadata,
+        ChunkStorageMetadata,
+        Metadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
     folder.mkdir()
     blob = bytearray()
     described: dict[str, Any] = {}
@@ -98,6 +101,13 @@ def test_dcp_sparse_list_index_is_refused(tmp_path: Path) -> None:
 def test_dcp_many_chunks_in_one_row_do_not_hang(tmp_path: Path) -> None:
     # shape (1, N) in N chunks of (1, 1), every chunk pointing at one stored item: N=8000 (725 KB)
     # takes 20 s, N=65536 (MAX_CHUNKS) about 15 minutes
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        MetadataIndex,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
     n = 8000
     item = _saved(torch.zeros(1, 1))
     folder = _dcp(tmp_path / "dcp", {"w": ("tensor", torch.float32, (1, 1), [((0, 0), (1, 1), item)])})

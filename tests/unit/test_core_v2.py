@@ -12,7 +12,7 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
-from conftest import ROOT
+from conftest import ROOT, parsed
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
@@ -38,7 +38,7 @@ def test_no_recursive_traversal_in_the_package() -> None:
     (which is how every recursive tree walk is written), nested functions included."""
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        for func in _functions(ast.parse(path.read_text())):
+        for func in _functions(parsed(path)):
             calls = {n.func.id for n in ast.walk(func) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)} | {
                 n.func.attr
                 for n in ast.walk(func)
@@ -59,7 +59,7 @@ def test_no_python_unpickler_and_one_opcode_table() -> None:
         if path.name == "native_tree.py":
             continue  # CPython's unpickler over the native VM's own output (GLOBAL-free), never a file's bytes
         source = path.read_text()
-        tree = ast.parse(source)
+        tree = parsed(path)
         imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
         assert "pickletools" not in imported, path

@@ -9,10 +9,11 @@ are in docs/architecture.md ("Architecture").
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
-from conftest import ROOT
+from conftest import ROOT, parsed
 
 PACKAGE = ROOT / "ckptfix"
 
@@ -48,7 +49,7 @@ def _imports(path: Path, me: str | None = None) -> list[tuple[int, str]]:
     me = me or _module_name(path)
     package = me if path.name == "__init__.py" else me.rpartition(".")[0]
     found = []
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(parsed(path)):
         if isinstance(node, ast.Import):
             found += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "ckptfix"]
         elif isinstance(node, ast.ImportFrom):
@@ -77,7 +78,9 @@ def _layer(module: str) -> int | None:
     return LAYERS.index(parts[1])
 
 
+@functools.cache
 def _graph() -> dict[str, list[tuple[int, str]]]:
+    """Module -> its imports (built once: three tests read it; none changes it)."""
     return {_module_name(p): _imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
 
 
@@ -150,7 +153,7 @@ def test_only_the_cli_knows_click() -> None:
     for path in sorted(PACKAGE.rglob("*.py")):
         if _module_name(path).startswith("ckptfix.cli"):
             continue
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(parsed(path)):
             names = _top_level_names(node)
             offenders += [f"{path.relative_to(PACKAGE)}:{node.lineno}" for n in names if n.split(".")[0] == "click"]
     assert not offenders, f"click imported below the CLI: {offenders}"
@@ -161,7 +164,7 @@ def test_torch_is_imported_only_inside_functions() -> None:
     import time (the e2e test that runs them checks ``sys.modules`` too)."""
     offenders = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        for node in ast.parse(path.read_text()).body:
+        for node in parsed(path).body:
             names = _top_level_names(node)
             offenders += [f"{path.relative_to(PACKAGE)}:{node.lineno}" for n in names if n.split(".")[0] == "torch"]
     assert not offenders, f"torch imported at module level: {offenders}"

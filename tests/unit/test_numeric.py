@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, parsed
 
 from ckptfix.analysis.diff import _measure
 from ckptfix.errors import NEEDS_TORCH, NeedsTorchError
@@ -37,7 +37,7 @@ def test_every_torch_import_is_gated() -> None:
     for path in sorted((ROOT / "ckptfix").rglob("*.py")):
         if path.name == "needs.py":
             continue
-        for func in ast.walk(ast.parse(path.read_text())):
+        for func in ast.walk(parsed(path)):
             if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             gates = [
