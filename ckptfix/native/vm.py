@@ -13,30 +13,7 @@ from typing import Any
 from ..errors import UsageError
 from . import ENGINE_VARIABLE, Input, call, function, requested_engine
 
-
-@functools.cache
-def _load_function() -> Any | None:
-    try:
-        return function(
-            "ckptfix_vm_load",
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_size_t,
-            ctypes.c_size_t,
-            ctypes.c_char_p,
-            ctypes.c_size_t,
-            ctypes.POINTER(ctypes.c_uint64),
-            ctypes.c_int32,
-        )
-    except AttributeError:  # a library built before the VM was added (same ABI): the Python VM reads
-        if requested_engine() == "native":  # ... but never in silence where the native engine is asked for
-            raise UsageError(
-                f"{ENGINE_VARIABLE}=native: the native library has no pickle VM (a stale build)",
-                hint="rebuild it (pip install -e ., or cargo build --release in native/)",
-            ) from None
-        return None
-
-
+#: the VM exports' C signature (ckptfix_vm_load and ckptfix_vm_read take the same arguments)
 _VM_ARGS = (
     ctypes.c_void_p,
     ctypes.c_size_t,
@@ -47,6 +24,19 @@ _VM_ARGS = (
     ctypes.POINTER(ctypes.c_uint64),
     ctypes.c_int32,
 )
+
+
+@functools.cache
+def _load_function() -> Any | None:
+    try:
+        return function("ckptfix_vm_load", *_VM_ARGS)
+    except AttributeError:  # a library built before the VM was added (same ABI): the Python VM reads
+        if requested_engine() == "native":  # ... but never in silence where the native engine is asked for
+            raise UsageError(
+                f"{ENGINE_VARIABLE}=native: the native library has no pickle VM (a stale build)",
+                hint="rebuild it (pip install -e ., or cargo build --release in native/)",
+            ) from None
+        return None
 
 
 @functools.cache

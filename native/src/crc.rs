@@ -32,7 +32,11 @@ const fn make_tables() -> [[u32; 256]; 16] {
         let mut crc = b as u32;
         let mut bit = 0;
         while bit < 8 {
-            crc = if crc & 1 != 0 { (crc >> 1) ^ POLY } else { crc >> 1 };
+            crc = if crc & 1 != 0 {
+                (crc >> 1) ^ POLY
+            } else {
+                crc >> 1
+            };
             bit += 1;
         }
         tables[0][b] = crc;
@@ -96,8 +100,8 @@ pub fn crc32_table(value: u32, data: &[u8]) -> u32 {
 #[cfg(target_arch = "x86_64")]
 pub mod clmul {
     use std::arch::x86_64::{
-        __m128i, _mm_and_si128, _mm_clmulepi64_si128, _mm_cvtsi32_si128, _mm_extract_epi32, _mm_loadu_si128,
-        _mm_set_epi32, _mm_set_epi64x, _mm_srli_si128, _mm_xor_si128,
+        __m128i, _mm_and_si128, _mm_clmulepi64_si128, _mm_cvtsi32_si128, _mm_extract_epi32,
+        _mm_loadu_si128, _mm_set_epi32, _mm_set_epi64x, _mm_srli_si128, _mm_xor_si128,
     };
 
     /// Below this the table version is as fast (the fold's set-up and final reduction cost
@@ -110,7 +114,11 @@ pub mod clmul {
         let mut v: u32 = 0x8000_0000; // x^0, reflected
         let mut i = 0;
         while i < n {
-            v = if v & 1 != 0 { (v >> 1) ^ super::POLY } else { v >> 1 };
+            v = if v & 1 != 0 {
+                (v >> 1) ^ super::POLY
+            } else {
+                v >> 1
+            };
             i += 1;
         }
         (v as i64) << 1
@@ -248,7 +256,11 @@ mod tests {
         for &byte in data {
             crc ^= byte as u32;
             for _ in 0..8 {
-                crc = if crc & 1 != 0 { (crc >> 1) ^ POLY } else { crc >> 1 };
+                crc = if crc & 1 != 0 {
+                    (crc >> 1) ^ POLY
+                } else {
+                    crc >> 1
+                };
             }
         }
         !crc
@@ -272,7 +284,10 @@ mod tests {
         // zlib.crc32(b"") == 0, zlib.crc32(b"123456789") == 0xCBF43926 (the check value)
         assert_eq!(crc32(0, b""), 0);
         assert_eq!(crc32(0, b"123456789"), 0xCBF4_3926);
-        assert_eq!(crc32(0, b"The quick brown fox jumps over the lazy dog"), 0x414F_A339);
+        assert_eq!(
+            crc32(0, b"The quick brown fox jumps over the lazy dog"),
+            0x414F_A339
+        );
         assert_eq!(crc32(0, &[0u8; 4096]), crc32_bitwise(0, &[0u8; 4096]));
         assert_eq!(crc32(0x1234_5678, b""), 0x1234_5678);
     }
@@ -282,7 +297,11 @@ mod tests {
         let data = noise(1000, 7);
         for len in [0, 1, 2, 3, 15, 16, 17, 31, 32, 63, 64, 65, 255, 1000] {
             for value in [0, 1, 0xFFFF_FFFF, 0xDEAD_BEEF] {
-                assert_eq!(crc32_table(value, &data[..len]), crc32_bitwise(value, &data[..len]), "len {len}");
+                assert_eq!(
+                    crc32_table(value, &data[..len]),
+                    crc32_bitwise(value, &data[..len]),
+                    "len {len}"
+                );
             }
         }
     }
@@ -305,7 +324,11 @@ mod tests {
         let data = noise(10_000, 3);
         let whole = crc32(0, &data);
         for cut in [0, 1, 15, 16, 63, 64, 65, 127, 128, 4095, 5000, 9999, 10_000] {
-            assert_eq!(crc32(crc32(0, &data[..cut]), &data[cut..]), whole, "cut {cut}");
+            assert_eq!(
+                crc32(crc32(0, &data[..cut]), &data[cut..]),
+                whole,
+                "cut {cut}"
+            );
         }
     }
 
@@ -323,9 +346,15 @@ mod tests {
             return; // a CPU without PCLMULQDQ: `crc32` is the table version, tested above
         }
         let data = noise(5000, 13);
-        for len in [64, 65, 79, 80, 127, 128, 129, 191, 192, 193, 256, 1000, 4999, 5000] {
+        for len in [
+            64, 65, 79, 80, 127, 128, 129, 191, 192, 193, 256, 1000, 4999, 5000,
+        ] {
             for value in [0, 0xFFFF_FFFF, 0x0BAD_F00D] {
-                assert_eq!(clmul::crc32(value, &data[..len]), crc32_bitwise(value, &data[..len]), "len {len}");
+                assert_eq!(
+                    clmul::crc32(value, &data[..len]),
+                    crc32_bitwise(value, &data[..len]),
+                    "len {len}"
+                );
             }
         }
     }
@@ -342,7 +371,8 @@ mod tests {
                 quot |= 1 << bit;
             }
         }
-        let reflect33 = |v: u128| (0..33).fold(0i64, |acc, i| acc | ((((v >> i) & 1) as i64) << (32 - i)));
+        let reflect33 =
+            |v: u128| (0..33).fold(0i64, |acc, i| acc | ((((v >> i) & 1) as i64) << (32 - i)));
         assert_eq!(reflect33(quot), clmul::MU_REFLECTED);
         assert_eq!(reflect33(p), clmul::P_REFLECTED);
     }
@@ -357,7 +387,8 @@ mod tests {
         assert_eq!(status, crate::ffi::Status::Ok as i32);
         assert_eq!((out.len, result), (0, crc32_bitwise(17, &data)));
         // SAFETY: len 0 with a null pointer is the empty input
-        let status = unsafe { ckptfix_crc32(5, std::ptr::null(), 0, &mut result, std::ptr::null_mut()) };
+        let status =
+            unsafe { ckptfix_crc32(5, std::ptr::null(), 0, &mut result, std::ptr::null_mut()) };
         assert_eq!((status, result), (crate::ffi::Status::Ok as i32, 5));
     }
 }

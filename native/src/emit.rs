@@ -101,9 +101,17 @@ pub enum Node {
     Tuple(Span),
     /// index into [`Arena::tensors`]
     Tensor(u32),
-    Storage { storage_type: u32, location: u32, numel: i64 },
+    Storage {
+        storage_type: u32,
+        location: u32,
+        numel: i64,
+    },
     /// `refs.Reduce`: func (a global), args (a [`Node::Tuple`]), state
-    Reduce { func: u32, args: u32, state: Val },
+    Reduce {
+        func: u32,
+        args: u32,
+        state: Val,
+    },
 }
 
 /// A global's two halves (its memo key is `module.name`).
@@ -187,8 +195,13 @@ impl Arena {
         arena.text.extend_from_slice(b"storage");
         arena.strs.push((0, 7));
         for (module, name) in OWN_GLOBALS {
-            arena.globals.push(GlobalName { module: module.to_string(), name: name.to_string() });
-            arena.global_index.insert(format!("{module}.{name}"), arena.globals.len() as u32 - 1);
+            arena.globals.push(GlobalName {
+                module: module.to_string(),
+                name: name.to_string(),
+            });
+            arena
+                .global_index
+                .insert(format!("{module}.{name}"), arena.globals.len() as u32 - 1);
         }
         arena
     }
@@ -219,7 +232,10 @@ impl Arena {
             return Err(Unsupported); // the Python emitter refuses it with its own message
         }
         let index = u32::try_from(self.globals.len()).map_err(|_| Unsupported)?;
-        self.globals.push(GlobalName { module: module.to_string(), name: name.to_string() });
+        self.globals.push(GlobalName {
+            module: module.to_string(),
+            name: name.to_string(),
+        });
         self.global_index.insert(full, index);
         Ok(Val::Global(index))
     }
@@ -271,7 +287,10 @@ impl Arena {
             Val::Str(s) => self.strs[s as usize].1 != 0,
             Val::Global(_) | Val::Absent => true,
             Val::Node(n) => match self.node(n) {
-                Node::Dict(span) | Node::OrderedDict(span, _) | Node::List(span) | Node::Tuple(span) => span.len != 0,
+                Node::Dict(span)
+                | Node::OrderedDict(span, _)
+                | Node::List(span)
+                | Node::Tuple(span) => span.len != 0,
                 _ => true,
             },
         }
@@ -293,7 +312,12 @@ pub fn is_dotted_identifier(name: &str) -> bool {
 /// What a walk frame iterates: a span of a node's values (every `step`-th, then `extra`), or
 /// a list of children popped from its end.
 enum Frame {
-    Vals { next: usize, end: usize, step: usize, extra: Option<Val> },
+    Vals {
+        next: usize,
+        end: usize,
+        step: usize,
+        extra: Option<Val>,
+    },
     Owned(Vec<Child>),
 }
 
@@ -311,7 +335,9 @@ enum Child {
 pub fn shared_nodes(arena: &Arena, root: Val) -> Result<Vec<bool>, Unsupported> {
     let mut shared = vec![false; arena.nodes.len()];
     let mut seen = vec![false; arena.nodes.len()];
-    let Val::Node(root_node) = root else { return Ok(shared) };
+    let Val::Node(root_node) = root else {
+        return Ok(shared);
+    };
     if matches!(arena.node(root_node), Node::Storage { .. }) {
         return Ok(shared);
     }
@@ -320,7 +346,12 @@ pub fn shared_nodes(arena: &Arena, root: Val) -> Result<Vec<bool>, Unsupported> 
     while let Some((frame, depth)) = stack.last_mut() {
         let depth = *depth;
         let child = match frame {
-            Frame::Vals { next, end, step, extra } => {
+            Frame::Vals {
+                next,
+                end,
+                step,
+                extra,
+            } => {
                 if *next < *end {
                     let value = arena.vals[*next];
                     *next += *step;
@@ -341,7 +372,9 @@ pub fn shared_nodes(arena: &Arena, root: Val) -> Result<Vec<bool>, Unsupported> 
                 if child_depth > MAX_NESTING {
                     return Err(Unsupported);
                 }
-                let items = [param.state, param.hooks, param.requires_grad].map(Child::Value).to_vec();
+                let items = [param.state, param.hooks, param.requires_grad]
+                    .map(Child::Value)
+                    .to_vec();
                 stack.push((Frame::Owned(items), child_depth));
                 continue;
             }
@@ -353,7 +386,9 @@ pub fn shared_nodes(arena: &Arena, root: Val) -> Result<Vec<bool>, Unsupported> 
             Node::Storage { .. } => {}
             Node::Tensor(t) => {
                 let tensor = &arena.tensors[*t as usize];
-                let inner = arena.truthy(tensor.hooks) || tensor.metadata != Val::Absent || tensor.param.is_some();
+                let inner = arena.truthy(tensor.hooks)
+                    || tensor.metadata != Val::Absent
+                    || tensor.param.is_some();
                 let first = !seen[index];
                 if first {
                     seen[index] = true;
@@ -395,7 +430,11 @@ fn children(arena: &Arena, node: u32) -> Frame {
         Node::OrderedDict(span, attrs) => span_of(*span, 2, 1, *attrs),
         Node::List(span) | Node::Tuple(span) => span_of(*span, 1, 0, None),
         Node::Reduce { args, state, .. } => {
-            let extra = if *state == Val::Absent { None } else { Some(*state) };
+            let extra = if *state == Val::Absent {
+                None
+            } else {
+                Some(*state)
+            };
             match arena.node(*args) {
                 Node::Tuple(span) => span_of(*span, 1, 0, extra),
                 _ => Frame::Owned(extra.into_iter().map(Child::Value).collect()),
@@ -478,7 +517,9 @@ pub fn dumps(arena: &Arena, root: Val) -> Result<Pickled, Unsupported> {
     let mut emitter = Emitter {
         arena,
         shared,
-        out: Vec::with_capacity(64 + arena.text.len() + 60 * arena.tensors.len() + 4 * arena.vals.len()),
+        out: Vec::with_capacity(
+            64 + arena.text.len() + 60 * arena.tensors.len() + 4 * arena.vals.len(),
+        ),
         node_memo: vec![NO_MEMO; arena.nodes.len()],
         str_memo: FastMap::default(),
         global_memo: vec![NO_MEMO; arena.globals.len()],
@@ -490,7 +531,10 @@ pub fn dumps(arena: &Arena, root: Val) -> Result<Pickled, Unsupported> {
     emitter.out.extend_from_slice(b"\x80\x02");
     emitter.run(root)?;
     emitter.out.push(b'.');
-    Ok(Pickled { data: emitter.out, storages: emitter.storages })
+    Ok(Pickled {
+        data: emitter.out,
+        storages: emitter.storages,
+    })
 }
 
 impl<'a> Emitter<'a> {
@@ -515,7 +559,10 @@ impl<'a> Emitter<'a> {
 
     fn new_index(&mut self) -> Result<u32, Unsupported> {
         let index = self.next_memo;
-        self.next_memo = index.checked_add(1).filter(|n| *n < NO_MEMO).ok_or(Unsupported)?;
+        self.next_memo = index
+            .checked_add(1)
+            .filter(|n| *n < NO_MEMO)
+            .ok_or(Unsupported)?;
         Ok(index)
     }
 
@@ -613,7 +660,11 @@ impl<'a> Emitter<'a> {
             return Ok(());
         }
         let GlobalName { module, name } = &self.arena.globals[global as usize];
-        let module = if module == "builtins" { "__builtin__" } else { module };
+        let module = if module == "builtins" {
+            "__builtin__"
+        } else {
+            module
+        };
         self.out.push(b'c');
         self.out.extend_from_slice(module.as_bytes());
         self.out.push(b'\n');
@@ -635,7 +686,8 @@ impl<'a> Emitter<'a> {
         for &v in values {
             self.int(v);
         }
-        self.out.extend_from_slice(if n <= 3 { TUPLE_N[n] } else { TUPLE });
+        self.out
+            .extend_from_slice(if n <= 3 { TUPLE_N[n] } else { TUPLE });
     }
 
     // -- the loop -------------------------------------------------------------------------
@@ -711,13 +763,18 @@ impl<'a> Emitter<'a> {
             self.out.extend_from_slice(MARK);
         }
         self.todo.push(Task::CloseTuple(node));
-        let items = self.arena.vals[span.range()].iter().map(|v| Task::Value(*v)).collect();
+        let items = self.arena.vals[span.range()]
+            .iter()
+            .map(|v| Task::Value(*v))
+            .collect();
         self.later(items);
         Ok(())
     }
 
     fn close_tuple(&mut self, node: u32) -> Result<(), Unsupported> {
-        let Node::Tuple(span) = self.arena.node(node) else { return Err(Unsupported) };
+        let Node::Tuple(span) = self.arena.node(node) else {
+            return Err(Unsupported);
+        };
         let n = span.len as usize;
         if self.node_memo[node as usize] != NO_MEMO {
             // the tuple reached itself through a list: pickle's recursion rule
@@ -731,7 +788,8 @@ impl<'a> Emitter<'a> {
             self.get(node);
             return Ok(());
         }
-        self.out.extend_from_slice(if n <= 3 { TUPLE_N[n] } else { TUPLE });
+        self.out
+            .extend_from_slice(if n <= 3 { TUPLE_N[n] } else { TUPLE });
         self.put(node, false)
     }
 
@@ -760,7 +818,9 @@ impl<'a> Emitter<'a> {
     }
 
     fn dict_copy(&mut self, node: u32) -> Result<(), Unsupported> {
-        let Node::Dict(span) = self.arena.node(node) else { return Err(Unsupported) };
+        let Node::Dict(span) = self.arena.node(node) else {
+            return Err(Unsupported);
+        };
         let span = *span;
         self.out.extend_from_slice(EMPTY_DICT);
         self.put_fresh()?;
@@ -771,7 +831,12 @@ impl<'a> Emitter<'a> {
     }
 
     /// `OrderedDict()` then items then BUILD with a copy of `__dict__` (`_metadata`).
-    fn ordered_dict(&mut self, node: u32, span: Span, attrs: Option<Val>) -> Result<(), Unsupported> {
+    fn ordered_dict(
+        &mut self,
+        node: u32,
+        span: Span,
+        attrs: Option<Val>,
+    ) -> Result<(), Unsupported> {
         if self.get(node) {
             return Ok(());
         }
@@ -779,7 +844,9 @@ impl<'a> Emitter<'a> {
         self.out.extend_from_slice(b")R");
         self.put(node, true)?;
         if let Some(attrs) = attrs {
-            let Val::Node(dict) = attrs else { return Err(Unsupported) };
+            let Val::Node(dict) = attrs else {
+                return Err(Unsupported);
+            };
             self.later(vec![Task::DictCopy(dict), Task::Raw(BUILD)]);
         }
         if span.len != 0 {
@@ -795,7 +862,11 @@ impl<'a> Emitter<'a> {
             return Ok(());
         }
         self.global(func)?;
-        let mut pending = vec![Task::Value(Val::Node(args)), Task::Raw(REDUCE), Task::Put(node)];
+        let mut pending = vec![
+            Task::Value(Val::Node(args)),
+            Task::Raw(REDUCE),
+            Task::Put(node),
+        ];
         if state != Val::Absent {
             pending.extend([Task::Value(state), Task::Raw(BUILD)]);
         }
@@ -811,7 +882,12 @@ impl<'a> Emitter<'a> {
 
     // -- tensors ----------------------------------------------------------------------------
     fn storage(&mut self, node: u32) -> Result<(), Unsupported> {
-        let Node::Storage { storage_type, location, numel } = *self.arena.node(node) else {
+        let Node::Storage {
+            storage_type,
+            location,
+            numel,
+        } = *self.arena.node(node)
+        else {
             return Err(Unsupported);
         };
         let mut key = self.storage_keys[node as usize];
@@ -835,7 +911,8 @@ impl<'a> Emitter<'a> {
             }
         }
         self.out.push(b'X');
-        self.out.extend_from_slice(&((digits.len() - start) as u32).to_le_bytes());
+        self.out
+            .extend_from_slice(&((digits.len() - start) as u32).to_le_bytes());
         self.out.extend_from_slice(&digits[start..]);
         self.string(location)?;
         self.int(numel);
@@ -851,7 +928,11 @@ impl<'a> Emitter<'a> {
         }
         let tensor = &self.arena.tensors[t as usize];
         if let Some(param) = tensor.param.as_deref() {
-            let which = if param.state != Val::Absent { REBUILD_PARAM_STATE } else { REBUILD_PARAM };
+            let which = if param.state != Val::Absent {
+                REBUILD_PARAM_STATE
+            } else {
+                REBUILD_PARAM
+            };
             self.global(which)?;
             self.out.extend_from_slice(MARK);
         }
@@ -897,14 +978,18 @@ impl<'a> Emitter<'a> {
             return self.empty_hooks();
         }
         let plain_empty = match hooks {
-            Val::Node(n) => matches!(self.arena.node(n), Node::OrderedDict(span, None) if span.len == 0),
+            Val::Node(n) => {
+                matches!(self.arena.node(n), Node::OrderedDict(span, None) if span.len == 0)
+            }
             _ => false,
         };
         if !pending.is_empty() || !plain_empty {
             pending.push(Task::Value(hooks));
             return Ok(());
         }
-        let Val::Node(node) = hooks else { return Err(Unsupported) };
+        let Val::Node(node) = hooks else {
+            return Err(Unsupported);
+        };
         if self.get(node) {
             return Ok(());
         }
@@ -924,7 +1009,9 @@ mod tests {
 
     impl Tree {
         fn new() -> Self {
-            Tree { arena: Arena::new() }
+            Tree {
+                arena: Arena::new(),
+            }
         }
         fn s(&mut self, text: &str) -> Val {
             self.arena.add_str(text.as_bytes()).unwrap()
@@ -942,9 +1029,19 @@ mod tests {
             Val::Node(self.arena.add_node(Node::Tuple(span)).unwrap())
         }
         fn storage(&mut self, numel: i64) -> u32 {
-            let Val::Global(g) = self.arena.add_global("torch", "FloatStorage").unwrap() else { panic!() };
-            let Val::Str(loc) = self.s("cpu") else { panic!() };
-            self.arena.add_node(Node::Storage { storage_type: g, location: loc, numel }).unwrap()
+            let Val::Global(g) = self.arena.add_global("torch", "FloatStorage").unwrap() else {
+                panic!()
+            };
+            let Val::Str(loc) = self.s("cpu") else {
+                panic!()
+            };
+            self.arena
+                .add_node(Node::Storage {
+                    storage_type: g,
+                    location: loc,
+                    numel,
+                })
+                .unwrap()
         }
         fn tensor(&mut self, storage: u32, shape: &[i64]) -> Val {
             let shape = self.arena.add_ints(shape).unwrap();
@@ -1040,7 +1137,9 @@ mod tests {
         let mut tree = Tree::new();
         let list = tree.list(&[]);
         let tuple = tree.tuple(&[list]);
-        let (Val::Node(l), Val::Node(_)) = (list, tuple) else { panic!() };
+        let (Val::Node(l), Val::Node(_)) = (list, tuple) else {
+            panic!()
+        };
         let span = tree.arena.add_vals(&[tuple]).unwrap();
         tree.arena.nodes[l as usize] = Node::List(span);
         let data = dumps(&tree.arena, tuple).unwrap().data;

@@ -163,7 +163,9 @@ fn storages_used_whole(arena: &Arena, uses: &Uses) -> bool {
     let mut seen = vec![0u8; arena.nodes.len()]; // per storage node: used, spanned whole
     for (tensor, &itemsize) in arena.tensors.iter().zip(&uses.tensor_itemsize) {
         let storage_itemsize = uses.storage_itemsize.get(tensor.storage as usize).copied();
-        let Some(state) = seen.get_mut(tensor.storage as usize) else { return false };
+        let Some(state) = seen.get_mut(tensor.storage as usize) else {
+            return false;
+        };
         *state |= USED;
         match spans_whole(arena, tensor, itemsize, storage_itemsize) {
             Some(true) => *state |= WHOLE,
@@ -174,14 +176,21 @@ fn storages_used_whole(arena: &Arena, uses: &Uses) -> bool {
     arena.tensors.len() == uses.tensor_itemsize.len() && seen.iter().all(|&s| s != USED)
 }
 
-fn spans_whole(arena: &Arena, tensor: &crate::emit::Tensor, itemsize: u64, storage_itemsize: Option<i64>) -> Option<bool> {
+fn spans_whole(
+    arena: &Arena,
+    tensor: &crate::emit::Tensor,
+    itemsize: u64,
+    storage_itemsize: Option<i64>,
+) -> Option<bool> {
     if itemsize == 0 {
         return None; // not a known dtype: the reference's own error
     }
     if tensor.offset != 0 {
         return Some(false);
     }
-    let Node::Storage { numel, .. } = arena.nodes.get(tensor.storage as usize)? else { return None };
+    let Node::Storage { numel, .. } = arena.nodes.get(tensor.storage as usize)? else {
+        return None;
+    };
     let (shape, stride) = (arena.ints_of(tensor.shape), arena.ints_of(tensor.stride));
     if shape.len() != stride.len() {
         return None;
@@ -283,7 +292,12 @@ impl Api {
     pub(crate) fn type_of(&self, obj: Obj) -> Obj {
         // SAFETY: struct invariant (`obj` is a live object); `ob_type` is the offset of its
         // type pointer, which Python found on probe objects and every object has.
-        unsafe { obj.cast::<u8>().add(self.ob_type).cast::<Obj>().read_unaligned() }
+        unsafe {
+            obj.cast::<u8>()
+                .add(self.ob_type)
+                .cast::<Obj>()
+                .read_unaligned()
+        }
     }
 
     /// A record's slot (a borrowed reference held by the record), or Unsupported if unset.
@@ -348,7 +362,12 @@ impl Api {
 
     /// An OrderedDict's keys and values in its own order (which `move_to_end` makes differ from
     /// the underlying dict's), from `od.items()`'s C iterator.
-    fn ordered_items(&self, od: Obj, items_name: Obj, into: &mut Vec<Obj>) -> Result<(), Unsupported> {
+    fn ordered_items(
+        &self,
+        od: Obj,
+        items_name: Obj,
+        into: &mut Vec<Obj>,
+    ) -> Result<(), Unsupported> {
         // SAFETY: struct invariant; `od` is an exact OrderedDict, whose `items` is a C method.
         let method = self.owned(unsafe { (self.get_attr)(od, items_name) })?;
         // SAFETY: struct invariant; calling it with no arguments makes a C items view.
@@ -489,7 +508,15 @@ impl Builder<'_> {
         if let Some(&node) = self.nodes.get(&(obj as usize)) {
             return Ok(Val::Node(node));
         }
-        let known = [t.dict, t.ordered_dict, t.list, t.tuple, t.tensor, t.storage, t.reduce];
+        let known = [
+            t.dict,
+            t.ordered_dict,
+            t.list,
+            t.tuple,
+            t.tensor,
+            t.storage,
+            t.reduce,
+        ];
         if !known.contains(&ty) {
             return Err(Unsupported); // ABSENT out of place, a subclass, a set, bytes, ...
         }
@@ -516,12 +543,19 @@ impl Builder<'_> {
         if self.api.slot(obj, t.g_allowed)? != t.true_ {
             return Err(Unsupported); // not allowed: the Python emitter refuses it by name
         }
-        let (module, name) = (self.api.slot(obj, t.g_module)?, self.api.slot(obj, t.g_name)?);
+        let (module, name) = (
+            self.api.slot(obj, t.g_module)?,
+            self.api.slot(obj, t.g_name)?,
+        );
         if self.api.type_of(module) != t.str_ || self.api.type_of(name) != t.str_ {
             return Err(Unsupported);
         }
-        let module = std::str::from_utf8(self.api.utf8(module)?).map_err(|_| Unsupported)?.to_string();
-        let name = std::str::from_utf8(self.api.utf8(name)?).map_err(|_| Unsupported)?.to_string();
+        let module = std::str::from_utf8(self.api.utf8(module)?)
+            .map_err(|_| Unsupported)?
+            .to_string();
+        let name = std::str::from_utf8(self.api.utf8(name)?)
+            .map_err(|_| Unsupported)?
+            .to_string();
         let value = self.arena.add_global(&module, &name)?;
         self.globals.insert(obj as usize, value);
         Ok(value)
@@ -612,13 +646,21 @@ impl Builder<'_> {
             // the items iterator hashes each key: only keys whose hash is C code (PyDict_Next
             // reads the OrderedDict's dict part without hashing)
             api.dict_items(obj, &mut items);
-            if items.iter().step_by(2).any(|&key| api.type_of(key) != t.str_ && api.type_of(key) != t.int) {
+            if items
+                .iter()
+                .step_by(2)
+                .any(|&key| api.type_of(key) != t.str_ && api.type_of(key) != t.int)
+            {
                 return Err(Unsupported);
             }
             items.clear();
             api.ordered_items(obj, t.a_items, &mut items)?;
             let span = self.span(&items)?;
-            let attrs = if probe.is_empty() { None } else { Some(self.value(attrs)?) };
+            let attrs = if probe.is_empty() {
+                None
+            } else {
+                Some(self.value(attrs)?)
+            };
             Node::OrderedDict(span, attrs)
         } else if ty == t.storage {
             let storage_type = self.global_index(api.slot(obj, t.s_storage_type)?)?;
@@ -629,7 +671,9 @@ impl Builder<'_> {
                     if api.type_of(location_obj) != t.str_ {
                         return Err(Unsupported);
                     }
-                    let Val::Str(index) = self.value(location_obj)? else { return Err(Unsupported) };
+                    let Val::Str(index) = self.value(location_obj)? else {
+                        return Err(Unsupported);
+                    };
                     self.locations.insert(location_obj as usize, index);
                     index
                 }
@@ -645,14 +689,20 @@ impl Builder<'_> {
                     uses.storage_itemsize[at] = itemsize;
                 }
             }
-            Node::Storage { storage_type, location, numel }
+            Node::Storage {
+                storage_type,
+                location,
+                numel,
+            }
         } else if ty == t.reduce {
             let func = self.global_index(api.slot(obj, t.r_func)?)?;
             let args = api.slot(obj, t.r_args)?;
             if api.type_of(args) != t.tuple {
                 return Err(Unsupported);
             }
-            let Val::Node(args) = self.value(args)? else { return Err(Unsupported) };
+            let Val::Node(args) = self.value(args)? else {
+                return Err(Unsupported);
+            };
             let state = self.optional(api.slot(obj, t.r_state)?)?;
             Node::Reduce { func, args, state }
         } else if ty == t.tensor {
@@ -671,7 +721,9 @@ impl Builder<'_> {
         if api.type_of(storage) != t.storage {
             return Err(Unsupported);
         }
-        let Val::Node(storage) = self.value(storage)? else { return Err(Unsupported) };
+        let Val::Node(storage) = self.value(storage)? else {
+            return Err(Unsupported);
+        };
         let offset = self.exact_int(api.slot(obj, t.t_storage_offset)?)?;
         let shape = self.ints(api.slot(obj, t.t_shape)?)?;
         let stride = self.ints(api.slot(obj, t.t_stride)?)?;
@@ -682,7 +734,11 @@ impl Builder<'_> {
         let dtype_global = self.value(api.slot(obj, t.t_dtype_global)?)?;
         let metadata = self.optional(api.slot(obj, t.t_metadata)?)?;
         let param = api.slot(obj, t.t_param)?;
-        let param = if param == t.none { None } else { Some(Box::new(self.param(param)?)) };
+        let param = if param == t.none {
+            None
+        } else {
+            Some(Box::new(self.param(param)?))
+        };
         let index = u32::try_from(self.arena.tensors.len()).map_err(|_| Unsupported)?;
         self.arena.tensors.push(Tensor {
             storage,
@@ -727,12 +783,26 @@ impl Builder<'_> {
         let requires_grad = self.value(self.api.slot(obj, t.p_requires_grad)?)?;
         let hooks = self.value(self.api.slot(obj, t.p_hooks)?)?;
         let state = self.optional(self.api.slot(obj, t.p_state)?)?;
-        let plain = |v: Val| matches!(v, Val::None | Val::Bool(_) | Val::Int(_) | Val::Float(_) | Val::Str(_) | Val::EmptyHooks);
+        let plain = |v: Val| {
+            matches!(
+                v,
+                Val::None
+                    | Val::Bool(_)
+                    | Val::Int(_)
+                    | Val::Float(_)
+                    | Val::Str(_)
+                    | Val::EmptyHooks
+            )
+        };
         let empty_od = |v: Val| matches!(v, Val::Node(_));
         if !plain(requires_grad) || !(plain(hooks) || empty_od(hooks)) || state != Val::Absent {
             return Err(Unsupported);
         }
-        Ok(Param { requires_grad, hooks, state })
+        Ok(Param {
+            requires_grad,
+            hooks,
+            state,
+        })
     }
 
     /// Fill every node made, then check the parameters' OrderedDict hooks are empty.
@@ -741,8 +811,13 @@ impl Builder<'_> {
             self.fill(node, obj)?;
         }
         for tensor in &self.arena.tensors {
-            if let Some(Param { hooks: Val::Node(n), .. }) = tensor.param.as_deref() {
-                if !matches!(self.arena.nodes[*n as usize], Node::OrderedDict(span, None) if span.len == 0) {
+            if let Some(Param {
+                hooks: Val::Node(n),
+                ..
+            }) = tensor.param.as_deref()
+            {
+                if !matches!(self.arena.nodes[*n as usize], Node::OrderedDict(span, None) if span.len == 0)
+                {
                     return Err(Unsupported);
                 }
             }
@@ -791,7 +866,9 @@ fn emit(
         return None;
     }
     let (arena, root, objects, uses) = build(&api, types, root, uses).ok()?;
-    let whole = uses.as_ref().is_some_and(|uses| storages_used_whole(&arena, uses));
+    let whole = uses
+        .as_ref()
+        .is_some_and(|uses| storages_used_whole(&arena, uses));
     let pickled = crate::emit::dumps(&arena, root).ok()?;
     for node in pickled.storages {
         api.append(storages, objects[node as usize]).ok()?;
@@ -818,7 +895,9 @@ pub unsafe extern "C" fn ckptfix_emit_torch_pickle(
     // SAFETY: the caller's contract above: each table pointer is null or valid for reads.
     let tables = unsafe { (api.as_ref(), types.as_ref()) };
     let body = move || -> Result<Option<Vec<u8>>, String> {
-        let (Some(api), Some(types)) = tables else { return Ok(None) };
+        let (Some(api), Some(types)) = tables else {
+            return Ok(None);
+        };
         Ok(emit(api, types, None, root, storages).map(|(data, _)| data))
     };
     // SAFETY: `out` is the caller's out-parameter (ffi::guard's contract).
@@ -846,18 +925,28 @@ pub unsafe extern "C" fn ckptfix_emit_torch_pickle_whole(
     // SAFETY: the caller's contract above: each table pointer is null or valid for reads.
     let tables = unsafe { (api.as_ref(), types.as_ref(), uses.as_ref()) };
     // SAFETY: the caller's contract: the dtype table is readable for the call.
-    let dtypes = unsafe { tables.2.map(|u| crate::ffi::input(u.dtypes_ptr, u.dtypes_len)) };
+    let dtypes = unsafe {
+        tables
+            .2
+            .map(|u| crate::ffi::input(u.dtypes_ptr, u.dtypes_len))
+    };
     let mut found = false;
     let found_ref = &mut found;
     let body = move || -> Result<Option<Vec<u8>>, String> {
-        let (Some(api), Some(types), Some(uses), Some(dtypes)) = (tables.0, tables.1, tables.2, dtypes) else {
+        let (Some(api), Some(types), Some(uses), Some(dtypes)) =
+            (tables.0, tables.1, tables.2, dtypes)
+        else {
             return Ok(None);
         };
-        let Some(uses) = Uses::new(uses, dtypes) else { return Ok(None) };
-        Ok(emit(api, types, Some(uses), root, storages).map(|(data, all_whole)| {
-            *found_ref = all_whole;
-            data
-        }))
+        let Some(uses) = Uses::new(uses, dtypes) else {
+            return Ok(None);
+        };
+        Ok(
+            emit(api, types, Some(uses), root, storages).map(|(data, all_whole)| {
+                *found_ref = all_whole;
+                data
+            }),
+        )
     };
     // SAFETY: `out` is the caller's out-parameter (ffi::guard's contract).
     let status = unsafe { crate::ffi::guard(out, std::panic::AssertUnwindSafe(body)) };

@@ -34,13 +34,21 @@ pub struct OutBuf {
 
 impl OutBuf {
     /// The empty buffer (nothing to free).
-    pub const EMPTY: OutBuf = OutBuf { ptr: std::ptr::null_mut(), len: 0, cap: 0 };
+    pub const EMPTY: OutBuf = OutBuf {
+        ptr: std::ptr::null_mut(),
+        len: 0,
+        cap: 0,
+    };
 }
 
 /// Hand `bytes` over to the caller.
 pub fn give(bytes: Vec<u8>) -> OutBuf {
     let mut bytes = std::mem::ManuallyDrop::new(bytes);
-    OutBuf { ptr: bytes.as_mut_ptr(), len: bytes.len(), cap: bytes.capacity() }
+    OutBuf {
+        ptr: bytes.as_mut_ptr(),
+        len: bytes.len(),
+        cap: bytes.capacity(),
+    }
 }
 
 /// Release a buffer made by [`give`].
@@ -90,7 +98,10 @@ where
                 .map(|s| s.to_string())
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "panic".to_string());
-            (Status::Internal, format!("native engine bug: {text}").into_bytes())
+            (
+                Status::Internal,
+                format!("native engine bug: {text}").into_bytes(),
+            )
         }
     };
     if !out.is_null() {
@@ -127,13 +138,22 @@ mod tests {
 
     #[test]
     fn guard_reports_each_status() {
-        assert_eq!(run(|| Ok(Some(b"abc".to_vec()))), (Status::Ok as i32, b"abc".to_vec()));
+        assert_eq!(
+            run(|| Ok(Some(b"abc".to_vec()))),
+            (Status::Ok as i32, b"abc".to_vec())
+        );
         assert_eq!(run(|| Ok(None)), (Status::Unsupported as i32, vec![]));
-        assert_eq!(run(|| Err("bad".into())), (Status::BadInput as i32, b"bad".to_vec()));
+        assert_eq!(
+            run(|| Err("bad".into())),
+            (Status::BadInput as i32, b"bad".to_vec())
+        );
         let prev = std::panic::take_hook();
         std::panic::set_hook(Box::new(|_| {}));
         let caught = run(|| panic!("boom"));
         std::panic::set_hook(prev);
-        assert_eq!(caught, (Status::Internal as i32, b"native engine bug: boom".to_vec()));
+        assert_eq!(
+            caught,
+            (Status::Internal as i32, b"native engine bug: boom".to_vec())
+        );
     }
 }

@@ -1578,29 +1578,11 @@ pub unsafe extern "C" fn ckptfix_vm_load(
     has_loader: i32,
     out: *mut crate::ffi::OutBuf,
 ) -> i32 {
-    // SAFETY: the caller's contract (ffi conventions): valid for the call.
-    let data = unsafe { crate::ffi::input(data, data_len) };
-    // SAFETY: as above.
-    let config = unsafe { crate::ffi::input(config, config_len) };
-    // SAFETY: `budgets` points to three u64 (the caller's contract).
-    let limits = unsafe { crate::ffi::input(budgets as *const u8, 24) };
-    // SAFETY: `out` is the caller's out-parameter.
+    // SAFETY: the caller's contract, passed on unchanged.
     unsafe {
-        crate::ffi::guard(out, move || {
-            let word = |i: usize| {
-                let mut b = [0u8; 8];
-                b.copy_from_slice(&limits[8 * i..8 * i + 8]);
-                u64::from_ne_bytes(b)
-            };
-            let budgets = Budgets {
-                max_objects: word(0),
-                max_alloc: word(1),
-                max_memo: word(2),
-            };
-            let config = Config::parse(config)
-                .ok_or_else(|| "native VM: malformed allow-list table".to_string())?;
-            Ok(load(data, start, end, &config, budgets, has_loader != 0))
-        })
+        vm_call(
+            data, data_len, start, end, config, config_len, budgets, has_loader, false, out,
+        )
     }
 }
 
@@ -1619,6 +1601,31 @@ pub unsafe extern "C" fn ckptfix_vm_read(
     config_len: usize,
     budgets: *const u64,
     has_loader: i32,
+    out: *mut crate::ffi::OutBuf,
+) -> i32 {
+    // SAFETY: the caller's contract, passed on unchanged.
+    unsafe {
+        vm_call(
+            data, data_len, start, end, config, config_len, budgets, has_loader, true, out,
+        )
+    }
+}
+
+/// The two exports' one body: the C arguments as slices, then [`load_with`].
+///
+/// # Safety
+/// As [`ckptfix_vm_load`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn vm_call(
+    data: *const u8,
+    data_len: usize,
+    start: usize,
+    end: usize,
+    config: *const u8,
+    config_len: usize,
+    budgets: *const u64,
+    has_loader: i32,
+    checks: bool,
     out: *mut crate::ffi::OutBuf,
 ) -> i32 {
     // SAFETY: the caller's contract (ffi conventions): valid for the call.
@@ -1640,7 +1647,7 @@ pub unsafe extern "C" fn ckptfix_vm_read(
                 &config,
                 budgets,
                 has_loader != 0,
-                true,
+                checks,
             ))
         })
     }

@@ -51,7 +51,9 @@ pub trait Source {
 /// An archive in memory (tests and fuzzing).
 impl Source for [u8] {
     fn read_at(&self, offset: u64, len: usize) -> Option<Vec<u8>> {
-        let start = usize::try_from(offset).unwrap_or(usize::MAX).min(self.len());
+        let start = usize::try_from(offset)
+            .unwrap_or(usize::MAX)
+            .min(self.len());
         let end = start.saturating_add(len).min(self.len());
         Some(self[start..end].to_vec())
     }
@@ -74,7 +76,11 @@ use crate::le::{u16_at, u32_at, u64_at};
 
 /// Python's `repr()` of an ASCII `str` (the names in messages; non-ASCII never gets here).
 pub fn py_repr(s: &[u8]) -> String {
-    let quote = if s.contains(&b'\'') && !s.contains(&b'"') { b'"' } else { b'\'' };
+    let quote = if s.contains(&b'\'') && !s.contains(&b'"') {
+        b'"'
+    } else {
+        b'\''
+    };
     let mut out = String::with_capacity(s.len() + 2);
     out.push(quote as char);
     for &c in s {
@@ -121,7 +127,11 @@ struct Window<'a, S: Source + ?Sized> {
 
 impl<'a, S: Source + ?Sized> Window<'a, S> {
     fn new(source: &'a S) -> Self {
-        Window { source, start: 0, buffer: Vec::new() }
+        Window {
+            source,
+            start: 0,
+            buffer: Vec::new(),
+        }
     }
 
     /// The bytes at `[offset, offset + size)`, short where the file ends.
@@ -131,7 +141,10 @@ impl<'a, S: Source + ?Sized> Window<'a, S> {
         }
         if let Some(at) = offset.checked_sub(self.start) {
             if let Ok(at) = usize::try_from(at) {
-                if at.checked_add(size).is_some_and(|end| end <= self.buffer.len()) {
+                if at
+                    .checked_add(size)
+                    .is_some_and(|end| end <= self.buffer.len())
+                {
                     return Ok(&self.buffer[at..at + size]);
                 }
             }
@@ -160,9 +173,11 @@ fn read_end<S: Source + ?Sized>(f: &S, file_size: u64) -> Res<End> {
     let pos = match pos {
         Some(pos) if pos + EOCD <= tail.len() => pos,
         _ => {
-            return bad("the zip directory at the end of the file is missing: the file is \
+            return bad(
+                "the zip directory at the end of the file is missing: the file is \
                         truncated (an interrupted download or copy?)"
-                .into())
+                    .into(),
+            )
         }
     };
     let disk = u16_at(&tail, pos + 4);
@@ -191,9 +206,11 @@ fn read_end<S: Source + ?Sized>(f: &S, file_size: u64) -> Res<End> {
                 (cd_offset, wide.cd_offset, U32_MAX),
             ] {
                 if classic != sentinel && classic != value {
-                    return bad("the zip64 end record and the classic one describe different directories \
+                    return bad(
+                        "the zip64 end record and the classic one describe different directories \
                                 (zip readers would disagree on the records); refusing"
-                        .into());
+                            .into(),
+                    );
                 }
             }
             (count, cd_size, cd_offset) = (wide.count, wide.cd_size, wide.cd_offset);
@@ -205,7 +222,9 @@ fn read_end<S: Source + ?Sized>(f: &S, file_size: u64) -> Res<End> {
         return bad("corrupt zip directory (offsets point outside the file)".into());
     }
     if count as u128 * CENTRAL_HEADER as u128 > cd_size as u128 {
-        return bad(format!("corrupt zip directory ({count} entries cannot fit in its {cd_size} bytes)"));
+        return bad(format!(
+            "corrupt zip directory ({count} entries cannot fit in its {cd_size} bytes)"
+        ));
     }
     if cd_end != directory_end as u128 {
         return bad(format!(
@@ -214,7 +233,11 @@ fn read_end<S: Source + ?Sized>(f: &S, file_size: u64) -> Res<End> {
             directory_end as u128 - cd_end
         ));
     }
-    Ok(End { count, cd_offset, cd_size })
+    Ok(End {
+        count,
+        cd_offset,
+        cd_size,
+    })
 }
 
 /// The zip64 end record's values and offset, or None when there is no locator right before
@@ -247,7 +270,14 @@ fn read_zip64_end<S: Source + ?Sized>(f: &S, eocd_at: u64) -> Res<Option<(End, u
     if disk != 0 || cd_disk != 0 || count_disk != count {
         return bad("a multi-disk (split) zip archive; join its parts first".into());
     }
-    Ok(Some((End { count, cd_size: u64_at(&rec, 40), cd_offset: u64_at(&rec, 48) }, eocd64_at)))
+    Ok(Some((
+        End {
+            count,
+            cd_size: u64_at(&rec, 40),
+            cd_offset: u64_at(&rec, 48),
+        },
+        eocd64_at,
+    )))
 }
 
 /// One central directory entry (zip64 values applied); the name is a range of the directory.
@@ -271,12 +301,18 @@ fn apply_zip64_extra(extra: &[u8], values: [u64; 3], raw_name: &[u8]) -> Res<[u6
     let mut at = 0usize;
     while at < extra.len() {
         if at + 4 > extra.len() {
-            return bad(format!("record {} has a corrupt extra field", shown(raw_name)?));
+            return bad(format!(
+                "record {} has a corrupt extra field",
+                shown(raw_name)?
+            ));
         }
         let tag = u16_at(extra, at);
         let size = u16_at(extra, at + 2) as usize;
         if at + 4 + size > extra.len() {
-            return bad(format!("record {} has a corrupt extra field", shown(raw_name)?));
+            return bad(format!(
+                "record {} has a corrupt extra field",
+                shown(raw_name)?
+            ));
         }
         if tag == ZIP64_EXTRA && wide.is_none() {
             wide = Some(&extra[at + 4..at + 4 + size]);
@@ -287,7 +323,10 @@ fn apply_zip64_extra(extra: &[u8], values: [u64; 3], raw_name: &[u8]) -> Res<[u6
     let mut given = wide.chunks_exact(8).map(|c| u64_at(c, 0));
     let wanted = placeholders.iter().filter(|&&p| p).count();
     if wide.len() / 8 < wanted {
-        return bad(format!("record {} lacks the zip64 sizes its directory entry announces", shown(raw_name)?));
+        return bad(format!(
+            "record {} lacks the zip64 sizes its directory entry announces",
+            shown(raw_name)?
+        ));
     }
     let mut out = values;
     for (value, placeholder) in out.iter_mut().zip(placeholders) {
@@ -349,13 +388,17 @@ fn parse_central_directory(directory: &[u8], count: u64) -> Res<Vec<DirEntry>> {
 
 /// `_PLAIN_NAME.fullmatch(raw) and b".." not in raw`, in one pass.
 fn plain_name(raw: &[u8]) -> bool {
-    let Some((&first, _)) = raw.split_first() else { return false };
+    let Some((&first, _)) = raw.split_first() else {
+        return false;
+    };
     if first == b'/' {
         return false;
     }
     let mut previous = 0u8;
     for &c in raw {
-        if !(c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b'-' | b'/')) || (c == b'.' && previous == b'.') {
+        if !(c.is_ascii_alphanumeric() || matches!(c, b'_' | b'.' | b'-' | b'/'))
+            || (c == b'.' && previous == b'.')
+        {
             return false;
         }
         previous = c;
@@ -372,14 +415,23 @@ fn check_name(raw: &[u8]) -> Res<()> {
         return bad("a record with an empty name; refusing".into());
     }
     if raw.contains(&0) {
-        return bad(format!("record name {} holds a NUL byte; refusing", py_repr(raw)));
+        return bad(format!(
+            "record name {} holds a NUL byte; refusing",
+            py_repr(raw)
+        ));
     }
     let parts: Vec<&[u8]> = raw.split(|&c| c == b'/' || c == b'\\').collect();
     if parts[0].is_empty() || parts[0].contains(&b':') {
-        return bad(format!("record name {} is an absolute path; refusing", py_repr(raw)));
+        return bad(format!(
+            "record name {} is an absolute path; refusing",
+            py_repr(raw)
+        ));
     }
     if parts.iter().any(|p| *p == b"..") {
-        return bad(format!("record name {} climbs out of the archive with '..'; refusing", py_repr(raw)));
+        return bad(format!(
+            "record name {} climbs out of the archive with '..'; refusing",
+            py_repr(raw)
+        ));
     }
     Ok(())
 }
@@ -421,7 +473,10 @@ fn refuse_name_clashes<'a>(names: impl Iterator<Item = &'a [u8]>, capacity: usiz
         };
         {
             if other == name {
-                return bad(format!("the zip holds two records named {}; refusing", py_repr(name)));
+                return bad(format!(
+                    "the zip holds two records named {}; refusing",
+                    py_repr(name)
+                ));
             }
             return bad(format!(
                 "records {} and {} differ only in case; torch's zip reader ignores case and could load \
@@ -439,12 +494,18 @@ fn check_entry(entry: &DirEntry, name: &[u8]) -> Res<()> {
         return bad(format!("record {} is encrypted", py_repr(name)));
     }
     if entry.method != STORED && entry.method != DEFLATED {
-        return bad(format!("record {} uses zip compression method {}", py_repr(name), entry.method));
+        return bad(format!(
+            "record {} uses zip compression method {}",
+            py_repr(name),
+            entry.method
+        ));
     }
     if entry.method == STORED && entry.compressed_size != entry.size {
         return bad(format!("record {} has inconsistent sizes", py_repr(name)));
     }
-    if entry.method == DEFLATED && entry.size as u128 > entry.compressed_size as u128 * MAX_DEFLATE_RATIO {
+    if entry.method == DEFLATED
+        && entry.size as u128 > entry.compressed_size as u128 * MAX_DEFLATE_RATIO
+    {
         return bad(format!(
             "record {} claims to inflate {} bytes to {}, more than deflate can ({MAX_DEFLATE_RATIO}x): a zip \
              bomb or a corrupt size; refusing",
@@ -463,7 +524,12 @@ fn check_local_header<S: Source + ?Sized>(
     name: &[u8],
     file_size: u64,
 ) -> Res<u64> {
-    let outside = || bad(format!("record {} lies outside the file: truncated or corrupt", py_repr(name)));
+    let outside = || {
+        bad(format!(
+            "record {} lies outside the file: truncated or corrupt",
+            py_repr(name)
+        ))
+    };
     if entry.header_offset as u128 + LOCAL_HEADER as u128 > file_size as u128 {
         return outside();
     }
@@ -472,7 +538,10 @@ fn check_local_header<S: Source + ?Sized>(
         return Err(Stop::Python); // struct.error in Python (the file is shorter than its size)
     }
     if &head[..4] != LOCAL_SIG {
-        return bad(format!("record {} has no valid local header: corrupt zip", py_repr(name)));
+        return bad(format!(
+            "record {} has no valid local header: corrupt zip",
+            py_repr(name)
+        ));
     }
     let flags = u16_at(head, 6);
     let method = u16_at(head, 8);
@@ -505,7 +574,12 @@ fn check_local_header<S: Source + ?Sized>(
     if flags & DATA_DESCRIPTOR_FLAG == 0 {
         let (mut csize, mut usize_) = (csize, usize_);
         if csize == U32_MAX || usize_ == U32_MAX {
-            let extra = view.read(entry.header_offset + (LOCAL_HEADER + name_len) as u64, extra_len)?.to_vec();
+            let extra = view
+                .read(
+                    entry.header_offset + (LOCAL_HEADER + name_len) as u64,
+                    extra_len,
+                )?
+                .to_vec();
             let values = apply_zip64_extra(&extra, [usize_, csize, 0], name)?;
             (usize_, csize) = (values[0], values[1]);
         }
@@ -553,7 +627,12 @@ impl Directory {
         let n = self.len();
         let mut out = Vec::with_capacity(8 + n * 37 + self.names.len());
         out.extend_from_slice(&(n as u64).to_le_bytes());
-        for column in [&self.data_offset, &self.compressed_size, &self.size, &self.header_offset] {
+        for column in [
+            &self.data_offset,
+            &self.compressed_size,
+            &self.size,
+            &self.header_offset,
+        ] {
             for v in column.iter() {
                 out.extend_from_slice(&v.to_le_bytes());
             }
@@ -572,14 +651,19 @@ pub fn read_directory<S: Source + ?Sized>(f: &S, file_size: u64) -> Res<Director
     let end = read_end(f, file_size)?;
     // cd_offset + cd_size <= the end record's offset < file_size (checked), and reads grow with
     // the bytes really there
-    let directory = f.read_at(end.cd_offset, end.cd_size as usize).ok_or(Stop::Python)?;
+    let directory = f
+        .read_at(end.cd_offset, end.cd_size as usize)
+        .ok_or(Stop::Python)?;
     let entries = parse_central_directory(&directory, end.count)?;
     let name_of = |e: &DirEntry| &directory[e.name.0..e.name.1];
     for entry in &entries {
         let name = name_of(entry);
         if !name.is_ascii() {
             if std::str::from_utf8(name).is_err() {
-                return bad(format!("record name {} is not valid UTF-8; refusing", shown(name)?));
+                return bad(format!(
+                    "record name {} is not valid UTF-8; refusing",
+                    shown(name)?
+                ));
             }
             // casefold and repr of non-ASCII names: the Python engine's (names are checked
             // in order, so every refusal before this one is the same)
@@ -629,8 +713,15 @@ pub fn read_directory<S: Source + ?Sized>(f: &S, file_size: u64) -> Res<Director
 /// `_refuse_overlaps`: sorted by (start, end, name), each span starts at or after the previous
 /// one's end.
 fn refuse_overlaps(d: &Directory) -> Res<()> {
-    let mut spans: Vec<(u64, u64, usize)> =
-        (0..d.len()).map(|i| (d.header_offset[i], d.data_offset[i] + d.compressed_size[i], i)).collect();
+    let mut spans: Vec<(u64, u64, usize)> = (0..d.len())
+        .map(|i| {
+            (
+                d.header_offset[i],
+                d.data_offset[i] + d.compressed_size[i],
+                i,
+            )
+        })
+        .collect();
     spans.sort_unstable_by(|a, b| (a.0, a.1, d.name(a.2)).cmp(&(b.0, b.1, d.name(b.2))));
     for pair in spans.windows(2) {
         let (previous, span) = (pair[0], pair[1]);
@@ -660,7 +751,9 @@ impl Source for FdSource {
     fn read_at(&self, offset: u64, len: usize) -> Option<Vec<u8>> {
         use std::os::unix::fs::FileExt;
         let len = match self.limit {
-            Some(limit) => len.min(usize::try_from(limit.saturating_sub(offset)).unwrap_or(usize::MAX)),
+            Some(limit) => {
+                len.min(usize::try_from(limit.saturating_sub(offset)).unwrap_or(usize::MAX))
+            }
             None => len,
         };
         let at = self.base.checked_add(offset)?;
@@ -670,7 +763,10 @@ impl Source for FdSource {
         let mut chunk = vec![0u8; len.min(CHUNK)];
         while buffer.len() < len {
             let want = (len - buffer.len()).min(CHUNK);
-            match self.file.read_at(&mut chunk[..want], at.checked_add(buffer.len() as u64)?) {
+            match self
+                .file
+                .read_at(&mut chunk[..want], at.checked_add(buffer.len() as u64)?)
+            {
                 Ok(0) => break,
                 Ok(k) => buffer.extend_from_slice(&chunk[..k]),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
@@ -704,7 +800,11 @@ pub unsafe extern "C" fn ckptfix_zip_read_directory(
             }
             // SAFETY: the caller keeps `fd` open for the call; ManuallyDrop never closes it.
             let file = std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) });
-            let source = FdSource { file, base, limit: u64::try_from(limit).ok() };
+            let source = FdSource {
+                file,
+                base,
+                limit: u64::try_from(limit).ok(),
+            };
             finish(read_directory(&source, size))
         }
         #[cfg(not(unix))]
@@ -759,11 +859,16 @@ mod tests {
         let items = Items::new(&full, &ends).unwrap();
         let crcs = vec![7u32; names.len()];
         let mut out = small_records(&items, &items, &crcs, 0, threshold).unwrap();
-        let offsets: Vec<u64> =
-            out.split_off(out.len() - 8 * names.len()).chunks_exact(8).map(|c| u64_at(c, 0)).collect();
+        let offsets: Vec<u64> = out
+            .split_off(out.len() - 8 * names.len())
+            .chunks_exact(8)
+            .map(|c| u64_at(c, 0))
+            .collect();
         let sizes: Vec<u64> = names.iter().map(|n| n.len() as u64).collect();
         let cd_offset = out.len() as u64;
-        out.extend(central_directory(&items, &offsets, &sizes, &crcs, cd_offset, threshold).unwrap());
+        out.extend(
+            central_directory(&items, &offsets, &sizes, &crcs, cd_offset, threshold).unwrap(),
+        );
         out
     }
 
@@ -783,7 +888,10 @@ mod tests {
             assert_eq!(directory.name(1), b"a/data/0");
             assert_eq!(directory.size, vec![10, 8, 9]);
             assert!(directory.data_offset.iter().all(|o| o % 64 == 0));
-            assert_eq!(&data[directory.data_offset[2] as usize..][..9], b"a/version");
+            assert_eq!(
+                &data[directory.data_offset[2] as usize..][..9],
+                b"a/version"
+            );
         }
     }
 
@@ -794,10 +902,12 @@ mod tests {
         let data = archive(&["a/../x"], u64::from(u32::MAX));
         assert!(refusal(&data).contains("climbs out of the archive"));
         let data = archive(&["a/x"], u64::from(u32::MAX));
-        assert!(refusal(&data[..data.len() - 1]).contains("the zip directory at the end of the file is missing"));
+        assert!(refusal(&data[..data.len() - 1])
+            .contains("the zip directory at the end of the file is missing"));
         let mut other = data.clone();
         other[8] = 8; // the local header's method
-        assert!(refusal(&other).contains("compression method 8 in its local header but 0 in the zip directory"));
+        assert!(refusal(&other)
+            .contains("compression method 8 in its local header but 0 in the zip directory"));
         let mut encrypted = data.clone();
         encrypted[6] |= 1; // in the local header only: the directory's flags decide
         assert!(read_directory(&encrypted[..], encrypted.len() as u64).is_ok());

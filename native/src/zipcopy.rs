@@ -38,7 +38,9 @@ impl ReadAt for std::fs::File {
 
 impl ReadAt for [u8] {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-        let start = usize::try_from(offset).unwrap_or(usize::MAX).min(self.len());
+        let start = usize::try_from(offset)
+            .unwrap_or(usize::MAX)
+            .min(self.len());
         let n = buf.len().min(self.len() - start);
         buf[..n].copy_from_slice(&self[start..start + n]);
         Ok(n)
@@ -72,7 +74,13 @@ struct Window {
 
 impl Window {
     /// `len` bytes of `source` from `offset` (fewer where the file ends), as `fill` leaves them.
-    fn fill<R: ReadAt + ?Sized>(&mut self, file: usize, source: &R, offset: u64, len: u64) -> Option<()> {
+    fn fill<R: ReadAt + ?Sized>(
+        &mut self,
+        file: usize,
+        source: &R,
+        offset: u64,
+        len: u64,
+    ) -> Option<()> {
         let len = usize::try_from(len).ok()?;
         self.file = file;
         self.start = offset;
@@ -94,7 +102,9 @@ impl Window {
     /// The record's bytes, reading a new window where the current one does not hold them.
     fn bytes<R: ReadAt + ?Sized>(&mut self, sources: &[&R], r: &Record) -> Option<&[u8]> {
         let end = r.offset.checked_add(r.size)?;
-        let held = self.file == r.file && r.offset >= self.start && end <= self.start + self.buf.len() as u64;
+        let held = self.file == r.file
+            && r.offset >= self.start
+            && end <= self.start + self.buf.len() as u64;
         if !held {
             self.fill(r.file, *sources.get(r.file)?, r.offset, r.size.max(WINDOW))?;
         }
@@ -130,10 +140,18 @@ pub fn copy_records<R: ReadAt + ?Sized>(
     let mut out = Vec::with_capacity(capacity);
     let mut offsets = Vec::with_capacity(n);
     let mut crcs = Vec::with_capacity(n);
-    let mut window = Window { file: usize::MAX, start: 0, buf: Vec::new() };
+    let mut window = Window {
+        file: usize::MAX,
+        start: 0,
+        buf: Vec::new(),
+    };
     let mut at = offset;
     for (i, r) in records.iter().enumerate() {
-        let data: &[u8] = if r.size == 0 { &[] } else { window.bytes(sources, r)? };
+        let data: &[u8] = if r.size == 0 {
+            &[]
+        } else {
+            window.bytes(sources, r)?
+        };
         let crc = match r.crc {
             Some(0) => 0, // saved with torch's CRCs off: kept so, unchecked (as the reference)
             recorded => {
@@ -176,7 +194,12 @@ pub fn records_of(files: &[u8], offsets: &[u8], sizes: &[u8], crcs: &[u8]) -> Op
             return None;
         }
         let crc = if crc < 0 { None } else { Some(crc as u32) };
-        records.push(Record { file: files[i] as usize, offset: offset as u64, size: size as u64, crc });
+        records.push(Record {
+            file: files[i] as usize,
+            offset: offset as u64,
+            size: size as u64,
+            crc,
+        });
     }
     Some(records)
 }
@@ -226,11 +249,17 @@ pub unsafe extern "C" fn ckptfix_zip_copy_records(
     #[cfg(unix)]
     let body = || -> Result<Option<Vec<u8>>, String> {
         use std::os::fd::FromRawFd;
-        let Some(records) = records_of(files, offsets, sizes, crcs) else { return Ok(None) };
-        let Some(name_ends) = crate::zipwrite::words(name_ends, records.len(), crate::zipwrite::u64_word) else {
+        let Some(records) = records_of(files, offsets, sizes, crcs) else {
             return Ok(None);
         };
-        let Some(names) = Items::new(names, &name_ends) else { return Ok(None) };
+        let Some(name_ends) =
+            crate::zipwrite::words(name_ends, records.len(), crate::zipwrite::u64_word)
+        else {
+            return Ok(None);
+        };
+        let Some(names) = Items::new(names, &name_ends) else {
+            return Ok(None);
+        };
         if fds.len() % 4 != 0 {
             return Ok(None);
         }
@@ -245,13 +274,20 @@ pub unsafe extern "C" fn ckptfix_zip_copy_records(
                 std::mem::ManuallyDrop::new(unsafe { std::fs::File::from_raw_fd(fd) })
             }));
         }
-        let sources: Vec<&dyn ReadAt> =
-            files.iter().map(|f| f.as_ref().map_or(&Empty as &dyn ReadAt, |f| &**f as &dyn ReadAt)).collect();
+        let sources: Vec<&dyn ReadAt> = files
+            .iter()
+            .map(|f| {
+                f.as_ref()
+                    .map_or(&Empty as &dyn ReadAt, |f| &**f as &dyn ReadAt)
+            })
+            .collect();
         Ok(copy_records(&sources, &records, &names, offset, threshold))
     };
     #[cfg(not(unix))]
     let body = || -> Result<Option<Vec<u8>>, String> {
-        let _ = (fds, files, offsets, sizes, crcs, names, name_ends, offset, threshold);
+        let _ = (
+            fds, files, offsets, sizes, crcs, names, name_ends, offset, threshold,
+        );
         Ok(None)
     };
     // SAFETY: `out` is the caller's out-parameter.
@@ -278,14 +314,25 @@ mod tests {
     fn copies_are_small_records_of_the_source_bytes() {
         let file: Vec<u8> = (0..3_000_000u32).map(|i| (i * 7 % 251) as u8).collect();
         let other: Vec<u8> = vec![9u8; 1000];
-        let spans = [(0usize, 0u64, 10u64), (0, 10, 0), (1, 5, 100), (0, 2_000_000, 60_000), (0, 100, 3), (1, 0, 1000)];
-        let names: Vec<Vec<u8>> = (0..spans.len()).map(|i| format!("archive/data/{i}").into_bytes()).collect();
+        let spans = [
+            (0usize, 0u64, 10u64),
+            (0, 10, 0),
+            (1, 5, 100),
+            (0, 2_000_000, 60_000),
+            (0, 100, 3),
+            (1, 0, 1000),
+        ];
+        let names: Vec<Vec<u8>> = (0..spans.len())
+            .map(|i| format!("archive/data/{i}").into_bytes())
+            .collect();
         let name_refs: Vec<&[u8]> = names.iter().map(|n| n.as_slice()).collect();
         let (name_blob, name_ends) = ends(&name_refs);
         let names = Items::new(&name_blob, &name_ends).unwrap();
         let sources: [&[u8]; 2] = [&file, &other];
-        let datas: Vec<&[u8]> =
-            spans.iter().map(|&(f, o, s)| &sources[f][o as usize..(o + s) as usize]).collect();
+        let datas: Vec<&[u8]> = spans
+            .iter()
+            .map(|&(f, o, s)| &sources[f][o as usize..(o + s) as usize])
+            .collect();
         let real: Vec<u32> = datas.iter().map(|d| crate::crc::crc32(0, d)).collect();
         for threshold in [u64::from(u32::MAX), 1_000, 1] {
             // recorded CRCs: none, the right one, and 0 (kept as 0)
@@ -293,14 +340,29 @@ mod tests {
             let records: Vec<Record> = spans
                 .iter()
                 .zip(recorded)
-                .map(|(&(file, offset, size), crc)| Record { file, offset, size, crc })
+                .map(|(&(file, offset, size), crc)| Record {
+                    file,
+                    offset,
+                    size,
+                    crc,
+                })
                 .collect();
             let got = copy_records(&sources, &records, &names, 777, threshold).unwrap();
-            let written: Vec<u32> = recorded.iter().zip(&real).map(|(r, c)| if *r == Some(0) { 0 } else { *c }).collect();
+            let written: Vec<u32> = recorded
+                .iter()
+                .zip(&real)
+                .map(|(r, c)| if *r == Some(0) { 0 } else { *c })
+                .collect();
             let (data_blob, data_ends) = ends(&datas);
             let crc_words: Vec<u32> = written.clone();
-            let expected =
-                small_records(&names, &Items::new(&data_blob, &data_ends).unwrap(), &crc_words, 777, threshold).unwrap();
+            let expected = small_records(
+                &names,
+                &Items::new(&data_blob, &data_ends).unwrap(),
+                &crc_words,
+                777,
+                threshold,
+            )
+            .unwrap();
             let n = spans.len();
             assert_eq!(&got[..got.len() - 4 * n], &expected[..]);
             let tail: Vec<u32> = got[got.len() - 4 * n..]
@@ -319,12 +381,48 @@ mod tests {
         let names = Items::new(&blob, &name_ends).unwrap();
         let ok = crate::crc::crc32(0, &file[10..20]);
         let run = |r: Record| copy_records(&sources, &[r], &names, 0, u64::from(u32::MAX));
-        assert!(run(Record { file: 0, offset: 10, size: 10, crc: Some(ok) }).is_some());
-        assert!(run(Record { file: 0, offset: 10, size: 10, crc: Some(ok ^ 1) }).is_none()); // corrupt
-        assert!(run(Record { file: 0, offset: 995, size: 10, crc: None }).is_none()); // file ends inside
-        assert!(run(Record { file: 1, offset: 0, size: 1, crc: None }).is_none()); // no such source
-        assert!(run(Record { file: 0, offset: u64::MAX, size: 2, crc: None }).is_none());
-        assert!(run(Record { file: 0, offset: 0, size: MAX_BYTES + 1, crc: None }).is_none());
+        assert!(run(Record {
+            file: 0,
+            offset: 10,
+            size: 10,
+            crc: Some(ok)
+        })
+        .is_some());
+        assert!(run(Record {
+            file: 0,
+            offset: 10,
+            size: 10,
+            crc: Some(ok ^ 1)
+        })
+        .is_none()); // corrupt
+        assert!(run(Record {
+            file: 0,
+            offset: 995,
+            size: 10,
+            crc: None
+        })
+        .is_none()); // file ends inside
+        assert!(run(Record {
+            file: 1,
+            offset: 0,
+            size: 1,
+            crc: None
+        })
+        .is_none()); // no such source
+        assert!(run(Record {
+            file: 0,
+            offset: u64::MAX,
+            size: 2,
+            crc: None
+        })
+        .is_none());
+        assert!(run(Record {
+            file: 0,
+            offset: 0,
+            size: MAX_BYTES + 1,
+            crc: None
+        })
+        .is_none());
         assert!(records_of(&[0; 4], &[0; 8], &[0; 8], &(-2i64).to_le_bytes()).is_none());
         assert!(records_of(&[0; 4], &(-1i64).to_le_bytes(), &[0; 8], &[0; 8]).is_none());
         assert!(records_of(&[0; 4], &[0; 8], &[0; 8], &[0; 7]).is_none());

@@ -37,9 +37,21 @@ struct Row {
     crc: i64,
 }
 
-const OTHER: Row = Row { kind: 0, file: 0, offset: 0, size: 0, crc: 0 };
+const OTHER: Row = Row {
+    kind: 0,
+    file: 0,
+    offset: 0,
+    size: 0,
+    crc: 0,
+};
 
-fn row(api: &Api, t: &PyRanges, obj: Obj, paths: &mut HashMap<usize, u32>, new_paths: &mut Vec<Obj>) -> Result<Row, Unsupported> {
+fn row(
+    api: &Api,
+    t: &PyRanges,
+    obj: Obj,
+    paths: &mut HashMap<usize, u32>,
+    new_paths: &mut Vec<Obj>,
+) -> Result<Row, Unsupported> {
     if api.type_of(obj) != t.file_range {
         return Ok(OTHER); // a computed source, a subclass: the Python writer's
     }
@@ -52,7 +64,10 @@ fn row(api: &Api, t: &PyRanges, obj: Obj, paths: &mut HashMap<usize, u32>, new_p
         }
         Ok(Some(api.int(o)?))
     };
-    let (Some(offset), Some(size)) = (exact_int(api.slot(obj, t.offset)?)?, exact_int(api.slot(obj, t.size)?)?) else {
+    let (Some(offset), Some(size)) = (
+        exact_int(api.slot(obj, t.offset)?)?,
+        exact_int(api.slot(obj, t.size)?)?,
+    ) else {
         return Ok(OTHER);
     };
     if offset < 0 || size < 0 || size as u64 >= t.small {
@@ -76,7 +91,13 @@ fn row(api: &Api, t: &PyRanges, obj: Obj, paths: &mut HashMap<usize, u32>, new_p
         new_paths.push(path);
         next
     });
-    Ok(Row { kind: 1, file, offset, size, crc })
+    Ok(Row {
+        kind: 1,
+        file,
+        offset,
+        size,
+        crc,
+    })
 }
 
 /// Columns of `sources` (an exact list): `u8 kinds[n]`, `u32 files[n]`, `i64 offsets[n]`,
@@ -128,8 +149,12 @@ pub unsafe extern "C" fn ckptfix_zip_source_columns(
     // SAFETY: the caller's contract above: each table pointer is null or valid for reads.
     let tables = unsafe { (api.as_ref(), table.as_ref()) };
     let body = move || -> Result<Option<Vec<u8>>, String> {
-        let (Some(api), Some(table)) = tables else { return Ok(None) };
-        let Some(api) = Api::new(api, table.ob_type) else { return Ok(None) };
+        let (Some(api), Some(table)) = tables else {
+            return Ok(None);
+        };
+        let Some(api) = Api::new(api, table.ob_type) else {
+            return Ok(None);
+        };
         if sources.is_null() || paths.is_null() {
             return Ok(None);
         }

@@ -67,7 +67,14 @@ impl<'a> Items<'a> {
 }
 
 /// One small record at `offset`, appended to `out`: `ZipWriter.add_small`.
-pub(crate) fn small_record(out: &mut Vec<u8>, offset: u64, full: &[u8], data: &[u8], crc: u32, threshold: u64) -> Option<()> {
+pub(crate) fn small_record(
+    out: &mut Vec<u8>,
+    offset: u64,
+    full: &[u8],
+    data: &[u8],
+    crc: u32,
+    threshold: u64,
+) -> Option<()> {
     let size = data.len() as u64;
     let needs = |v: u64| v >= threshold;
     let size_wide = needs(size);
@@ -131,7 +138,8 @@ pub fn small_records(
     if names.ends.len() != n || data.ends.len() != n {
         return None;
     }
-    let mut out = Vec::with_capacity(data.blob.len() + names.blob.len() + n * (30 + 64 + 16) + 8 * n);
+    let mut out =
+        Vec::with_capacity(data.blob.len() + names.blob.len() + n * (30 + 64 + 16) + 8 * n);
     let mut offsets = Vec::with_capacity(n);
     let mut at = offset;
     for (i, &crc) in crcs.iter().enumerate() {
@@ -176,7 +184,11 @@ pub fn central_directory(
             zip64.extend_from_slice(&header_offset.to_le_bytes());
             offset32 = U32_MAX;
         }
-        let extra_len = if zip64.is_empty() { 0 } else { 4 + zip64.len() as u64 };
+        let extra_len = if zip64.is_empty() {
+            0
+        } else {
+            4 + zip64.len() as u64
+        };
         out.extend_from_slice(CENTRAL_SIG);
         out.extend_from_slice(&[0u8; 4]); // versions made by and needed
         out.extend_from_slice(&FLAGS.to_le_bytes());
@@ -276,10 +288,18 @@ pub unsafe extern "C" fn ckptfix_zip_small_records(
     };
     let body = || -> Result<Option<Vec<u8>>, String> {
         let n = crcs.len() / 4;
-        let Some(crcs) = words(crcs, n, u32_word) else { return Ok(None) };
-        let Some(name_ends) = words(name_ends, n, u64_word) else { return Ok(None) };
-        let Some(data_ends) = words(data_ends, n, u64_word) else { return Ok(None) };
-        let (Some(names), Some(data)) = (Items::new(names, &name_ends), Items::new(data, &data_ends)) else {
+        let Some(crcs) = words(crcs, n, u32_word) else {
+            return Ok(None);
+        };
+        let Some(name_ends) = words(name_ends, n, u64_word) else {
+            return Ok(None);
+        };
+        let Some(data_ends) = words(data_ends, n, u64_word) else {
+            return Ok(None);
+        };
+        let (Some(names), Some(data)) =
+            (Items::new(names, &name_ends), Items::new(data, &data_ends))
+        else {
             return Ok(None);
         };
         Ok(small_records(&names, &data, &crcs, offset, threshold))
@@ -323,12 +343,29 @@ pub unsafe extern "C" fn ckptfix_zip_central_directory(
     };
     let body = || -> Result<Option<Vec<u8>>, String> {
         let n = crcs.len() / 4;
-        let Some(crcs) = words(crcs, n, u32_word) else { return Ok(None) };
-        let Some(name_ends) = words(name_ends, n, u64_word) else { return Ok(None) };
-        let Some(header_offsets) = words(header_offsets, n, u64_word) else { return Ok(None) };
-        let Some(sizes) = words(sizes, n, u64_word) else { return Ok(None) };
-        let Some(names) = Items::new(names, &name_ends) else { return Ok(None) };
-        Ok(central_directory(&names, &header_offsets, &sizes, &crcs, cd_offset, threshold))
+        let Some(crcs) = words(crcs, n, u32_word) else {
+            return Ok(None);
+        };
+        let Some(name_ends) = words(name_ends, n, u64_word) else {
+            return Ok(None);
+        };
+        let Some(header_offsets) = words(header_offsets, n, u64_word) else {
+            return Ok(None);
+        };
+        let Some(sizes) = words(sizes, n, u64_word) else {
+            return Ok(None);
+        };
+        let Some(names) = Items::new(names, &name_ends) else {
+            return Ok(None);
+        };
+        Ok(central_directory(
+            &names,
+            &header_offsets,
+            &sizes,
+            &crcs,
+            cd_offset,
+            threshold,
+        ))
     };
     // SAFETY: `out` is the caller's out-parameter.
     unsafe { crate::ffi::guard(out, body) }
