@@ -28,7 +28,7 @@ from ..fileio.ranges import FileRange
 from ..model.refs import Global, StorageRef, Tree, make_storage
 from ..model.walk import check_extents
 from ..pickling.reader import restricted_load
-from ..pickling.vm import Budgets
+from ..pickling.vm import Budgets, TruncatedPickleError
 from .torchzip import MAX_PICKLE_BYTES
 
 MAGIC_NUMBER = 0x1950A86A20F9469CFC6C
@@ -76,9 +76,10 @@ def read_legacy(
         try:
             pickles = _read_pickles(path, head, file_size, globals_seen, allow, inert_unknown)
             break
-        except BadInputError:
-            # the pickles may run past the head read so far: read on (a pickle that is wrong
-            # within the head fails the same way on a longer one)
+        except TruncatedPickleError:
+            # the pickles run past the head read so far: read on (any other refusal is final: a
+            # pickle that is wrong within the head fails the same way on a longer one, and
+            # reading on would cost up to the budget's memory for nothing)
             if len(head) < size or size >= cap:  # the whole file (or the budget) was read
                 raise
             size = min(size * 2, cap)

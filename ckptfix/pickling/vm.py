@@ -206,6 +206,15 @@ def _bad(what: str) -> BadInputError:
     return BadInputError(f"corrupt or hostile pickle: {what}")
 
 
+class TruncatedPickleError(BadInputError):
+    """A pickle whose data ends before it does: the one refusal a longer read of the same file
+    could change (the legacy reader reads a growing head of the file; any other error is final)."""
+
+
+def _truncated(what: str) -> TruncatedPickleError:
+    return TruncatedPickleError(f"corrupt or hostile pickle: {what}")
+
+
 # --------------------------------------------------------------------------- text opcodes, as C reads them
 # CPython's C unpickler hands a text opcode's line (with its newline, NUL-terminated) to C
 # functions: whatever follows a NUL byte is not seen, and each opcode has its own parser.
@@ -263,7 +272,7 @@ def int_text(raw: bytes) -> int | bool:
     """INT: ``strtol`` base 0 (``010`` is 8, ``0x10`` is 16), ``int(text, 0)`` where it stops early
     or overflows; a two-character line reading 0 or 1 (``00``, ``01``, `` 1``, ``+1``) is a bool."""
     if not raw:
-        raise _bad("it ends early (truncated)")
+        raise _truncated("it ends early (truncated)")
     text = _c_string(raw)
     value = _strtol(text)
     if value is None:
@@ -274,14 +283,14 @@ def int_text(raw: bytes) -> int | bool:
 def long_text(raw: bytes) -> int:
     """LONG: one trailing ``L`` dropped, then ``int(text, 0)`` (``010L`` is refused, ``0x10L`` is 16)."""
     if not raw:
-        raise _bad("it ends early (truncated)")
+        raise _truncated("it ends early (truncated)")
     return _py_int(_c_string(raw[:-1] if raw[-1:] == b"L" else raw + b"\n"), 0)
 
 
 def index_text(raw: bytes) -> int:
     """PUT / GET: ``int(text, 10)`` (leading zeros, blanks and underscores allowed), not negative."""
     if not raw:
-        raise _bad("it ends early (truncated)")
+        raise _truncated("it ends early (truncated)")
     text = _c_string(raw)
     value = _py_int(text if len(text) < len(raw) else raw + b"\n", 10)
     if value < 0:
@@ -292,7 +301,7 @@ def index_text(raw: bytes) -> int:
 def float_text(raw: bytes) -> float:
     """FLOAT: ``PyOS_string_to_double`` -- no blanks, no underscores; overflow is an error."""
     if not raw:
-        raise _bad("it ends early (truncated)")
+        raise _truncated("it ends early (truncated)")
     text = _c_string(raw)
     if _FLOAT_TEXT.fullmatch(text) is None:
         raise _bad("a malformed float")
@@ -498,13 +507,13 @@ class PickleVM:
             nonlocal limit
             if pos + count <= limit:
                 return pos
-            if pos < limit:  # the read starts in a frame and runs past its end
+            if pos < limit < end:  # the read starts in a frame and runs past its end
                 hooks.frame_crossed(pos)
                 if framed:
                     pos = limit  # CPython: the frame's rest is dropped, the read comes from after it
             limit = end
             if pos + count > end:
-                raise _bad("it ends early (truncated)")
+                raise _truncated("it ends early (truncated)")
             return pos
 
         def take_into(pos: int, count: int) -> int:
@@ -513,7 +522,7 @@ class PickleVM:
             if pos + count > limit:
                 limit = end
                 if pos + count > end:
-                    raise _bad("it ends early (truncated)")
+                    raise _truncated("it ends early (truncated)")
             return pos
 
         def pop_mark() -> list[Any]:
@@ -548,7 +557,7 @@ class PickleVM:
             limit = end
             stop = data.find(b"\n", pos, end)
             if stop < 0:
-                raise _bad("a text opcode without its newline (truncated)")
+                raise _truncated("a text opcode without its newline (truncated)")
             charge(0, stop - pos)
             return data[pos:stop], stop + 1
 
@@ -586,7 +595,7 @@ class PickleVM:
                 if framed:
                     pos = limit
             if size > end - pos:
-                raise _bad("a frame longer than the data (truncated)")
+                raise _truncated("a frame longer than the data (truncated)")
             limit = pos + size
             return pos
 
@@ -1168,7 +1177,7 @@ class PickleVM:
                 if pos < 0:
                     self.pos = -pos - 1
                     return stack[-1]
-            raise _bad("it ends before its STOP opcode (truncated)")
+            raise _truncated("it ends before its STOP opcode (truncated)")
         while pos < end:
             op = data[pos]
             pos += 1
@@ -1259,7 +1268,7 @@ class PickleVM:
                 if pos < 0:
                     self.pos = -pos - 1
                     return stack[-1]
-        raise _bad("it ends before its STOP opcode (truncated)")
+        raise _truncated("it ends before its STOP opcode (truncated)")
 
 
 def _unsupported(op: int) -> Callable[[int], int]:
