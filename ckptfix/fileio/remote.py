@@ -895,13 +895,18 @@ class RemotePath:
     def stat(self) -> os.stat_result:
         return stat_url(str(self))
 
-    def iterdir(self) -> Iterator[RemotePath]:
+    def _listing(self) -> list[Any]:
+        """The folder's entries from one ``ls`` (each noted for later opens: size and ETag)."""
         fs, path = filesystem(str(self))
         try:
             entries = fs.ls(path, detail=True)
         except Exception as exc:
             raise _remote_error(str(self), exc) from None
         _note_listing(self._scheme, entries)
+        return list(entries)
+
+    def iterdir(self) -> Iterator[RemotePath]:
+        entries = self._listing()
         names = [str(e.get("name", "")) if isinstance(e, dict) else str(e) for e in entries]
         for name in sorted(names):
             yield self / posixpath.basename(name.rstrip("/"))
@@ -909,12 +914,7 @@ class RemotePath:
     def file_sizes(self) -> dict[str, int]:
         """The folder's objects (name -> size), from one listing (a DCP folder's items are
         checked against it, and its size summed, without a request per object)."""
-        fs, path = filesystem(str(self))
-        try:
-            entries = fs.ls(path, detail=True)
-        except Exception as exc:
-            raise _remote_error(str(self), exc) from None
-        _note_listing(self._scheme, entries)
+        entries = self._listing()
         sizes: dict[str, int] = {}
         for entry in entries:
             if isinstance(entry, dict) and entry.get("type") != "directory" and isinstance(entry.get("size"), int):
