@@ -143,6 +143,13 @@ class Hooks:
         """NEWOBJ / NEWOBJ_EX: ``cls.__new__(cls, *args, **kwargs)``."""
         raise NotImplementedError
 
+    def make_frozenset(self, items: list[Any]) -> Any:
+        """FROZENSET (protocol 4): what CPython builds; the reader's hooks say otherwise."""
+        try:
+            return frozenset(items)
+        except TypeError:
+            raise BadInputError("corrupt or hostile pickle: an unhashable set element") from None
+
     def build(self, inst: Any, state: Any) -> None:
         """BUILD on something that is not a plain OrderedDict."""
         raise NotImplementedError
@@ -833,10 +840,7 @@ class PickleVM:
         def op_frozenset(pos: int) -> int:
             items = [check_key(item) for item in pop_mark()]
             charge(1, 216 + 16 * len(items))
-            try:
-                push(frozenset(items))
-            except TypeError:
-                raise _bad("an unhashable set element") from None
+            push(hooks.make_frozenset(items))
             return pos
 
         def op_additems(pos: int) -> int:

@@ -225,7 +225,8 @@ def _object_array(shape: Any, fortran: Any, items: Any) -> Any:
 
 
 _BUILTIN_TYPES = {"bytes": bytes, "str": str, "int": int, "float": float, "bool": bool, "complex": complex}
-_BUILTIN_TYPES |= {"tuple": tuple, "list": list, "dict": dict, "set": set, "frozenset": frozenset}
+# not frozenset: torch's weights-only unpickler refuses it, so no plain form of one would load
+_BUILTIN_TYPES |= {"tuple": tuple, "list": list, "dict": dict, "set": set}
 
 
 def _builtin(obj: OpaqueObject) -> Any:

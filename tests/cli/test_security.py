@@ -135,7 +135,31 @@ def test_allowlist_is_a_subset_of_torchs_weights_only_allowlist() -> None:
 
     torch_allowed = set(_get_allowed_globals())
     assert TORCH_GLOBALS - torch_allowed == set()
-    assert set(PYTHON_GLOBALS) - torch_allowed == {"builtins.frozenset"}
+    assert set(PYTHON_GLOBALS) - torch_allowed == set()
+
+
+@pytest.mark.parametrize("protocol", [2, 4], ids=["global", "opcode"])
+def test_frozensets_are_treated_as_torch_treats_them(tmp_path: Path, protocol: int) -> None:
+    """torch's weights-only unpickler allows ``builtins.set`` but not ``frozenset`` (neither the
+    global nor protocol 4's FROZENSET opcode): an output holding one would not load, so a write
+    refuses it unless allowed by name, and what is allowed loads where torch is told so too."""
+    src, out = tmp_path / "fs.pth", tmp_path / "out.pth"
+    torch.save({"w": torch.ones(2), "tags": {1, 2}, "keys": {frozenset({"a"}): 1}}, src, pickle_protocol=protocol)
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(src, weights_only=True)
+    refused = invoke_cli("strip-module", src, out)
+    assert refused.returncode == 3 and "builtins.frozenset" in refused.stderr, refused.stderr
+    assert "--allow-global builtins.frozenset" in refused.stderr and not out.exists()
+    kept = invoke_cli("strip-module", src, out, "--allow-global", "builtins.frozenset")
+    assert kept.returncode == 0, kept.stderr
+    with pytest.raises(pickle.UnpicklingError):
+        torch.load(out, weights_only=True)  # what torch needs told, as for the input
+    with torch.serialization.safe_globals([frozenset]):
+        loaded = torch.load(out, weights_only=True)
+    assert loaded["keys"] == {frozenset({"a"}): 1} and loaded["tags"] == {1, 2}
+    torch.save({"w": torch.ones(2), "tags": {1, 2}}, src, pickle_protocol=protocol)  # a set alone: read
+    assert invoke_cli("strip-module", src, out, "--force").returncode == 0
+    assert torch.load(out, weights_only=True)["tags"] == {1, 2}
 
 
 def test_memory_bomb_arguments_are_refused(tmp_path: Path) -> None:

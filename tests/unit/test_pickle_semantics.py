@@ -19,7 +19,7 @@ from oracle import assert_scan_sees_what_torch_resolves, canonical, dangerous_na
 from pickle_programs import frame, programs
 
 from ckptfix.analysis.scan import scan_pickles
-from ckptfix.errors import BadInputError, CkptfixError
+from ckptfix.errors import BadInputError, CkptfixError, UnsafeInputError
 from ckptfix.pickling import vm as vm_module
 from ckptfix.pickling.reader import restricted_load
 
@@ -310,10 +310,15 @@ def test_every_argument_form_torch_loads_is_read_as_torch_reads_it(case: str) ->
 
 
 def test_a_key_built_level_by_level_still_has_its_depth_counted() -> None:
-    """FROZENSET checks each level as it is made: the cache must carry depth, not only hashing work."""
+    """FROZENSET checks each level as it is made (where real frozensets are built: hooks that
+    build what CPython builds, as the scanner's do): the cache must carry depth, not only hashing
+    work. The reader refuses the first one: torch's weights-only unpickler has no frozenset."""
     for depth in (101, 150):
         data = b"\x80\x04}" + b"(" * depth + b"\x91" * depth + b"Ns."
+        machine = vm_module.PickleVM(data, vm_module.Hooks(), vm_module.Budgets.for_length(len(data)))
         with pytest.raises(BadInputError, match="nested more than"):
+            machine.run()
+        with pytest.raises(UnsafeInputError, match=r"builtins\.frozenset"):
             restricted_load(data, None)
 
 
