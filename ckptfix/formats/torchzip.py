@@ -140,7 +140,8 @@ def split_archive_names(records: ZipDirectory, path: str) -> ZipDirectory:
     common = _common_prefix(records)
     if common is not None:  # the usual layout: every name under one top folder
         prefix, joined = common
-        return records.with_names(joined.replace("\0" + prefix, "\0")[1:].split("\0"))
+        # cutting one common prefix keeps the names unique (the readers refused clashes)
+        return records.with_names(joined.replace("\0" + prefix, "\0")[1:].split("\0"), unique=True)
     return _split_each(records, path)
 
 
