@@ -198,3 +198,24 @@ def test_references_are_released() -> None:
     assert [d - b for d, b in zip(during, before, strict=True)] == [2, 2, 1, 1, 1, 2]
     del built
     assert [sys.getrefcount(o) for o in watched] == before
+
+
+def test_directory_lookups_without_a_dict_until_many() -> None:
+    """The native directory answers a few lookups by scanning its names, then builds the dict:
+    the same answers either way (rows, membership, records, KeyError, unhashable keys)."""
+    data = _saved({str(i): torch.zeros(1) for i in range(20)})
+    records = _loader(data).records
+    names = list(records)
+    assert records._index is None  # split_archive_names made no dict
+    assert "data.pkl" in records and "nope" not in records and records.rows(["data/3"]) == [names.index("data/3")]
+    assert records["data/3"].name == "data/3" and records.get("nope") is None
+    with pytest.raises(TypeError):
+        [] in records  # noqa: B015 -- as a dict lookup fails
+    assert records._index is None
+    scanned = [records.rows([n])[0] for n in names]  # past _SCANS lookups: the dict is built
+    assert records._index is not None and scanned == list(range(len(names)))
+    assert records.rows([*names, "nope"]) == [*range(len(names)), None]
+    with pytest.raises(KeyError):
+        records["nope"]
+    with pytest.raises(ValueError, match="share a name"):
+        records.with_names(["a"] * len(names))
