@@ -44,6 +44,7 @@ from ..model.refs import Global, Source, StorageRef, make_storage
 from ..model.walk import check_extents
 from ..native import records as native_records
 from ..native.crc import crc32
+from ..native.vm import release_freed_memory
 from ..pickling.reader import restricted_load
 from ..pickling.vm import Budgets
 from .compact import pickle_compacted
@@ -422,6 +423,8 @@ def read_torch_zip(
         raise exc.at(path) from None
     if not load_storage.extents_checked:  # the native pass found every extent fine, or Python looks
         check_extents(root, path)
+    del pickle_bytes, load_storage
+    release_freed_memory()
     return root, TorchZipArchive(path, archive_name, records, byteorder, versions)
 
 
