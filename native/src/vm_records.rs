@@ -215,7 +215,8 @@ impl<'a> Api<'a> {
         }
         let mut overflow: c_int = 0;
         // SAFETY: `v` is a live exact int.
-        let x = unsafe { (self.a.long_as_long_long_and_overflow.unwrap_unchecked())(v, &mut overflow) };
+        let x =
+            unsafe { (self.a.long_as_long_long_and_overflow.unwrap_unchecked())(v, &mut overflow) };
         if overflow != 0 {
             return Err(Unsupported);
         }
@@ -259,7 +260,10 @@ impl<'a> Api<'a> {
 fn build(api: &Api<'_>, cols: &RecColumns, table: Columns<'_>, result: Obj) -> R<Vec<u8>> {
     let spec = api.spec;
     let n = api.list_len(cols.keys)?;
-    if api.list_len(cols.kinds)? != n || api.list_len(cols.locations)? != n || api.list_len(cols.numels)? != n {
+    if api.list_len(cols.kinds)? != n
+        || api.list_len(cols.locations)? != n
+        || api.list_len(cols.numels)? != n
+    {
         return Err(Unsupported);
     }
     let classes = api.list_len(cols.kind_globals)?;
@@ -272,7 +276,9 @@ fn build(api: &Api<'_>, cols: &RecColumns, table: Columns<'_>, result: Obj) -> R
     }
     let list = api.owned(
         // SAFETY: plain C API call with the GIL held; a list of `n` NULL items, filled below.
-        unsafe { (api.a.list_new.unwrap_unchecked())(isize::try_from(n).map_err(|_| Unsupported)?) },
+        unsafe {
+            (api.a.list_new.unwrap_unchecked())(isize::try_from(n).map_err(|_| Unsupported)?)
+        },
     )?;
     let mut sizes = Vec::with_capacity(n.saturating_mul(8));
     let mut name = Vec::new();
@@ -320,7 +326,11 @@ fn build(api: &Api<'_>, cols: &RecColumns, table: Columns<'_>, result: Obj) -> R
 
         let storage = api.alloc(spec.storage_type)?;
         api.set_slot(&storage, spec.s_key, key);
-        api.set_slot(&storage, spec.s_storage_type, api.item(cols.kind_globals, kind)?);
+        api.set_slot(
+            &storage,
+            spec.s_storage_type,
+            api.item(cols.kind_globals, kind)?,
+        );
         api.set_slot(&storage, spec.s_location, location);
         api.set_slot(&storage, spec.s_numel, numel_obj);
         api.set_slot(&storage, spec.s_itemsize, itemsize_obj);
@@ -328,7 +338,10 @@ fn build(api: &Api<'_>, cols: &RecColumns, table: Columns<'_>, result: Obj) -> R
         api.give_slot(&storage, spec.s_source, range);
         api.set_slot(&storage, spec.s_byteorder, spec.order);
         // SAFETY: `list` has `n` items and `i < n`; SetItem steals the reference (its slot is NULL).
-        if unsafe { (api.a.list_set_item.unwrap_unchecked())(list.obj, i as isize, storage.into_raw()) } != 0 {
+        if unsafe {
+            (api.a.list_set_item.unwrap_unchecked())(list.obj, i as isize, storage.into_raw())
+        } != 0
+        {
             api.clear();
             return Err(Unsupported);
         }
