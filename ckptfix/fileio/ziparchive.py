@@ -285,15 +285,30 @@ def _tensor_record(name: str) -> bool:
     return name.split("/")[1:2] == ["data"] and name.count("/") >= 2
 
 
+#: name lookups a directory answers by scanning its names before it builds a dict (see below)
+_SCANS = 16
+
+
 class ZipDirectory(Mapping[str, ZipRecord]):
     """The archive's records by name, stored as columns: a training checkpoint has ~4 records
     per parameter, and a :class:`ZipRecord` object each cost ~500 bytes (measured: 107 MiB for
-    200 000 records). Here a record costs its name, a dict slot and 37 bytes of arrays; the
+    200 000 records). Here a record costs its name, a list slot and 37 bytes of arrays; the
     :class:`ZipRecord` is made when asked for (the reader asks once per storage).
+
+    The names are a list in row order; the name -> row dict is built only once a reader looks
+    up more than a few names (:data:`_SCANS`). The native reader's directory and its renamed
+    copies are asked a handful of names (``data.pkl``, ``byteorder``, the first storage's
+    record), and a dict of 200 000 fresh strings cost ~0.05 s each time it was built (two per
+    read), 0.7 s at 1 M records, where its inserts miss the caches (bench/RESULTS.md "Native
+    core, slice 3: reader"); a list scan is a C loop over pointers that mostly compares lengths.
     """
 
     def __init__(self) -> None:
-        self._index: dict[str, int] = {}
+        self._names: list[str] = []
+        #: name -> row, once built (see the class); ``add`` keeps it
+        self._index: dict[str, int] | None = {}
+        #: lookups answered by scanning the names (the dict is built after :data:`_SCANS`)
+        self._scans = 0
         self._data_offset = array("q")
         self._compressed_size = array("q")
         self._size = array("q")
@@ -304,7 +319,11 @@ class ZipDirectory(Mapping[str, ZipRecord]):
     def add(
         self, name: str, data_offset: int, compressed_size: int, size: int, method: int, crc: int, header_offset: int
     ) -> None:
-        self._index[name] = len(self._index)
+        index = self._lookup()
+        if name in index:  # as a dict assignment did: the name's row is the new record's
+            raise ValueError(f"zip record {name!r} added twice")
+        index[name] = len(self._names)
+        self._names.append(name)
         self._data_offset.append(data_offset)
         self._compressed_size.append(compressed_size)
         self._size.append(size)
@@ -314,21 +333,46 @@ class ZipDirectory(Mapping[str, ZipRecord]):
 
     @classmethod
     def adopt(cls, columns: native_zip.Columns) -> ZipDirectory:
-        """The native reader's columns as a directory (no object per record is made)."""
+        """The native reader's columns as a directory (no object per record is made, and no
+        dict until one is needed: the names are unique, checked by the reader)."""
+        return cls._with(columns.names, None, columns)
+
+    @classmethod
+    def _with(cls, names: list[str], index: dict[str, int] | None, columns: Sequence[object]) -> ZipDirectory:
         records = cls.__new__(cls)
-        records._index = dict(zip(columns.names, range(len(columns.names))))  # unique: checked
-        records._data_offset = columns.data_offset
-        records._compressed_size = columns.compressed_size
-        records._size = columns.size
-        records._header_offset = columns.header_offset
-        records._crc = columns.crc
-        records._method = columns.method
+        records._names, records._index, records._scans = names, index, 0
+        (
+            records._data_offset,
+            records._compressed_size,
+            records._size,
+            records._header_offset,
+            records._crc,
+            records._method,
+        ) = cast("tuple[array[int], ...]", columns[1:])
         return records
+
+    def _lookup(self) -> dict[str, int]:
+        """The name -> row dict, built on first need."""
+        if self._index is None:
+            self._index = dict(zip(self._names, range(len(self._names))))
+        return self._index
+
+    def _row(self, name: object) -> int | None:
+        """The row of ``name`` (None if absent): a dict lookup, or a scan of the names while
+        few have been asked."""
+        if self._index is not None or self._scans >= _SCANS:
+            return self._lookup().get(cast(str, name))
+        hash(name)  # an unhashable key fails as a dict lookup would
+        self._scans += 1
+        try:
+            return self._names.index(cast(str, name))
+        except ValueError:
+            return None
 
     def columns(self) -> native_zip.Columns:
         """The records as columns, in directory order (what the differential tests compare)."""
         return native_zip.Columns(
-            list(self._index),
+            self._names,
             self._data_offset,
             self._compressed_size,
             self._size,
@@ -339,30 +383,34 @@ class ZipDirectory(Mapping[str, ZipRecord]):
 
     def renamed(self, rename: Callable[[str], str]) -> ZipDirectory:
         """The same records under new names (sharing the columns); names must stay unique."""
-        other = ZipDirectory.__new__(ZipDirectory)
-        other.__dict__.update(self.__dict__)
-        other._index = {rename(name): i for name, i in self._index.items()}
-        if len(other._index) != len(self._index):
-            raise ValueError("renaming made two records share a name")
-        return other
+        return self.with_names([rename(name) for name in self._names])
 
     def rows(self, names: Iterable[str]) -> list[int | None]:
         """Each name's row in :meth:`columns` (None where there is no such record), looked up
         in one C loop: the reader resolves 200 000 storages at once."""
-        return list(map(self._index.get, names))
+        names = names if isinstance(names, list) else list(names)
+        if len(names) <= 1:
+            return [self._row(name) for name in names]
+        return list(map(self._lookup().get, names))
 
-    def with_names(self, names: list[str]) -> ZipDirectory:
-        """The same records under ``names`` (one per record, in directory order; unique): what
-        :meth:`renamed` makes, for names computed in bulk (no Python call per record)."""
-        other = ZipDirectory.__new__(ZipDirectory)
-        other.__dict__.update(self.__dict__)
-        other._index = dict(zip(names, self._index.values()))
-        if len(other._index) != len(self._index) or len(names) != len(self._index):
+    def with_names(self, names: list[str], *, unique: bool = False) -> ZipDirectory:
+        """The same records under ``names`` (one per record, in directory order), sharing the
+        columns. ``unique``: the caller knows the names are unique (a bijection of names that
+        were: :func:`~ckptfix.formats.torchzip.split_archive_names` cutting one common
+        prefix), so no dict is built to check it; otherwise they are checked."""
+        if len(names) != len(self._names):
             raise ValueError("renaming made two records share a name")
-        return other
+        index = None
+        if not unique:
+            index = dict(zip(names, range(len(names))))
+            if len(index) != len(names):
+                raise ValueError("renaming made two records share a name")
+        return ZipDirectory._with(names, index, self.columns())
 
     def __getitem__(self, name: str) -> ZipRecord:
-        i = self._index[name]
+        i = self._row(name)
+        if i is None:
+            raise KeyError(name)
         return ZipRecord(
             name,
             self._data_offset[i],
@@ -374,18 +422,18 @@ class ZipDirectory(Mapping[str, ZipRecord]):
         )
 
     def __contains__(self, name: object) -> bool:
-        return name in self._index
+        return self._row(name) is not None
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._index)
+        return iter(self._names)
 
     def __len__(self) -> int:
-        return len(self._index)
+        return len(self._names)
 
     def spans(self) -> Iterator[tuple[int, int, str]]:
         """(first byte, one past the last, name) of each record, local header included; for a
         record whose header is not read yet (:class:`_DeferredHeaders`), its least extent."""
-        for name, i in self._index.items():
+        for i, name in enumerate(self._names):
             if self._data_offset[i] >= VIRTUAL:  # a remote record whose header is read with its data
                 yield self._header_offset[i], self._header_offset[i] + _LOCAL_HEADER.size + len(name.encode()), name
             else:

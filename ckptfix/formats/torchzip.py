@@ -42,7 +42,9 @@ from ..fileio.ziparchive import (
 from ..model.dtypes import DTYPE_ITEMSIZE, STORAGE_DTYPE
 from ..model.refs import Global, Source, StorageRef, make_storage
 from ..model.walk import check_extents
+from ..native import records as native_records
 from ..native.crc import crc32
+from ..native.vm import release_freed_memory
 from ..pickling.reader import restricted_load
 from ..pickling.vm import Budgets
 from .compact import pickle_compacted
@@ -139,7 +141,8 @@ def split_archive_names(records: ZipDirectory, path: str) -> ZipDirectory:
     common = _common_prefix(records)
     if common is not None:  # the usual layout: every name under one top folder
         prefix, joined = common
-        return records.with_names(joined.replace("\0" + prefix, "\0")[1:].split("\0"))
+        # cutting one common prefix keeps the names unique (the readers refused clashes)
+        return records.with_names(joined.replace("\0" + prefix, "\0")[1:].split("\0"), unique=True)
     return _split_each(records, path)
 
 
@@ -283,6 +286,9 @@ class _ZipStorages:
         which torch ignores too) give the reference's result."""
         if not keys:
             return [], array("q")
+        built = self._many_native(globals_, kinds, keys, locations, numels)
+        if built is not None:
+            return built
         names = list(map("data/".__add__, keys))
         columns = self.records.columns()
         start = self.records.rows(names[:1])[0]
@@ -328,6 +334,33 @@ class _ZipStorages:
             first = dict(zip(reversed(keys), reversed(made)))
             made = [first[key] if size else storage for key, size, storage in zip(keys, sizes, made)]
         return made, array("q", sizes)
+
+    def _many_native(
+        self, globals_: list[Global], kinds: list[int], keys: list[str], locations: list[str], numels: list[int]
+    ) -> tuple[list[StorageRef], array[int]] | None:
+        """:meth:`many` for torch.save's layout (storage ``i`` is the record after storage
+        ``i - 1``'s, named ``data/<key>``, stored, of the declared size), its records built by
+        the library without a Python call per storage (``native/src/vm_records.rs``: the same
+        objects as :meth:`many`'s comprehension makes); None where it leaves :meth:`many` to
+        decide (another layout, a compressed or wrongly sized record, no library)."""
+        start = self.records.rows(["data/" + keys[0]])[0]
+        if start is None:
+            return None
+        columns = self.records.columns()
+        dtypes = [STORAGE_DTYPE.get(g.name) for g in globals_]  # as make_storage finds them
+        itemsizes = [DTYPE_ITEMSIZE[d] if d else 0 for d in dtypes]
+        return native_records.storages(
+            StorageRef,
+            FileRange,
+            (kinds, keys, locations, numels),
+            (globals_, itemsizes, dtypes),
+            columns.names,
+            start,
+            (columns.size, columns.data_offset, columns.crc, columns.method),
+            self.path,
+            self.base,
+            self.order,
+        )
 
 
 def read_torch_zip(
@@ -390,6 +423,8 @@ def read_torch_zip(
         raise exc.at(path) from None
     if not load_storage.extents_checked:  # the native pass found every extent fine, or Python looks
         check_extents(root, path)
+    del pickle_bytes, load_storage
+    release_freed_memory()
     return root, TorchZipArchive(path, archive_name, records, byteorder, versions)
 
 

@@ -19,6 +19,7 @@ pub mod emit_py;
 pub mod ffi;
 pub mod le;
 pub mod vm;
+pub mod vm_records;
 pub mod zip;
 pub mod zipcopy;
 pub mod zipsources;
