@@ -22,10 +22,9 @@ import struct
 from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import accumulate, chain, groupby
-from typing import BinaryIO, NamedTuple, TypeGuard, cast, overload
+from typing import TYPE_CHECKING, BinaryIO, NamedTuple, TypeGuard, cast, overload
 
 from ..errors import BadInputError
 from ..native import zip as native_zip
@@ -47,6 +46,9 @@ from .ranges import (
     is_plain_range,
 )
 from .urls import is_url
+
+if TYPE_CHECKING:  # imported when a worker is first needed: concurrent.futures imports logging (~7 ms)
+    from concurrent.futures import Future
 
 _LOCAL_SIG = b"PK\x03\x04"
 _CENTRAL_SIG = b"PK\x01\x02"
