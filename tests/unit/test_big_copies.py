@@ -194,3 +194,26 @@ def test_the_native_copy_leaves_what_it_cannot_finish_to_python(source: tuple[Pa
             ranges._bounce_copy(s.fileno(), len(data) - 10, out.fileno(), 0, 20, crc=True)
         with pytest.raises(OSError):
             ranges._bounce_copy(s.fileno(), 0, read_only.fileno(), 0, 100_000, crc=True)
+
+
+def _peak_rss_since_reset() -> tuple[int, int]:
+    """(current RSS, peak RSS) in bytes after the peak was reset (``/proc/self/clear_refs``)."""
+    status = dict(line.split(":", 1) for line in Path("/proc/self/status").read_text().splitlines() if ":" in line)
+    return int(status["VmRSS"].split()[0]) * 1024, int(status["VmHWM"].split()[0]) * 1024
+
+
+def test_the_one_pass_copy_holds_one_buffer_whatever_the_size(tmp_path: Path) -> None:
+    """Memory independent of the record's size: a 16 MiB copy with its CRC raises the peak RSS by
+    about one buffer (256 KiB), nowhere near the record."""
+    size = 16 << 20
+    (tmp_path / "src").write_bytes(b"\x5a" * size)
+    try:
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
+    except OSError:
+        pytest.skip("this kernel cannot reset the peak RSS")
+    before, _ = _peak_rss_since_reset()
+    with open(tmp_path / "src", "rb") as s, open(tmp_path / "dst", "wb") as d:
+        crc = ranges._bounce_copy(s.fileno(), 0, d.fileno(), 0, size, crc=True)
+    _, peak = _peak_rss_since_reset()
+    assert crc == zlib.crc32(b"\x5a" * size)
+    assert peak - before < 8 << 20, f"peak RSS rose by {(peak - before) >> 20} MiB"
