@@ -306,8 +306,14 @@ mod tests {
             fail_at: Some(500),
         };
         assert_eq!(copy_range(&data[..], 0, &full, 0, 1000, 0, true), None);
-        assert_eq!(copy_range(&data[..], u64::MAX, &sink(), 0, 2, 0, true), None);
-        assert_eq!(copy_range(&data[..], 0, &sink(), u64::MAX, 2, 0, true), None);
+        assert_eq!(
+            copy_range(&data[..], u64::MAX, &sink(), 0, 2, 0, true),
+            None
+        );
+        assert_eq!(
+            copy_range(&data[..], 0, &sink(), u64::MAX, 2, 0, true),
+            None
+        );
     }
 
     #[test]
@@ -352,7 +358,10 @@ mod tests {
             }
         };
         let n = (data.len() - 10) as u64;
-        assert_eq!(call(n, &mut result, &mut out), crate::ffi::Status::Ok as i32);
+        assert_eq!(
+            call(n, &mut result, &mut out),
+            crate::ffi::Status::Ok as i32
+        );
         assert_eq!(result, crate::crc::crc32(0, &data[10..]));
         let written = std::fs::read(dir.join("dst")).expect("read dest");
         assert_eq!(&written[4096..], &data[10..]);
