@@ -368,8 +368,9 @@ class OutputStream:
         second read for the CRC. Where the kernel's copy could not share blocks anyway
         (:func:`_never_shared`) and the native core runs: measured on the dev VM (loaded), 1.2 GB
         in step, CPU of the process, 7 runs: the one pass 0.69-0.81 s (median 0.76) against
-        0.99-1.76 s (median 1.08) for the kernel's copy and the worker's second read. The Python engine keeps the two passes (its CRC, zlib's,
-        runs on the worker's core, beside the copy: one pass there would put it in line)."""
+        0.99-1.76 s (median 1.08) for the kernel's copy and the worker's second read. The
+        Python engine keeps the two passes (its CRC, zlib's, runs on the worker's core, beside
+        the copy: one pass there would put it in line)."""
         return (
             self._fd is not None
             and source.size >= SMALL_COPY
