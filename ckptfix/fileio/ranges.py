@@ -29,7 +29,8 @@ from functools import partial
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeGuard, cast, runtime_checkable
 
 from ..errors import BadInputError
-from ..native.crc import crc32
+from ..native.crc import copies_natively, crc32
+from ..native.crc import copy_range as native_copy_range
 from .deferred import DeferredRecords
 from .positional import PositionalFile
 from .urls import is_url
@@ -359,6 +360,24 @@ class OutputStream:
                 self._copy_plain(piece, files, False)
             return None
         return self._stream(iter_chunks(source, files), want_crc)
+
+    def copies_once(self, source: FileRange, files: OpenFiles) -> bool:
+        """Whether :meth:`copy` of ``source`` (a local range with no recorded CRC) with
+        ``want_crc`` reads each byte once -- through a buffer, the CRC folded while the piece is
+        in the CPU's cache, in the native core -- rather than the kernel's copy plus a worker's
+        second read for the CRC. Where the kernel's copy could not share blocks anyway
+        (:func:`_never_shared`) and the native core runs: measured on the dev VM (loaded), 1.2 GB
+        in step, CPU of the process, 7 runs: the one pass 0.69-0.81 s (median 0.76) against
+        0.99-1.76 s (median 1.08) for the kernel's copy and the worker's second read. The
+        Python engine keeps the two passes (its CRC, zlib's, runs on the worker's core, beside
+        the copy: one pass there would put it in line)."""
+        return (
+            self._fd is not None
+            and source.size >= SMALL_COPY
+            and is_local_range(source)
+            and copies_natively()
+            and _never_shared(files.file(source.path).fileno(), self._fd)
+        )
 
     def _stream(self, chunks: Iterator[bytes], want_crc: bool) -> int | None:
         """Write ``chunks`` through the buffer; their CRC32 when ``want_crc``."""
@@ -692,10 +711,18 @@ def _buffer_page_offset(src_offset: int, dst_offset: int) -> int:
 
 def _bounce_copy(src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int, *, crc: bool = False) -> int:
     """Copy through one reused buffer (:func:`_reads`), placed for speed (:func:`_buffer_page_offset`);
-    returns the CRC32 of the bytes copied when ``crc`` (else 0)."""
+    returns the CRC32 of the bytes copied when ``crc`` (else 0).
+
+    The native core runs the same loop without a Python call per piece (~4 800 pieces per
+    1.2 GB: preadv, the CRC call and pwrite each); where it declines (the Python engine, or
+    the copy did not complete) this loop copies the range from the start and raises its own
+    error."""
+    at = _buffer_page_offset(src_offset, dst_offset)
+    native = native_copy_range(src_fd, src_offset, dst_fd, dst_offset, count, at, crc)
+    if native is not None:
+        return native
     done = 0
     crc_value = 0
-    at = _buffer_page_offset(src_offset, dst_offset)
     for chunk in _reads(src_fd, src_offset, count, _BOUNCE, page_offset=at):
         if crc:
             crc_value = crc32(chunk, crc_value)

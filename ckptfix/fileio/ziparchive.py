@@ -22,10 +22,9 @@ import struct
 from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass
 from itertools import accumulate, chain, groupby
-from typing import BinaryIO, NamedTuple, TypeGuard, cast, overload
+from typing import TYPE_CHECKING, BinaryIO, NamedTuple, TypeGuard, cast, overload
 
 from ..errors import BadInputError
 from ..native import zip as native_zip
@@ -47,6 +46,9 @@ from .ranges import (
     is_plain_range,
 )
 from .urls import is_url
+
+if TYPE_CHECKING:  # imported when a worker is first needed: concurrent.futures imports logging (~7 ms)
+    from concurrent.futures import Future
 
 _LOCAL_SIG = b"PK\x03\x04"
 _CENTRAL_SIG = b"PK\x01\x02"
@@ -834,8 +836,9 @@ class ZipWriter:
         self._header_offsets = array("q")
         self._sizes = array("q")
         self._crcs = array("I")
-        #: kernel-copied records whose CRC a worker is computing: (name, source, recorded, future)
-        self._crc_checks: list[tuple[str, FileRange, int, Future[int]]] = []
+        #: copied records to check against the CRC their source recorded: (name, source,
+        #: recorded, the CRC of the bytes copied, or the worker computing it beside the kernel)
+        self._crc_checks: list[tuple[str, FileRange, int, int | Future[int]]] = []
         self._zip64_threshold = zip64_threshold
         #: small records not written yet (:meth:`add_small`), for the native engine to lay out
         #: as a run: their full names, bytes and CRCs
@@ -925,6 +928,13 @@ class ZipWriter:
         self._sizes.append(size)
         self._crcs.append(crc)
 
+    def reserve(self, size: int) -> None:
+        """Say that at least ``size`` more bytes will follow (the records' data, known before the
+        first is copied): the file system may allocate their blocks now, in one call
+        (:meth:`~ckptfix.fileio.ranges.OutputStream.reserve`; headers and the directory come on
+        top, allocated as they are written)."""
+        self._stream.reserve(size)
+
     def add_bytes(self, name: str, data: bytes | bytearray) -> int:
         """Add a record from memory; returns its CRC32."""
         header_offset = self._offset
@@ -989,14 +999,20 @@ class ZipWriter:
             _check_crc(name, source, recorded, crc)
             self.add_small(name, data, crc)
             return crc
-        if recorded and is_local_range(source):
+        once: FileRange | None = None  # the range copied in one pass, its CRC computed on the way
+        if recorded and is_local_range(source):  # (a FileRange: it recorded a CRC)
             unchecked = FileRange(source.path, source.offset, source.size)
-            self._crc_checks.append((name, source, recorded, files.crc_in_background(unchecked)))
+            if self._stream.copies_once(unchecked, files):
+                once = unchecked
+            else:
+                self._crc_checks.append((name, source, recorded, files.crc_in_background(unchecked)))
         header_offset = self._offset
         place = source.offset if shares_blocks(source) else None
         full = self._start_record(name, source.size, place)
-        copied_crc = self._stream.copy(source, files, want_crc=True)
+        copied_crc = self._stream.copy(source if once is None else once, files, want_crc=True)
         assert copied_crc is not None
+        if once is not None and recorded and is_local_range(source):  # checked at close, as the worker's are
+            self._crc_checks.append((name, source, recorded, copied_crc))
         if not is_local_range(source):  # streamed (a remote object too): the CRC is of the bytes written
             _check_crc(name, source, recorded, copied_crc)
             if recorded == 0 and is_plain_range(source):
@@ -1127,8 +1143,8 @@ class ZipWriter:
     def close(self) -> None:
         """Write the central directory and the (zip64 and classic) end records, once every
         copied record's bytes matched the CRC its source recorded."""
-        for record, source, recorded, future in self._crc_checks:
-            _check_crc(record, source, recorded, future.result())
+        for record, source, recorded, actual in self._crc_checks:
+            _check_crc(record, source, recorded, actual if isinstance(actual, int) else actual.result())
         self._crc_checks.clear()
         cd_offset = self._offset
         built = (

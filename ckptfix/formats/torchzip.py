@@ -489,6 +489,7 @@ def write_torch_zip(
             files = stack.enter_context(OpenFiles())
         if _may_be_remote(sources):
             files.plan(sources)  # a remote input: fetched ahead, in this order
+        writer.reserve(sum(sizes))  # a lower bound of what follows (the data, without headers)
         crcs += writer.add_copies(NumberedNames("data/", range(len(sources))), sources, files, progress)
         if missing is not None:
             raise BadInputError(f"storage {pickled.storages[missing].key!r} has no source bytes to copy")

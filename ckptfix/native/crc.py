@@ -54,3 +54,46 @@ def native_crc32(fn: Any, data: Any, value: int) -> int:
     if call(fn, value & 0xFFFFFFFF, buf.address, buf.length, ctypes.byref(result)) is None:
         return zlib.crc32(data, value)  # not reached: the native CRC supports every input
     return result.value
+
+
+@functools.cache
+def _bind_copy(lib: Any) -> Any:
+    u64 = ctypes.c_uint64
+    if not hasattr(lib, "ckptfix_copy_range"):  # a library built before it (same ABI otherwise)
+        return None
+    return function(
+        "ckptfix_copy_range",
+        ctypes.c_int32,
+        u64,
+        ctypes.c_int32,
+        u64,
+        u64,
+        ctypes.c_uint32,
+        ctypes.c_uint32,
+        ctypes.POINTER(ctypes.c_uint32),
+    )
+
+
+def copies_natively() -> bool:
+    """Whether :func:`copy_range` runs in the native core (the native engine is loaded)."""
+    lib = library()
+    return lib is not None and _bind_copy(lib) is not None
+
+
+def copy_range(
+    src_fd: int, src_offset: int, dst_fd: int, dst_offset: int, count: int, page_offset: int, want_crc: bool
+) -> int | None:
+    """Copy ``count`` bytes of ``src_fd`` at ``src_offset`` to ``dst_fd`` at ``dst_offset``
+    through one buffer placed ``page_offset`` bytes into a page, in the native core
+    (``native/src/copyrange.rs``): each piece read once, its CRC-32 folded while it is in the
+    CPU's cache, then written. Returns that CRC (0 without ``want_crc``), or None where the
+    Python engine runs or the copy did not complete (an I/O error, a source that ended early):
+    the caller then copies the range itself and raises its own error. ctypes releases the GIL
+    for the call."""
+    lib = library()
+    fn = None if lib is None else _bind_copy(lib)
+    if fn is None:
+        return None
+    result = ctypes.c_uint32()
+    done = call(fn, src_fd, src_offset, dst_fd, dst_offset, count, page_offset, int(want_crc), ctypes.byref(result))
+    return None if done is None else result.value

@@ -13,6 +13,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![forbid(clippy::undocumented_unsafe_blocks)]
 
+pub mod copyrange;
 pub mod crc;
 pub mod emit;
 pub mod emit_py;
