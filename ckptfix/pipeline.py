@@ -84,7 +84,7 @@ from .model.statedicts import (
 )
 from .model.walk import census, substitute, walk
 from .pickling.names import check_global_patterns
-from .pickling.vm import collector_paused
+from .pickling.vm import collector_paused, keep_until_exit
 from .transforms.devices import parse_map_location, remap_devices
 from .transforms.foreign import check_output, has_foreign
 from .transforms.prefix import AUTO, add_prefix, normalize_prefix, parse_rule, rename_keys, strip_prefix, wrapper_fix
@@ -1086,7 +1086,9 @@ def inspect_checkpoint(
             tag=tag,
             weights=weights,
         )
-    return summarize(ckpt)
+    summary = summarize(ckpt)
+    keep_until_exit(ckpt)  # the command line's last command: the tree is left to the OS, never freed
+    return summary
 
 
 @collector_paused()
