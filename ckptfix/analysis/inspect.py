@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from itertools import compress, repeat
 from operator import attrgetter, itemgetter, mul
 from typing import Any
 
+from ..errors import names_input
 from ..fileio.extents import shared_bytes_of
+from ..fileio.remote import consistent_reads, metadata_only
 from ..fileio.sizes import format_size
 from ..fileio.urls import is_url
-from ..formats.checkpoint import Checkpoint
+from ..formats.checkpoint import Checkpoint, read_checkpoint
 from ..model.paths import Path, format_path
 from ..model.refs import (
     Global,
@@ -28,6 +31,8 @@ from ..model.refs import (
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts, is_optimizer_state, looks_like_state_dict
 from ..model.walk import BulkMemo, census, iter_tensors, walk
 from ..native import engine
+from ..pickling.names import check_global_patterns
+from ..pickling.vm import collector_paused, keep_until_exit
 from ..transforms.foreign import unallowed_globals
 
 #: how many layout entries the text report shows (``--full``: all; ``--json`` always has all)
@@ -331,6 +336,37 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         "warnings": _warnings(devices) + _meta_warning(meta) + _unallowed_warning(unallowed),
         **({"deepspeed": _deepspeed(ckpt)} if ckpt.deepspeed is not None else {}),
     }
+
+
+@names_input
+@collector_paused()
+@consistent_reads
+def inspect_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    unsafe_load: bool = False,
+    allow_globals: Sequence[str] = (),
+    tag: str | None = None,
+    weights: str | None = None,
+) -> dict[str, Any]:
+    """The ``inspect`` report as plain data; reads structure only, never tensor data.
+
+    Here rather than in :mod:`ckptfix.pipeline` (which names it too): ``ckptfix inspect`` then
+    imports only what reading and describing need, not the writers and transforms."""
+    check_global_patterns(allow_globals)
+    # unknown classes are shown as inert records (a warning names them): inspect writes nothing
+    with metadata_only():  # a remote input: a few planned requests, whatever its size
+        ckpt = read_checkpoint(
+            path,
+            unsafe_load=unsafe_load,
+            allow_globals=allow_globals,
+            inert_unknown=not unsafe_load,
+            tag=tag,
+            weights=weights,
+        )
+    summary = summarize(ckpt)
+    keep_until_exit(ckpt)  # the command line's last command: the tree is left to the OS, never freed
+    return summary
 
 
 def _shared_storages(root: Any, shared_ids: list[int]) -> list[dict[str, Any]]:
