@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import signal
 import sys
-import traceback
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -42,6 +41,13 @@ def _ending(last: bool) -> AbstractContextManager[None]:
     return last_command()
 
 
+def _print_traceback() -> None:
+    """``--debug``'s traceback; ``traceback`` imported only then (~5 ms of every start-up)."""
+    import traceback
+
+    traceback.print_exc()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: maps every error to one stderr line and a documented exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -65,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
             json_exception(command, exc, code)
     except CkptfixError as exc:
         if debug:
-            traceback.print_exc()
+            _print_traceback()
         say(f"ckptfix: error: {exc}", err=True)
         code = exc.exit_code
         if as_json:
@@ -77,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         code = ExitCode.OK
     except Exception as exc:
         if debug:
-            traceback.print_exc()
+            _print_traceback()
         click.echo(
             one_line(f"ckptfix: internal error (please report with --debug): {type(exc).__name__}: {exc}"), err=True
         )
