@@ -1333,7 +1333,10 @@ def keep_until_exit(tree: Any) -> None:
     tracks now into its permanent generation, which no collection looks at, not even the ones at
     interpreter exit; ``tree`` stays reachable from :data:`_KEPT`, a frozen cycle, so neither
     reference counting nor the collector ever frees it. Objects made later are collected as usual.
+    One tree per command: a later call frees its tree as usual, so a command that reads many
+    (a batch) never piles them up.
     """
     if _LAST_COMMAND.get():
+        _LAST_COMMAND.set(False)
         _KEPT.append(tree)
         gc.freeze()

@@ -33,7 +33,9 @@ def test_within_the_last_command_the_tree_is_kept_and_frozen() -> None:
     tree = _Tree()
     with last_command():
         keep_until_exit(tree)
+        keep_until_exit(_Tree())  # one tree per command: a second one is freed as usual
     try:
+        assert len(vm._KEPT) == 2
         assert vm._KEPT[-1] is tree
         assert gc.get_freeze_count() > 0  # no collection looks at it again
         assert vm._KEPT[0] is vm._KEPT  # the cycle that leaves it alive past module clean-up
