@@ -44,7 +44,7 @@ _EXPORTS = {
     "Report": "pipeline",
     "convert": "pipeline",
     "fix_prefix": "pipeline",
-    "inspect_checkpoint": "pipeline",
+    "inspect_checkpoint": "analysis.inspect",
     "write_checkpoint": "pipeline",
     "TransformResult": "transforms.prefix",
     "add_prefix": "transforms.prefix",
@@ -58,6 +58,7 @@ _EXPORTS = {
 if TYPE_CHECKING:
     # What a type checker sees: the same names from the same modules as _EXPORTS (a test keeps
     # the two in step), so ``ckptfix.load`` has load's signature rather than __getattr__'s object.
+    from .analysis.inspect import inspect_checkpoint
     from .api import LoadIntoError, LoadIntoReport, load, load_into
     from .errors import (
         BadInputError,
@@ -79,7 +80,6 @@ if TYPE_CHECKING:
         average_checkpoints,
         convert,
         fix_prefix,
-        inspect_checkpoint,
         write_checkpoint,
     )
     from .transforms.prefix import TransformResult, add_prefix, strip_prefix

@@ -23,7 +23,8 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .analysis.inspect import describe_tree, holding, not_a_mapping_fix, summarize
+from .analysis.inspect import describe_tree, holding, not_a_mapping_fix
+from .analysis.inspect import inspect_checkpoint as inspect_checkpoint  # the library's entry points, all here
 from .errors import (
     BadInputError,
     CannotWriteError,
@@ -1061,32 +1062,6 @@ def write_checkpoint(
             write_safetensors(flat, out, metadata, progress=progress, max_data_bytes=budget)
         written = out.tell()
     return written if remote else Path(target).stat().st_size
-
-
-@names_input
-@collector_paused()
-@consistent_reads
-def inspect_checkpoint(
-    path: str | os.PathLike[str],
-    *,
-    unsafe_load: bool = False,
-    allow_globals: Sequence[str] = (),
-    tag: str | None = None,
-    weights: str | None = None,
-) -> dict[str, Any]:
-    """The ``inspect`` report as plain data; reads structure only, never tensor data."""
-    check_global_patterns(allow_globals)
-    # unknown classes are shown as inert records (a warning names them): inspect writes nothing
-    with metadata_only():  # a remote input: a few planned requests, whatever its size
-        ckpt = read_checkpoint(
-            path,
-            unsafe_load=unsafe_load,
-            allow_globals=allow_globals,
-            inert_unknown=not unsafe_load,
-            tag=tag,
-            weights=weights,
-        )
-    return summarize(ckpt)
 
 
 @collector_paused()

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import os
 import pathlib
 import re
 from collections import Counter
-from collections.abc import Mapping
-from operator import attrgetter, mul
+from collections.abc import Callable, Mapping, Sequence
+from itertools import compress, islice, repeat
+from operator import attrgetter, countOf, eq, itemgetter, mul
 from typing import Any
 
+from ..errors import names_input
 from ..fileio.extents import shared_bytes_of
+from ..fileio.remote import consistent_reads, metadata_only
 from ..fileio.sizes import format_size
 from ..fileio.urls import is_url
-from ..formats.checkpoint import Checkpoint
+from ..formats.checkpoint import Checkpoint, read_checkpoint
 from ..model.paths import Path, format_path
 from ..model.refs import (
     Global,
@@ -27,6 +31,8 @@ from ..model.refs import (
 from ..model.statedicts import WRAPPER_PREFIXES, find_state_dicts, is_optimizer_state, looks_like_state_dict
 from ..model.walk import BulkMemo, census, iter_tensors, walk
 from ..native import engine
+from ..pickling.names import check_global_patterns
+from ..pickling.vm import collector_paused, keep_until_exit
 from ..transforms.foreign import unallowed_globals
 
 #: how many layout entries the text report shows (``--full``: all; ``--json`` always has all)
@@ -43,14 +49,42 @@ def common_prefixes(keys: list[str]) -> list[dict[str, Any]]:
     """
     if not keys:
         return []
-    chains = Counter([m[0] for m in map(_WRAPPER_CHAIN.match, keys) if m])
-    firsts = Counter([key[: key.find(".") + 1] for key in keys])
-    firsts.pop("", None)  # keys without a dot (find gives -1: an empty head)
+    firsts = _first_segments(keys)
     half = (len(keys) + 1) // 2
+    chains = _wrapper_chains(keys, firsts, half)
     result = [{"prefix": p, "keys": n} for p, n in chains.most_common() if n >= half]
     known = {r["prefix"] for r in result}
     result += [{"prefix": p, "keys": n} for p, n in firsts.most_common(3) if n >= half and p not in known]
     return result
+
+
+def _first_segments(keys: list[str]) -> Counter[str]:
+    """How many keys have each first segment (``module.``: up to its first dot, the dot
+    included), in order of first appearance; keys without a dot are left out."""
+    heads = Counter(map(_HEAD_AND_DOT, map(str.partition, keys, repeat("."))))
+    return Counter({head + dot: n for (head, dot), n in heads.items() if dot})
+
+
+def _wrapper_chains(keys: list[str], firsts: Counter[str], half: int) -> Counter[str]:
+    """How many keys have each wrapper chain, exactly where a chain could be on ``half`` of them.
+
+    Every wrapper prefix is one segment, so the keys starting with one are its count in
+    ``firsts``. The one common case -- a single wrapper on at least half the keys, none of them
+    followed by another wrapper (DDP's ``module.``) -- is counted from that and one C loop of
+    ``str.startswith``; anything else by the regular expression on every key."""
+    starts = [w for w in WRAPPER_PREFIXES if firsts.get(w, 0) >= half]
+    if not starts:
+        return Counter()  # a chain's keys all start with its first wrapper: none can reach half
+    if len(starts) == 1:
+        (wrapper,) = starts
+        nested = tuple(wrapper + inner for inner in WRAPPER_PREFIXES)
+        if not any(map(str.startswith, keys, repeat(nested))):
+            return Counter({wrapper: firsts[wrapper]})
+    return Counter([m[0] for m in map(_WRAPPER_CHAIN.match, keys) if m])
+
+
+#: a key's first segment and its dot, from ``str.partition``
+_HEAD_AND_DOT = itemgetter(0, 1)
 
 
 #: a key's wrapper chain: wrapper prefixes one after another from its start. At most one of
@@ -124,11 +158,12 @@ def _kind_of(value: Any) -> str:
     return type(value).__name__
 
 
-def _tensor_stats(value: Any, memo: BulkMemo) -> tuple[int, dict[str, int]]:
-    """Tensor count and count per device tag under ``value`` (real tensors included): one pass."""
+def _tensor_stats(value: Any, memo: BulkMemo, device: str | None = None) -> tuple[int, dict[str, int]]:
+    """Tensor count and count per device tag under ``value`` (real tensors included): one pass.
+    ``device``: the one device of every tensor record in the tree, where the caller knows it."""
     found = census(value, memo=memo)
-    counts = Counter(map(_DEVICE, found.tensors))
     n = len(found.tensors)
+    counts = _tally(_DEVICE, found.tensors) if device is None else Counter({device: n} if n else {})
     if found.records:
         extra = [_device_of(record) for record in found.records]
         if any(extra):
@@ -159,6 +194,25 @@ def _tensor_stats_in_order(value: Any) -> tuple[int, dict[str, int]]:
     return n, dict(counts.most_common())
 
 
+def _tally(getter: Callable[[Any], str], rows: list[Any]) -> Counter[str]:
+    """``Counter(map(getter, rows))``. One dtype or one device for every tensor is the common
+    case: ``countOf`` the first row's value finds it (compared by identity first: no hashing,
+    no table), and its count is ``len(rows)``."""
+    if rows:
+        first = getter(rows[0])
+        if countOf(map(getter, rows), first) == len(rows):
+            return Counter({first: len(rows)})
+    return Counter(map(getter, rows))
+
+
+def _all_distinct(objects: list[Any]) -> bool:
+    """Whether no object is in ``objects`` twice: their ``id`` numbers sorted, neighbours compared.
+    Records made one after another lie in rising addresses, so the sort is one pass over runs;
+    a set of 200 000 fresh numbers cost twice as much (its table misses the cache)."""
+    ids = sorted(map(id, objects))
+    return not any(map(eq, ids, islice(ids, 1, None)))
+
+
 #: a tensor record's device tag and dtype, and its storage, read in C loops (``map``)
 _DEVICE = attrgetter("storage.location")
 _DTYPE = attrgetter("dtype")
@@ -169,12 +223,16 @@ _NUMEL = attrgetter("numel")
 _ITEMSIZE = attrgetter("itemsize")
 
 
-def describe_tree(root: Any, limit: int | None = None, memo: BulkMemo | None = None) -> list[dict[str, Any]]:
+def describe_tree(
+    root: Any, limit: int | None = None, memo: BulkMemo | None = None, device: str | None = None
+) -> list[dict[str, Any]]:
     """One entry per interesting node: state dicts, optimizer states, tensors, plain values;
     the first ``limit`` of them (all with None).
 
     The walk goes at most ``_MAX_DEPTH`` levels down; deeper containers are summarised.
     ``memo``: what a :func:`census` of the same tree took in bulk (its counts are taken again).
+    ``device``: the device tag of every tensor record in ``root``, where a census found only one
+    (each entry's devices are then its count, without looking at its tensors again).
     """
     entries: list[dict[str, Any]] = []
     memo = {} if memo is None else memo
@@ -185,10 +243,10 @@ def describe_tree(root: Any, limit: int | None = None, memo: BulkMemo | None = N
             return False
         where = format_path(path) or "(top level)"
         if looks_like_state_dict(value):
-            n, devices = _tensor_stats(value, memo)
+            n, devices = _tensor_stats(value, memo, device)
             entries.append({"path": where, "kind": "state dict", "tensors": n, "devices": devices})
         elif is_optimizer_state(value):
-            n, devices = _tensor_stats(value, memo)
+            n, devices = _tensor_stats(value, memo, device)
             entries.append({"path": where, "kind": "optimizer state", "tensors": n, "devices": devices})
         elif is_tensor_like(value):
             entries.append({"path": where, "kind": "tensor", "value": _tensor_line(value)})
@@ -202,7 +260,7 @@ def describe_tree(root: Any, limit: int | None = None, memo: BulkMemo | None = N
                 return False
             return True
         elif isinstance(value, (Mapping, list, tuple)):
-            n, devices = _tensor_stats(value, memo)
+            n, devices = _tensor_stats(value, memo, device)
             entries.append(
                 {"path": where, "kind": type(value).__name__, "items": len(value), "tensors": n, "devices": devices}
             )
@@ -226,13 +284,19 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
     found = census(ckpt.root, memo=memo)
     tensor_list = found.tensors
     tensors = len(tensor_list)
-    dtypes = Counter(map(_DTYPE, tensor_list))
+    dtypes = _tally(_DTYPE, tensor_list)
     storage_list = list(map(_STORAGE, tensor_list))
-    devices = Counter(map(_LOCATION, storage_list))
-    ids = list(map(id, storage_list))
-    storages = dict(zip(ids, storage_list))  # first use first, as met
-    # storages used by more than one tensor path (tied weights, views): counted only if any are
-    uses = Counter(ids) if len(storages) < len(ids) else Counter[int]()
+    devices = _tally(_LOCATION, storage_list)
+    device = next(iter(devices)) if len(devices) == 1 else None  # the one of every tensor record
+    if _all_distinct(storage_list):  # no storage used twice: the storages are the list itself
+        storages = storage_list
+        shared_ids: list[int] = []
+    else:
+        ids = list(map(id, storage_list))
+        by_id = dict(zip(ids, storage_list))  # first use first, as met
+        storages = list(by_id.values())
+        # storages used by more than one tensor path (tied weights, views)
+        shared_ids = [sid for sid, n in Counter(ids).items() if n > 1]
     meta = 0  # tensors saved from the meta device: counted, but they have no data
     for value in found.records:
         if isinstance(value, Reduce) and is_meta_tensor(value):
@@ -246,7 +310,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
     tensors += meta
     state_dicts = []
     for path, sd in find_state_dicts(ckpt.root):
-        keys = [k for k in sd if isinstance(k, str)]
+        keys = list(compress(sd, map(isinstance, sd, repeat(str))))  # its string keys, in a C loop
         state_dicts.append(
             {
                 "path": format_path(path),
@@ -256,7 +320,7 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
             }
         )
     unallowed = _unallowed(ckpt)
-    shared = _shared_storages(ckpt.root, storages, [sid for sid, n in uses.items() if n > 1])
+    shared = _shared_storages(ckpt.root, shared_ids)
     return {
         "input": ckpt.path,
         "diagnosis": _DIAGNOSIS.get(ckpt.format, ckpt.format),
@@ -266,11 +330,11 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
         "tensors": tensors,
         "meta_tensors": meta,
         "storages": len(storages),
-        "tensor_bytes": sum(map(mul, map(_NUMEL, storages.values()), map(_ITEMSIZE, storages.values()))),
+        "tensor_bytes": sum(map(mul, map(_NUMEL, storages), map(_ITEMSIZE, storages))),
         "dtypes": dict(dtypes.most_common()),
         "devices": dict(devices.most_common()),
         "state_dicts": state_dicts,
-        "tree": describe_tree(ckpt.root, memo=memo),
+        "tree": describe_tree(ckpt.root, memo=memo, device=device),
         "shared_storages": shared,
         "globals": sorted(ckpt.globals),
         "unallowed_globals": unallowed,
@@ -281,17 +345,50 @@ def summarize(ckpt: Checkpoint) -> dict[str, Any]:
     }
 
 
-def _shared_storages(root: Any, storages: dict[int, Any], shared_ids: list[int]) -> list[dict[str, Any]]:
+@names_input
+@collector_paused()
+@consistent_reads
+def inspect_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    unsafe_load: bool = False,
+    allow_globals: Sequence[str] = (),
+    tag: str | None = None,
+    weights: str | None = None,
+) -> dict[str, Any]:
+    """The ``inspect`` report as plain data; reads structure only, never tensor data.
+
+    Here rather than in :mod:`ckptfix.pipeline` (which names it too): ``ckptfix inspect`` then
+    imports only what reading and describing need, not the writers and transforms."""
+    check_global_patterns(allow_globals)
+    # unknown classes are shown as inert records (a warning names them): inspect writes nothing
+    with metadata_only():  # a remote input: a few planned requests, whatever its size
+        ckpt = read_checkpoint(
+            path,
+            unsafe_load=unsafe_load,
+            allow_globals=allow_globals,
+            inert_unknown=not unsafe_load,
+            tag=tag,
+            weights=weights,
+        )
+    summary = summarize(ckpt)
+    keep_until_exit(ckpt)  # the command line's last command: the tree is left to the OS, never freed
+    return summary
+
+
+def _shared_storages(root: Any, shared_ids: list[int]) -> list[dict[str, Any]]:
     """``{"storage", "paths"}`` for each storage more than one tensor path uses, in the order
     storages are first met: the one walk that makes paths, run only when there are any."""
     if not shared_ids:
         return []
     users: dict[int, list[Path]] = {sid: [] for sid in shared_ids}
+    keys: dict[int, str] = {}
     for path, tensor in iter_tensors(root):
         paths = users.get(id(tensor.storage))
         if paths is not None:
             paths.append(path)
-    return [{"storage": storages[sid].key, "paths": [format_path(p) for p in paths]} for sid, paths in users.items()]
+            keys[id(tensor.storage)] = tensor.storage.key
+    return [{"storage": keys[sid], "paths": [format_path(p) for p in paths]} for sid, paths in users.items()]
 
 
 def _deepspeed(ckpt: Checkpoint) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import signal
 import sys
-import traceback
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import click
@@ -26,6 +26,28 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise KeyboardInterrupt
 
 
+#: options that make a command print its help and do nothing else
+_HELP = frozenset(("--help", "-h"))
+
+
+def _ending(last: bool) -> AbstractContextManager[None]:
+    """For ``main`` without ``argv`` (the console script, ``python -m ckptfix``: the process exits
+    after this one command): :func:`~ckptfix.pickling.vm.last_command`, so what the command read is
+    left to the operating system rather than freed. Imported here, not above: ``--help`` skips it."""
+    if not last:
+        return nullcontext()
+    from ..pickling.vm import last_command
+
+    return last_command()
+
+
+def _print_traceback() -> None:
+    """``--debug``'s traceback; ``traceback`` imported only then (~5 ms of every start-up)."""
+    import traceback
+
+    traceback.print_exc()
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: maps every error to one stderr line and a documented exit code."""
     args = list(sys.argv[1:] if argv is None else argv)
@@ -37,7 +59,8 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _on_sigterm)
     allow_colour(not as_json)
     try:
-        code = cli.main(args=args, prog_name="ckptfix", standalone_mode=False)
+        with _ending(argv is None and command is not None and not _HELP.intersection(args)):
+            code = cli.main(args=args, prog_name="ckptfix", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("ckptfix: interrupted", err=True)
         code = ExitCode.INTERRUPTED
@@ -48,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
             json_exception(command, exc, code)
     except CkptfixError as exc:
         if debug:
-            traceback.print_exc()
+            _print_traceback()
         say(f"ckptfix: error: {exc}", err=True)
         code = exc.exit_code
         if as_json:
@@ -60,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
         code = ExitCode.OK
     except Exception as exc:
         if debug:
-            traceback.print_exc()
+            _print_traceback()
         click.echo(
             one_line(f"ckptfix: internal error (please report with --debug): {type(exc).__name__}: {exc}"), err=True
         )

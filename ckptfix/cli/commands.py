@@ -750,8 +750,7 @@ def inspect_command(
       ckptfix inspect model.pth --json | jq .devices
       ckptfix inspect ds_run/ --json | jq .deepspeed
     """
-    from ..analysis.inspect import render
-    from ..pipeline import inspect_checkpoint
+    from ..analysis.inspect import inspect_checkpoint, render  # not via pipeline: it imports every writer
 
     with stdio_paths(path, None, None) as (real, _):  # "-": standard input
         summary = inspect_checkpoint(

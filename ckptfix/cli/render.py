@@ -7,7 +7,6 @@ terminal escapes: every human line goes through :func:`~ckptfix.errors.one_line`
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -36,6 +35,8 @@ def emit_json(command: str | None, exit_code: int, data: dict[str, Any]) -> None
         "exit_code": int(exit_code),
     }
     document.update((k, v) for k, v in data.items() if k not in document)
+    import json  # here: only --json needs it, and --help starts faster without (issue 26)
+
     click.echo(_named(json.dumps(document, indent=2, default=str)))
 
 

@@ -9,9 +9,7 @@ whatever happens.
 
 from __future__ import annotations
 
-import shutil
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -36,6 +34,9 @@ def stdio_paths(
         return
     if out_path == STREAM and out_format is None:
         raise UsageError("OUT - (standard output) has no extension to tell the format: add --format pth or safetensors")
+    import shutil  # here: only a command reading or writing a pipe needs these (start-up, issue 26)
+    import tempfile
+
     with tempfile.TemporaryDirectory(prefix="ckptfix-stdio-") as folder:
         real_in = in_path
         if in_path == STREAM:

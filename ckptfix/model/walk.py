@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from itertools import chain, repeat
-from operator import attrgetter, is_, mul
+from itertools import chain
+from operator import attrgetter, countOf, mul
 from typing import Any, TypeAlias, TypeVar, cast
 
 from ..errors import BadInputError
@@ -312,7 +312,9 @@ def census(root: Tree, *, limit: int = MAX_NESTING, memo: BulkMemo | None = None
 #: the types census takes in bulk: atoms, tensor records, and plain dicts of those
 _BULK: frozenset[type] = _ATOMS | {TensorRef, dict}
 _FLAT_TENSORS: frozenset[type] = _ATOMS | {TensorRef}
-_HOOKS, _METADATA, _PARAM = attrgetter("hooks"), attrgetter("metadata"), attrgetter("param")
+#: what a tensor record holds besides its view, and what a plain one (nothing to walk into) holds
+_PLAIN_PARTS = attrgetter("hooks", "metadata", "param")
+_PLAIN = (EMPTY_HOOKS, ABSENT, None)
 
 
 def _bulk_tensors(node: Any, seen: set[int], memo: BulkMemo) -> list[TensorRef] | None:
@@ -359,11 +361,10 @@ def _bulk_of(node: Any) -> tuple[list[TensorRef], set[int]] | None:
         if not kinds <= _FLAT_TENSORS:
             return None
     tensors = values if kinds == {TensorRef} else [value for value in values if type(value) is TensorRef]
-    if not (
-        all(map(is_, map(_HOOKS, tensors), repeat(EMPTY_HOOKS)))
-        and all(map(is_, map(_METADATA, tensors), repeat(ABSENT)))
-        and all(map(is_, map(_PARAM, tensors), repeat(None)))
-    ):
+    # one pass for the three attributes (a third of the time of three ``all(map(is_, ...))``):
+    # each is compared to its plain value by identity first, and no record in a tree claims
+    # equality with EMPTY_HOOKS, ABSENT or None without being it
+    if countOf(map(_PLAIN_PARTS, tensors), _PLAIN) != len(tensors):
         return None  # a tensor with something to walk into
     return tensors, ids if dicts else set()
 

@@ -51,7 +51,7 @@ def test_an_unexpected_error_is_exit_5_with_one_line(monkeypatch: pytest.MonkeyP
     def explode(*args: object, **kwargs: object) -> None:
         raise ZeroDivisionError("boom")
 
-    monkeypatch.setattr("ckptfix.pipeline.inspect_checkpoint", explode)
+    monkeypatch.setattr("ckptfix.analysis.inspect.inspect_checkpoint", explode)
     result = invoke_cli("inspect", "x.pth")
     assert result.returncode == 5, result
     assert result.stderr == "ckptfix: internal error (please report with --debug): ZeroDivisionError: boom\n"
