@@ -96,7 +96,7 @@ def engines(args: argparse.Namespace, src: Path, ckptfix: str, out: Path, label:
     st_out = args.workdir / "many_out.safetensors"
     shards = args.workdir / "many_shards"
     # a fresh folder each run (compare removes files, not folders; ckptfix refuses existing shards)
-    fresh = f"rm -rf {shards} && exec \"$@\""
+    fresh = f'rm -rf {shards} && exec "$@"'
     commands: dict[str, tuple[list[str], list[str] | None]] = {
         "strip-module": ([ckptfix, "strip-module", str(src), str(out)], None),
         "strip-module --dtype bfloat16": (

@@ -76,11 +76,13 @@ def test_native_casts_are_the_references_and_torchs_bit_for_bit(source: str, tar
 def test_special_values_come_out_as_torch_makes_them() -> None:
     """A few cases spelled out: values that round up to infinity, subnormals, -0.0, NaN payloads."""
     f32 = np.array([65520.0, 65519.996, -(2.0**-25), 1.5 * 2.0**-25, -0.0, 3.4e38], dtype="<f4")
-    assert native_cast.cast_floats(f32.tobytes(), "float32", "float16") == bytes.fromhex("007c ff7b 0080 0100 0080 007c")
+    half = native_cast.cast_floats(f32.tobytes(), "float32", "float16")
+    assert half == bytes.fromhex("007c ff7b 0080 0100 0080 007c")
     nan = np.array([0xFFA12345], dtype="<u4")  # a negative signalling NaN with a payload
-    assert native_cast.cast_floats(nan.tobytes(), "float32", "float64") == np.array(
-        [0xFFFC2468A0000000], dtype="<u8"
-    ).tobytes()
+    assert (
+        native_cast.cast_floats(nan.tobytes(), "float32", "float64")
+        == np.array([0xFFFC2468A0000000], dtype="<u8").tobytes()
+    )
 
 
 def test_swap_casts_big_endian_elements() -> None:
