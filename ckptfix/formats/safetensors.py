@@ -530,6 +530,7 @@ def write_safetensors(
     progress: Callable[[int], None] | None = None,
     *,
     max_data_bytes: int | None = None,
+    plan: SafetensorsPlan | None = None,
 ) -> SafetensorsPlan:
     """Stream ``state_dict`` into ``out`` as safetensors; returns the plan that was written.
 
@@ -537,9 +538,12 @@ def write_safetensors(
     few calls (so a copy-on-write file system can share the blocks); strided views and
     big-endian sources are gathered one tensor at a time. When header and data come out the
     same as a source file's, that file is copied whole. ``max_data_bytes`` refuses, before the
-    first byte, a file whose data would be larger (see :func:`check_expand_budget`).
+    first byte, a file whose data would be larger (see :func:`check_expand_budget`). ``plan``:
+    what :func:`plan_safetensors` gave for this very ``state_dict``, ``metadata`` and budget
+    (a caller that checked before opening its output), so it is not worked out twice.
     """
-    plan = plan_safetensors(state_dict, metadata, max_data_bytes=max_data_bytes)
+    if plan is None:
+        plan = plan_safetensors(state_dict, metadata, max_data_bytes=max_data_bytes)
     stream = OutputStream(out)
     stream.reserve(len(plan.header) + plan.data_bytes)  # the file's exact size, known from the plan
     with OpenFiles() as files:
