@@ -77,7 +77,7 @@ class _CastBatch:
     in the file), each storage is cast by :func:`_cast_bytes`, which raises the reference's error.
     """
 
-    __slots__ = ("_blob", "_ends", "_left", "_offsets", "_sizes", "_total", "storages", "target")
+    __slots__ = ("_blob", "_declined", "_ends", "_left", "_offsets", "_sizes", "_total", "storages", "target")
 
     def __init__(self, target: str) -> None:
         self.storages: list[StorageRef] = []
@@ -88,6 +88,7 @@ class _CastBatch:
         self._blob: bytes | None = None
         self._ends: list[int] = []
         self._left = 0
+        self._declined = False
 
     def add(self, storage: StorageRef, source: FileRange) -> int:
         self.storages.append(storage)
@@ -100,9 +101,12 @@ class _CastBatch:
         return len(self.storages) >= BATCH_COUNT or self._total >= BATCH_BYTES
 
     def produce(self, i: int, files: OpenFiles) -> bytes:
+        if self._declined:
+            return _cast_bytes(self.storages[i], self.target, files)
         if self._blob is None:
             self._blob = self._cast_all(files)
-            if self._blob is None:
+            if self._blob is None:  # asked once: each member is then read by the reference
+                self._declined = True
                 return _cast_bytes(self.storages[i], self.target, files)
             self._left = len(self.storages)
         blob, ends = self._blob, self._ends
