@@ -62,10 +62,6 @@ fn f64_is_nan(bits: u64) -> bool {
     bits & 0x7FFF_FFFF_FFFF_FFFF > 0x7FF0_0000_0000_0000
 }
 
-fn f16_is_nan(bits: u16) -> bool {
-    bits & 0x7FFF > 0x7C00
-}
-
 /// float16 -> float32, exactly; a NaN as numpy widens it (payload shifted up, not quieted here).
 fn f16_to_f32(h: u16) -> u32 {
     let sign = u32::from(h & 0x8000) << 16;
@@ -207,7 +203,7 @@ fn cast_one(source: Float, target: Float, raw: &[u8], out: &mut [u8]) {
 /// `input` (elements of `source`, each byte-reversed first with `swap`) cast to `target`.
 pub fn cast(input: &[u8], source: Float, target: Float, swap: bool) -> Result<Vec<u8>, String> {
     let (n, m) = (source.size(), target.size());
-    if input.len() % n != 0 {
+    if !input.len().is_multiple_of(n) {
         return Err(format!(
             "{} bytes are not whole {n}-byte elements",
             input.len()
@@ -266,6 +262,10 @@ pub unsafe extern "C" fn ckptfix_cast_floats(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn f16_is_nan(bits: u16) -> bool {
+        bits & 0x7FFF > 0x7C00
+    }
 
     fn one(source: Float, target: Float, raw: &[u8]) -> Vec<u8> {
         cast(raw, source, target, false).unwrap()

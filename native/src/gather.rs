@@ -90,7 +90,7 @@ pub unsafe extern "C" fn ckptfix_gather_ranges(
     // SAFETY: as above.
     let sizes = unsafe { crate::ffi::input(sizes_ptr, sizes_len) };
     let body = move || {
-        if offsets.len() != sizes.len() || offsets.len() % 8 != 0 {
+        if offsets.len() != sizes.len() || !offsets.len().is_multiple_of(8) {
             return Err("ckptfix_gather_ranges: columns of different lengths".to_string());
         }
         let u64s = |b: &[u8]| -> Vec<u64> {
@@ -138,7 +138,7 @@ mod tests {
 
     #[test]
     fn a_range_past_the_end_is_unsupported() {
-        let data = vec![7u8; 100];
+        let data = [7u8; 100];
         assert!(gather(&data[..], &[(90, 10)]).is_some());
         assert!(gather(&data[..], &[(90, 11)]).is_none());
         assert!(gather(&data[..], &[(u64::MAX, 2)]).is_none());
