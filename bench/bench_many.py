@@ -95,8 +95,9 @@ def engines(args: argparse.Namespace, src: Path, ckptfix: str, out: Path, label:
         subprocess.run([ckptfix, "convert", str(src), str(flat), "--select", "state_dict"], check=True)
     st_out = args.workdir / "many_out.safetensors"
     shards = args.workdir / "many_shards"
-    # a fresh folder each run (compare removes files, not folders; ckptfix refuses existing shards)
-    fresh = f'rm -rf {shards} && exec "$@"'
+    # a fresh, empty folder each run (compare removes files, not folders; ckptfix refuses existing
+    # shards; huggingface_hub's save_torch_state_dict needs the folder to exist)
+    fresh = f'rm -rf {shards} && mkdir {shards} && exec "$@"'
     commands: dict[str, tuple[list[str], list[str] | None]] = {
         "strip-module": ([ckptfix, "strip-module", str(src), str(out)], None),
         "strip-module --dtype bfloat16": (
