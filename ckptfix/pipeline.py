@@ -61,6 +61,7 @@ from .formats.checkpoint import (
 )
 from .formats.detect import CHECKPOINT_SUFFIXES, FILE_FORMATS, OUTPUT_FORMATS, PTH_SUFFIXES, check_input
 from .formats.safetensors import (
+    SafetensorsPlan,
     check_expand_budget,
     check_torch_expand_budget,
     default_expand_budget,
@@ -909,6 +910,7 @@ def _write(
 ) -> None:
     flat: dict[str, Any] | None = None
     metadata: dict[str, str] = {}
+    plan: SafetensorsPlan | None = None  # the layout checked below, reused by the write
     # safetensors writes views out in full: bounded, checked here before anything is written
     budget = expand_budget(opts.max_expand, ckpt.file_size) if file_format == "safetensors" else None
     if file_format == "safetensors" or kind == "sharded":
@@ -959,6 +961,7 @@ def _write(
             progress=progress,
             max_data_bytes=budget,
             split=torchrun_split() if opts.distributed else None,
+            plan=plan,
         )
         report.outputs = [str(p) for p in written.files]
         report.output_bytes = sum(p.stat().st_size for p in written.files)
@@ -975,7 +978,7 @@ def _write(
                 ckpt.write(root, f, progress=progress)
             elif ckpt.lazy:
                 assert flat is not None  # flattened above for every safetensors output
-                write_safetensors(flat, f, metadata, progress=progress, max_data_bytes=budget)
+                write_safetensors(flat, f, metadata, progress=progress, max_data_bytes=budget, plan=plan)
             else:
                 assert flat is not None
                 write_safetensors_from_torch(flat, f, metadata, max_data_bytes=budget)
@@ -1054,12 +1057,12 @@ def write_checkpoint(
     budget = expand_budget(max_expand, ckpt.file_size)
     if file_format != "pth":
         flat, metadata = flat_state_dict(root, root, keep_metadata=False)
-        plan_safetensors(flat, metadata, max_data_bytes=budget)  # refuse before the output exists
+        plan = plan_safetensors(flat, metadata, max_data_bytes=budget)  # refuse before the output exists
     with atomic_output(dest) as out:
         if file_format == "pth":
             ckpt.write(root, out, progress=progress)
         else:
-            write_safetensors(flat, out, metadata, progress=progress, max_data_bytes=budget)
+            write_safetensors(flat, out, metadata, progress=progress, max_data_bytes=budget, plan=plan)
         written = out.tell()
     return written if remote else Path(target).stat().st_size
 

@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import struct
+from array import array
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, BinaryIO, TypeAlias
@@ -41,6 +43,7 @@ from ..model.data import is_c_contiguous, storage_swap_unit, tensor_c_chunks
 from ..model.dtypes import DTYPE_ITEMSIZE, DTYPE_TO_SAFETENSORS, SAFETENSORS_DTYPES, SAFETENSORS_PACKED
 from ..model.needs import need_torch
 from ..model.refs import Reduce, TensorRef, is_torch_tensor, tensor_from_range
+from ..native import cast as native_cast
 
 if TYPE_CHECKING:
     import torch
@@ -203,6 +206,9 @@ class SafetensorsPlan:
     aliases: dict[str, str]
     header: bytes
     data_bytes: int
+    #: each tensor's :func:`_plain_span` and byte count, worked out once for the writer
+    spans: list[tuple[str, int] | None] | None = None
+    sizes: list[int] | None = None
 
 
 @dataclass
@@ -217,10 +223,24 @@ class _Run:
     size: int
 
 
+def _nbytes(t: TensorRef) -> int:
+    """``t.nbytes`` with the product in C (the property multiplies in a Python loop)."""
+    return math.prod(t.shape) * DTYPE_ITEMSIZE.get(t.dtype, 1)
+
+
 def _plain_span(t: TensorRef) -> tuple[str, int] | None:
     """(file, offset) where ``t``'s bytes already are exactly as safetensors stores them
     (little-endian, C order, uncompressed), or None when they must be gathered."""
     source = t.storage.source
+    if (
+        type(source) is FileRange  # the common case, decided without the general checks below
+        and source.deflated_size is None
+        and t.storage.byteorder == "little"
+        and len(t.shape) == 1
+        and t.shape[0] > 0
+        and (t.stride == (1,) or t.shape[0] == 1)
+    ):
+        return source.path, source.offset + t.storage_offset * DTYPE_ITEMSIZE[t.dtype]
     if t.numel == 0 and is_plain_range(source):
         return source.path, source.offset  # no bytes: its offset may be anything (2**62), never read
     if storage_swap_unit(t.storage) or not is_plain_range(source) or not is_c_contiguous(t.shape, t.stride):
@@ -235,21 +255,50 @@ def _joined(t: TensorRef) -> JoinedSource | None:
     return source if isinstance(source, JoinedSource) and whole and t.nbytes == source.size else None
 
 
-def _runs(tensors: Iterable[tuple[str, TensorRef]]) -> list[_Run | TensorRef]:
-    """The data section as pieces: runs to copy, and tensors to gather one by one."""
+def _runs(
+    tensors: list[tuple[str, TensorRef]],
+    spans: list[tuple[str, int] | None] | None = None,
+    sizes: list[int] | None = None,
+) -> list[_Run | TensorRef]:
+    """The data section as pieces: runs to copy, and tensors to gather one by one (``spans``
+    and ``sizes``: each tensor's :func:`_plain_span` and byte count, when already known)."""
+    if spans is None:
+        spans = [_plain_span(t) for _, t in tensors]
+    if sizes is None:
+        sizes = [_nbytes(t) for _, t in tensors]
     pieces: list[_Run | TensorRef] = []
     start = 0
-    for _, t in tensors:
-        span = _plain_span(t)
-        last = pieces[-1] if pieces else None
+    last: _Run | None = None
+    for (_, t), span, size in zip(tensors, spans, sizes):
         if span is None:
             pieces.append(t)
-        elif isinstance(last, _Run) and last.path == span[0] and last.offset + last.size == span[1]:
-            last.size += t.nbytes
+            last = None
+        elif last is not None and last.path == span[0] and last.offset + last.size == span[1]:
+            last.size += size
         else:
-            pieces.append(_Run(start, span[0], span[1], t.nbytes))
-        start += t.nbytes
+            last = _Run(start, span[0], span[1], size)
+            pieces.append(last)
+        start += size
     return pieces
+
+
+def _run_sizes(spans: list[tuple[str, int] | None], sizes: list[int]) -> list[int]:
+    """For each tensor, the byte count of the run (:func:`_runs`) it is part of; 0 for a
+    tensor gathered on its own."""
+    out = [0] * len(spans)
+    i, n = 0, len(spans)
+    while i < n:
+        span = spans[i]
+        if span is None:
+            i += 1
+            continue
+        j, total = i + 1, sizes[i]
+        while j < n and (nxt := spans[j]) is not None and nxt[0] == span[0] and span[1] + total == nxt[1]:
+            total += sizes[j]
+            j += 1
+        out[i:j] = [total] * (j - i)
+        i = j
+    return out
 
 
 def _best_placement(pieces: Iterable[_Run | TensorRef]) -> tuple[int | None, int]:
@@ -279,20 +328,20 @@ def _all_remote(kept: list[tuple[str, TensorRef]]) -> bool:
     return all(isinstance(t.storage.source, FileRange) and is_url(t.storage.source.path) for _, t in kept)
 
 
-def _in_source_order(kept: list[tuple[str, TensorRef]]) -> list[tuple[str, TensorRef]] | None:
-    """``kept`` in the order its bytes lie in their files, or None when some tensor must be
-    gathered or that order would leave a tensor misaligned for its element size."""
-    spans = [_plain_span(t) for _, t in kept]
-    if any(span is None for span in spans):
+def _in_source_order(
+    kept: list[tuple[str, TensorRef]], spans: list[tuple[str, int] | None], sizes: list[int]
+) -> list[int] | None:
+    """The order of ``kept`` (indices) in which its bytes lie in their files, or None when some
+    tensor must be gathered or that order would leave a tensor misaligned for its element size."""
+    if None in spans:
         return None
     order = sorted(range(len(kept)), key=lambda i: (spans[i], kept[i][0]))
-    ordered = [kept[i] for i in order]
     start = 0
-    for _, t in ordered:
-        if start % DTYPE_ITEMSIZE[t.dtype]:
+    for i in order:
+        if start % DTYPE_ITEMSIZE[kept[i][1].dtype]:
             return None
-        start += t.nbytes
-    return ordered
+        start += sizes[i]
+    return order
 
 
 #: the torch tensor kinds a pickle rebuilds through a call ckptfix keeps as a record, by that call
@@ -441,19 +490,22 @@ def plan_safetensors(
     if max_data_bytes is not None:
         check_expand_budget(kept, max_data_bytes)
     kept.sort(key=lambda item: (-DTYPE_ITEMSIZE[item[1].dtype], item[0]))
-    residue, shared = _best_placement(_runs(kept))
-    as_stored = _in_source_order(kept)
-    if as_stored is not None:
-        stored_residue, stored_shared = _best_placement(_runs(as_stored))
+    spans = [_plain_span(t) for _, t in kept]
+    sizes = [_nbytes(t) for _, t in kept]
+    residue, shared = _best_placement(_runs(kept, spans, sizes))
+    order = _in_source_order(kept, spans, sizes)
+    if order is not None:
+        as_stored = [kept[i] for i in order]
+        stored_spans, stored_sizes = [spans[i] for i in order], [sizes[i] for i in order]
+        stored_residue, stored_shared = _best_placement(_runs(as_stored, stored_spans, stored_sizes))
         if stored_shared > shared or (not shared and _all_remote(kept)):
-            kept, residue = as_stored, stored_residue
+            kept, residue, spans, sizes = as_stored, stored_residue, stored_spans, stored_sizes
     meta = hub_metadata(metadata or {})
     for alias, keep in aliases.items():
         meta.setdefault(alias, keep)  # save_model's convention; user metadata wins
     header: dict[str, Any] = {"__metadata__": meta} if meta else {}
     offset = 0
-    for name, t in kept:
-        size = t.nbytes
+    for (name, t), size in zip(kept, sizes):
         shape = list(t.shape)
         if t.dtype in SAFETENSORS_PACKED:  # F4 counts 4-bit values; 0-dim ones were refused above
             shape[-1] *= SAFETENSORS_PACKED[t.dtype]
@@ -468,7 +520,7 @@ def plan_safetensors(
         raw += b" " * (-(len(raw) + 8) % _ALIGN)
     else:
         raw += b" " * ((residue - 8 - len(raw)) % BLOCK)
-    return SafetensorsPlan(kept, aliases, struct.pack("<Q", len(raw)) + raw, offset)
+    return SafetensorsPlan(kept, aliases, struct.pack("<Q", len(raw)) + raw, offset, spans, sizes)
 
 
 def write_safetensors(
@@ -478,6 +530,7 @@ def write_safetensors(
     progress: Callable[[int], None] | None = None,
     *,
     max_data_bytes: int | None = None,
+    plan: SafetensorsPlan | None = None,
 ) -> SafetensorsPlan:
     """Stream ``state_dict`` into ``out`` as safetensors; returns the plan that was written.
 
@@ -485,9 +538,12 @@ def write_safetensors(
     few calls (so a copy-on-write file system can share the blocks); strided views and
     big-endian sources are gathered one tensor at a time. When header and data come out the
     same as a source file's, that file is copied whole. ``max_data_bytes`` refuses, before the
-    first byte, a file whose data would be larger (see :func:`check_expand_budget`).
+    first byte, a file whose data would be larger (see :func:`check_expand_budget`). ``plan``:
+    what :func:`plan_safetensors` gave for this very ``state_dict``, ``metadata`` and budget
+    (a caller that checked before opening its output), so it is not worked out twice.
     """
-    plan = plan_safetensors(state_dict, metadata, max_data_bytes=max_data_bytes)
+    if plan is None:
+        plan = plan_safetensors(state_dict, metadata, max_data_bytes=max_data_bytes)
     stream = OutputStream(out)
     stream.reserve(len(plan.header) + plan.data_bytes)  # the file's exact size, known from the plan
     with OpenFiles() as files:
@@ -498,23 +554,85 @@ def write_safetensors(
                 progress(plan.data_bytes)
         else:
             stream.write(plan.header)
-            files.plan(_planned_reads(plan.tensors))  # a remote input: fetched ahead, in this order
-            for _, t in plan.tensors:
-                span = _plain_span(t)
-                joined = _joined(t) if span is None else None
-                if joined is not None:  # ranges of several files (a ZeRO partition's slices): each by the kernel
-                    stream.copy(joined, files)
-                elif span is None:
-                    for piece in tensor_c_chunks(t, files):
-                        stream.write(piece)
-                elif _whole_remote_record(t):  # streamed from an object: checked against its CRC32
-                    _check_record_crc(t, stream.copy(FileRange(span[0], span[1], t.nbytes), files, want_crc=True))
-                else:  # file to file, in the kernel; the stream merges tensors that lie back to back
-                    stream.copy(FileRange(span[0], span[1], t.nbytes), files)
-                if progress:
-                    progress(t.nbytes)
+            _write_data(plan, stream, files, progress)
         stream.flush()  # before the input files close: the last copy may still be pending
     return plan
+
+
+#: the most bytes (and tensors) of small tensors read in one native call (what the writer holds)
+GATHER_BYTES = 1 << 22
+GATHER_COUNT = 8192
+
+
+def _write_data(
+    plan: SafetensorsPlan, stream: OutputStream, files: OpenFiles, progress: Callable[[int], None] | None
+) -> None:
+    """The data section, tensor by tensor in the plan's order.
+
+    With the native engine, consecutive small tensors of one local file (each its own run of
+    under :data:`SMALL_COPY` bytes: a training checkpoint's every parameter) are read in one
+    library call per batch and written as one buffer -- the bytes the loop below would copy,
+    without a Python read each; a batch the library declines (a range not all in its file) goes
+    through that loop, which raises its own error.
+    """
+    tensors = plan.tensors
+    spans = plan.spans if plan.spans is not None else [_plain_span(t) for _, t in tensors]
+    sizes = plan.sizes if plan.sizes is not None else [_nbytes(t) for _, t in tensors]
+    paths = {span[0] for span in spans if span is not None}
+    remote = {path for path in paths if is_url(path)}
+    if remote or None in spans:
+        files.plan(_planned_reads(tensors))  # a remote input: fetched ahead, in this order
+    small = _run_sizes(spans, sizes) if native_cast.available() else None
+    n, i = len(tensors), 0
+    while i < n:
+        span = spans[i]
+        if small is None or span is None or not 0 < small[i] < SMALL_COPY or span[0] in remote:
+            _write_one(tensors[i][1], span, sizes[i], stream, files, progress)
+            i += 1
+            continue
+        j, total = i, 0
+        while (
+            j < n
+            and (other := spans[j]) is not None
+            and other[0] == span[0]
+            and 0 < small[j] < SMALL_COPY
+            and total < GATHER_BYTES
+            and j - i < GATHER_COUNT
+        ):
+            total += sizes[j]
+            j += 1
+        offsets = array("Q", [spans[k][1] for k in range(i, j)])  # type: ignore[index]
+        blob = native_cast.gather(files.file(span[0]).fileno(), offsets, array("Q", sizes[i:j]))
+        if blob is None:
+            for k in range(i, j):
+                _write_one(tensors[k][1], spans[k], sizes[k], stream, files, progress)
+        else:
+            stream.write(blob)
+            if progress:
+                progress(total)
+        i = j
+
+
+def _write_one(
+    t: TensorRef,
+    span: tuple[str, int] | None,
+    size: int,
+    stream: OutputStream,
+    files: OpenFiles,
+    progress: Callable[[int], None] | None,
+) -> None:
+    joined = _joined(t) if span is None else None
+    if joined is not None:  # ranges of several files (a ZeRO partition's slices): each by the kernel
+        stream.copy(joined, files)
+    elif span is None:
+        for piece in tensor_c_chunks(t, files):
+            stream.write(piece)
+    elif _whole_remote_record(t):  # streamed from an object: checked against its CRC32
+        _check_record_crc(t, stream.copy(FileRange(span[0], span[1], size), files, want_crc=True))
+    else:  # file to file, in the kernel; the stream merges tensors that lie back to back
+        stream.copy(FileRange(span[0], span[1], size), files)
+    if progress:
+        progress(size)
 
 
 def _whole_remote_record(t: TensorRef) -> bool:
@@ -560,7 +678,7 @@ def _planned_reads(tensors: Iterable[tuple[str, TensorRef]]) -> Iterator[FileRan
 def _unchanged_file(plan: SafetensorsPlan, files: OpenFiles) -> FileRange | None:
     """The whole source file, when the output would be that file byte for byte: one run that
     is the source's entire data section, after a header equal to the source's."""
-    pieces = _runs(plan.tensors)
+    pieces = _runs(plan.tensors, plan.spans, plan.sizes)
     if len(pieces) != 1 or not isinstance(pieces[0], _Run):
         return None
     run = pieces[0]

@@ -29,7 +29,7 @@ from ..fileio.atomic import atomic_output
 from ..fileio.held import held_outputs
 from ..model.refs import TensorRef
 from .detect import checkpoint_like, open_input
-from .safetensors import plan_safetensors, write_safetensors
+from .safetensors import SafetensorsPlan, plan_safetensors, write_safetensors
 from .torchzip import write_torch_zip
 
 INDEX_NAMES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -131,6 +131,7 @@ def write_sharded(
     progress: Callable[[int], None] | None = None,
     max_data_bytes: int | None = None,
     split: Split | None = None,
+    plan: SafetensorsPlan | None = None,
 ) -> ShardedWrite:
     """Write ``state_dict`` as shards in ``out_dir``; all files or none.
 
@@ -147,12 +148,16 @@ def write_sharded(
     written (see :func:`~ckptfix.formats.safetensors.check_expand_budget`); .bin shards keep
     views as views, so they are not bounded. ``split``: this process writes only its shards
     (see :class:`Split`); every process plans the same layout, so the files are the same as
-    one process writes. The returned ``files`` are all of them, from every process.
+    one process writes. The returned ``files`` are all of them, from every process. ``plan``:
+    what :func:`plan_safetensors` gave for this ``state_dict``, ``metadata`` and budget (a caller
+    that checked it before), so it is not worked out twice.
     """
     budget = max_data_bytes if shard_format == "safetensors" else None
-    plan = plan_safetensors(state_dict, metadata, max_data_bytes=budget)  # checks every value, finds ties once
+    if plan is None:  # checks every value, finds ties once
+        plan = plan_safetensors(state_dict, metadata, max_data_bytes=budget)
     kept = dict(plan.tensors)
-    ordered = {name: kept[name].nbytes for name in state_dict if name in kept}
+    size_of = dict(zip(kept, plan.sizes)) if plan.sizes is not None else {k: t.nbytes for k, t in kept.items()}
+    ordered = {name: size_of[name] for name in state_dict if name in size_of}
     shards = plan_shards(ordered, max_bytes)
     stem, ext = ("model", "safetensors") if shard_format == "safetensors" else ("pytorch_model", "bin")
     count = len(shards)

@@ -13,11 +13,13 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![forbid(clippy::undocumented_unsafe_blocks)]
 
+pub mod cast;
 pub mod copyrange;
 pub mod crc;
 pub mod emit;
 pub mod emit_py;
 pub mod ffi;
+pub mod gather;
 pub mod le;
 pub mod vm;
 pub mod vm_records;
