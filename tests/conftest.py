@@ -133,6 +133,11 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             return 0
 
     items.sort(key=lambda item: -cost(item))
+    if os.environ.get("CKPTFIX_ENGINE", "").strip().lower() == "native":
+        once = pytest.mark.skip(reason=ONCE_REASON)
+        for item in items:
+            if item.get_closest_marker("engine_independent"):
+                item.add_marker(once)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -256,6 +261,46 @@ def _native_skip_reason() -> str | None:
 NATIVE_SKIP = _native_skip_reason()
 #: for tests of the native engine itself (comparisons with the Python engine, its own inputs)
 needs_native = pytest.mark.skipif(NATIVE_SKIP is not None, reason=NATIVE_SKIP or "")
+
+
+# --- CI's two passes: the fuzzers' inputs split between them; engine-independent tests run once ---
+
+#: which of CI's two passes this is (.ci/run runs the suite with CKPTFIX_ENGINE=native, then with
+#: CKPTFIX_ENGINE=python): (index, passes). A run with CKPTFIX_ENGINE unset or ``auto`` (the
+#: README's command, one pass) is pass 0 of 1 and runs everything.
+PASS_INDEX, PASSES = {"native": (0, 2), "python": (1, 2)}.get(
+    os.environ.get("CKPTFIX_ENGINE", "").strip().lower(), (0, 1)
+)
+
+
+def fuzz_share(total: int) -> int:
+    """This pass's share of a fuzzer's ``total`` inputs: all of them in a single run, half in each
+    of CI's two passes -- which draw different inputs (:func:`fuzz_seed`), so a CI run still feeds
+    ``total`` distinct inputs in all, half through each engine."""
+    return -(-total // PASSES)
+
+
+def fuzz_seed(base: int) -> int:
+    """The seed of this pass's inputs: ``base`` in a single run and in CI's first pass, another in
+    its second (the same inputs again would add time and no coverage)."""
+    return base + PASS_INDEX
+
+
+def pass_seed(test: Any) -> Any:
+    """For a hypothesis test whose examples are split between CI's two passes (its
+    ``settings(max_examples=fuzz_share(N))``): in CI's passes, a seed of the pass's own (the "ci"
+    profile derandomizes, so both passes would otherwise draw the same examples); in a single run,
+    hypothesis's usual choice."""
+    from hypothesis import seed
+
+    return seed(fuzz_seed(20261125))(test) if PASSES > 1 else test
+
+
+#: the reason engine-independent tests are skipped in CI's native pass (shown in the summary)
+ONCE_REASON = (
+    "engine-independent (never asks which engine runs; pyproject's engine_independent marker): "
+    "run once, in the CKPTFIX_ENGINE=python pass"
+)
 
 
 WALL_FACTOR = 20
