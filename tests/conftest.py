@@ -303,6 +303,61 @@ ONCE_REASON = (
 )
 
 
+#: the engine_independent test now running reached the engine choice (what it called, first seen)
+_reached_engine: list[str] = []
+_in_independent_test = False
+
+
+def _watch_engine_choice() -> None:
+    """Wrap ``ckptfix.native``'s ``library`` and ``requested_engine`` -- every engine-dependent path
+    asks one of them -- so that an ``engine_independent`` test that reaches either fails (in the
+    pass that runs it): the marker is checked on every run, not taken on trust."""
+    from ckptfix import native
+
+    for name in ("library", "requested_engine"):
+        original = getattr(native, name)
+
+        def watched(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+            if _in_independent_test and not _reached_engine:
+                _reached_engine.append(f"ckptfix.native.{_name}()")
+            return _original(*args, **kwargs)
+
+        if hasattr(original, "cache_clear"):  # library is functools.cache'd; tests clear it
+            watched.cache_clear = original.cache_clear  # type: ignore[attr-defined]
+        for module in [m for n, m in sys.modules.items() if n.startswith("ckptfix.native") and m is not None]:
+            if getattr(module, name, None) is original:
+                setattr(module, name, watched)
+
+
+_watch_engine_choice()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
+    """Watching starts with the test's setup (its fixtures count: a fixture that reads a checkpoint
+    depends on the engine) and ends after its call (:func:`pytest_runtest_call`)."""
+    global _in_independent_test
+    _reached_engine.clear()
+    _in_independent_test = item.get_closest_marker("engine_independent") is not None
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    global _in_independent_test
+    try:
+        result = yield
+    finally:
+        _in_independent_test = False
+    if _reached_engine:
+        pytest.fail(
+            f"marked engine_independent, but it called {_reached_engine[0]}: it depends on the engine, "
+            "so both of CI's passes must run it (drop the marker)",
+            pytrace=False,
+        )
+    return result
+
+
 WALL_FACTOR = 20
 
 
