@@ -91,34 +91,35 @@ def _require_tier(what: str, allowed: tuple[str, ...], hint: str) -> None:
         )
 
 
-#: the test files that take the most CPU (seconds, on the two-core CI machine, the larger of the two
-#: engines' passes; pytest --durations=0, summed by file). They are handed out first, longest first:
+#: the test files that take the most CPU (CPU seconds: user + system of the test's process and the
+#: processes it waited for, summed by file, the larger of CI's two passes; measured on the 2-core CI
+#: machine under load, so only their order matters). They are handed out first, longest first:
 #: with --dist loadfile a worker takes the next file only when it is done with one, so a long file
 #: taken last keeps one core busy while the other waits (pytest-xdist's own reordering, by number of
 #: tests, put the 1-test fuzzers last; pyproject turns it off). Other files follow in the usual
 #: order; a file missing here, or a stale figure, only costs balance, never a result.
 SLOW_FILES = {
     "e2e/test_hostile_processes.py": 16,
-    "unit/test_fuzz.py": 9,
-    "unit/test_differential.py": 8.5,
-    "cli/test_hostile_core.py": 7,
-    "cli/test_remote.py": 7,
-    "e2e/test_entry_points.py": 6.5,
-    "unit/test_torch_matrix.py": 4.5,
-    "cli/test_fuzz_cli.py": 3.5,
-    "unit/test_oracle.py": 3.3,
-    "e2e/test_crash_safety.py": 3.2,
-    "cli/test_batch.py": 3,
-    "unit/test_native_vm.py": 3,
-    "unit/test_core_v2.py": 2.7,
-    "unit/test_layers.py": 2.6,
-    "unit/test_convert.py": 2.5,
-    "unit/test_pickle_semantics.py": 2.4,
-    "cli/test_surgery.py": 2.3,
-    "cli/test_review17.py": 2.3,
-    "unit/test_torch_view_containers.py": 2.2,
-    "unit/test_api.py": 2,
-    "cli/test_containers_cli.py": 2,
+    "cli/test_remote.py": 12.6,
+    "cli/test_hostile_core.py": 9.8,
+    "e2e/test_entry_points.py": 9.7,
+    "unit/test_torch_matrix.py": 8,
+    "unit/test_fuzz.py": 6.2,
+    "cli/test_batch.py": 5.3,
+    "unit/test_differential.py": 4.9,
+    "unit/test_native_vm.py": 4.8,
+    "unit/test_core_v2.py": 4.8,
+    "e2e/test_crash_safety.py": 4.4,
+    "unit/test_convert.py": 3.7,
+    "unit/test_api.py": 3.7,
+    "cli/test_surgery.py": 3.5,
+    "unit/test_oracle.py": 3.4,
+    "cli/test_review17.py": 3.4,
+    "unit/test_numeric.py": 3.3,
+    "cli/test_fuzz_cli.py": 3.2,
+    "e2e/test_remote_interrupt.py": 2.8,
+    "unit/test_native_emit.py": 2.7,
+    "cli/test_config_objects.py": 2.5,
 }
 
 

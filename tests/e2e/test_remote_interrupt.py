@@ -10,14 +10,11 @@ import sys
 import threading
 from pathlib import Path
 
-import pytest
 import torch
 from conftest import ROOT
+from remote_servers import skip_without_s3, start_s3
 
-pytest.importorskip("s3fs", reason="the S3 tests need the [remote] extra (s3fs) and moto[server]")
-pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
-
-from remote_servers import start_s3
+skip_without_s3()
 
 
 def test_sigint_mid_upload_is_exit_130_with_no_object_and_no_upload(tmp_path: Path) -> None:
