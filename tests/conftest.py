@@ -91,34 +91,35 @@ def _require_tier(what: str, allowed: tuple[str, ...], hint: str) -> None:
         )
 
 
-#: the test files that take the most CPU (seconds, on the two-core CI machine, the larger of the two
-#: engines' passes; pytest --durations=0, summed by file). They are handed out first, longest first:
+#: the test files that take the most CPU (CPU seconds: user + system of the test's process and the
+#: processes it waited for, summed by file, the larger of CI's two passes; measured on the 2-core CI
+#: machine under load, so only their order matters). They are handed out first, longest first:
 #: with --dist loadfile a worker takes the next file only when it is done with one, so a long file
 #: taken last keeps one core busy while the other waits (pytest-xdist's own reordering, by number of
 #: tests, put the 1-test fuzzers last; pyproject turns it off). Other files follow in the usual
 #: order; a file missing here, or a stale figure, only costs balance, never a result.
 SLOW_FILES = {
     "e2e/test_hostile_processes.py": 16,
-    "unit/test_fuzz.py": 9,
-    "unit/test_differential.py": 8.5,
-    "cli/test_hostile_core.py": 7,
-    "cli/test_remote.py": 7,
-    "e2e/test_entry_points.py": 6.5,
-    "unit/test_torch_matrix.py": 4.5,
-    "cli/test_fuzz_cli.py": 3.5,
-    "unit/test_oracle.py": 3.3,
-    "e2e/test_crash_safety.py": 3.2,
-    "cli/test_batch.py": 3,
-    "unit/test_native_vm.py": 3,
-    "unit/test_core_v2.py": 2.7,
-    "unit/test_layers.py": 2.6,
-    "unit/test_convert.py": 2.5,
-    "unit/test_pickle_semantics.py": 2.4,
-    "cli/test_surgery.py": 2.3,
-    "cli/test_review17.py": 2.3,
-    "unit/test_torch_view_containers.py": 2.2,
-    "unit/test_api.py": 2,
-    "cli/test_containers_cli.py": 2,
+    "cli/test_remote.py": 12.6,
+    "cli/test_hostile_core.py": 9.8,
+    "e2e/test_entry_points.py": 9.7,
+    "unit/test_torch_matrix.py": 8,
+    "unit/test_fuzz.py": 6.2,
+    "cli/test_batch.py": 5.3,
+    "unit/test_differential.py": 4.9,
+    "unit/test_native_vm.py": 4.8,
+    "unit/test_core_v2.py": 4.8,
+    "e2e/test_crash_safety.py": 4.4,
+    "unit/test_convert.py": 3.7,
+    "unit/test_api.py": 3.7,
+    "cli/test_surgery.py": 3.5,
+    "unit/test_oracle.py": 3.4,
+    "cli/test_review17.py": 3.4,
+    "unit/test_numeric.py": 3.3,
+    "cli/test_fuzz_cli.py": 3.2,
+    "e2e/test_remote_interrupt.py": 2.8,
+    "unit/test_native_emit.py": 2.7,
+    "cli/test_config_objects.py": 2.5,
 }
 
 
@@ -133,6 +134,11 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
             return 0
 
     items.sort(key=lambda item: -cost(item))
+    if os.environ.get("CKPTFIX_ENGINE", "").strip().lower() == "native":
+        once = pytest.mark.skip(reason=ONCE_REASON)
+        for item in items:
+            if item.get_closest_marker("engine_independent"):
+                item.add_marker(once)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -256,6 +262,101 @@ def _native_skip_reason() -> str | None:
 NATIVE_SKIP = _native_skip_reason()
 #: for tests of the native engine itself (comparisons with the Python engine, its own inputs)
 needs_native = pytest.mark.skipif(NATIVE_SKIP is not None, reason=NATIVE_SKIP or "")
+
+
+# --- CI's two passes: the fuzzers' inputs split between them; engine-independent tests run once ---
+
+#: which of CI's two passes this is (.ci/run runs the suite with CKPTFIX_ENGINE=native, then with
+#: CKPTFIX_ENGINE=python): (index, passes). A run with CKPTFIX_ENGINE unset or ``auto`` (the
+#: README's command, one pass) is pass 0 of 1 and runs everything.
+PASS_INDEX, PASSES = {"native": (0, 2), "python": (1, 2)}.get(
+    os.environ.get("CKPTFIX_ENGINE", "").strip().lower(), (0, 1)
+)
+
+
+def fuzz_share(total: int) -> int:
+    """This pass's share of a fuzzer's ``total`` inputs: all of them in a single run, half in each
+    of CI's two passes -- which draw different inputs (:func:`fuzz_seed`), so a CI run still feeds
+    ``total`` distinct inputs in all, half through each engine."""
+    return -(-total // PASSES)
+
+
+def fuzz_seed(base: int) -> int:
+    """The seed of this pass's inputs: ``base`` in a single run and in CI's first pass, another in
+    its second (the same inputs again would add time and no coverage)."""
+    return base + PASS_INDEX
+
+
+def pass_seed(test: Any) -> Any:
+    """For a hypothesis test whose examples are split between CI's two passes (its
+    ``settings(max_examples=fuzz_share(N))``): in CI's passes, a seed of the pass's own (the "ci"
+    profile derandomizes, so both passes would otherwise draw the same examples); in a single run,
+    hypothesis's usual choice."""
+    from hypothesis import seed
+
+    return seed(fuzz_seed(20261125))(test) if PASSES > 1 else test
+
+
+#: the reason engine-independent tests are skipped in CI's native pass (shown in the summary)
+ONCE_REASON = (
+    "engine-independent (never asks which engine runs; pyproject's engine_independent marker): "
+    "run once, in the CKPTFIX_ENGINE=python pass"
+)
+
+
+#: the engine_independent test now running reached the engine choice (what it called, first seen)
+_reached_engine: list[str] = []
+_in_independent_test = False
+
+
+def _watch_engine_choice() -> None:
+    """Wrap ``ckptfix.native``'s ``library`` and ``requested_engine`` -- every engine-dependent path
+    asks one of them -- so that an ``engine_independent`` test that reaches either fails (in the
+    pass that runs it): the marker is checked on every run, not taken on trust."""
+    from ckptfix import native
+
+    for name in ("library", "requested_engine"):
+        original = getattr(native, name)
+
+        def watched(*args: Any, _original: Any = original, _name: str = name, **kwargs: Any) -> Any:
+            if _in_independent_test and not _reached_engine:
+                _reached_engine.append(f"ckptfix.native.{_name}()")
+            return _original(*args, **kwargs)
+
+        if hasattr(original, "cache_clear"):  # library is functools.cache'd; tests clear it
+            watched.cache_clear = original.cache_clear  # type: ignore[attr-defined]
+        for module in [m for n, m in sys.modules.items() if n.startswith("ckptfix.native") and m is not None]:
+            if getattr(module, name, None) is original:
+                setattr(module, name, watched)
+
+
+_watch_engine_choice()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Any:
+    """Watching starts with the test's setup (its fixtures count: a fixture that reads a checkpoint
+    depends on the engine) and ends after its call (:func:`pytest_runtest_call`)."""
+    global _in_independent_test
+    _reached_engine.clear()
+    _in_independent_test = item.get_closest_marker("engine_independent") is not None
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Any:
+    global _in_independent_test
+    try:
+        result = yield
+    finally:
+        _in_independent_test = False
+    if _reached_engine:
+        pytest.fail(
+            f"marked engine_independent, but it called {_reached_engine[0]}: it depends on the engine, "
+            "so both of CI's passes must run it (drop the marker)",
+            pytrace=False,
+        )
+    return result
 
 
 WALL_FACTOR = 20

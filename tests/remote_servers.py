@@ -22,6 +22,19 @@ Environ = dict[str, Any]
 StartResponse = Callable[..., Any]
 
 
+def skip_without_s3() -> None:
+    """Skip the calling test module when s3fs or moto's server is not installed -- found, not
+    imported: importing them (about a second of CPU) is left to the test that starts a server, so
+    the xdist worker that only collects the module does not pay for it."""
+    import importlib.util
+
+    import pytest
+
+    for module, why in (("s3fs", "the [remote] extra (s3fs)"), ("moto", "moto[server]"), ("flask", "moto[server]")):
+        if importlib.util.find_spec(module) is None:
+            pytest.skip(f"the S3 tests need {why}: {module} is not installed", allow_module_level=True)
+
+
 @dataclass
 class Traffic:
     """What a server answered: one (method, path, Range header) per request, and body bytes sent."""

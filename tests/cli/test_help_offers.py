@@ -12,6 +12,9 @@ from conftest import FIXTURES, invoke_cli
 
 from ckptfix.cli import cli
 
+#: usage checks only: every input is missing, so no checkpoint is read; CI runs these in one pass
+pytestmark = pytest.mark.engine_independent
+
 #: a value for each option that takes one (by parameter name)
 VALUES = {
     "map_location": "cpu",

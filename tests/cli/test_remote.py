@@ -14,12 +14,10 @@ from typing import Any
 import pytest
 import torch
 from conftest import assert_values, invoke_cli
+from remote_servers import Server, skip_without_s3, start_http, start_s3
 from safetensors.torch import load, load_file, save_file
 
-pytest.importorskip("s3fs", reason="the S3 tests need the [remote] extra (s3fs) and moto[server]")
-pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
-
-from remote_servers import Server, start_http, start_s3
+skip_without_s3()
 
 BUCKET = "ckpts"
 #: what fsspec needs to reach the loopback S3 API, as a user would give it

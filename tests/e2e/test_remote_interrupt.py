@@ -10,14 +10,11 @@ import sys
 import threading
 from pathlib import Path
 
-import pytest
 import torch
 from conftest import ROOT
+from remote_servers import skip_without_s3, start_s3
 
-pytest.importorskip("s3fs", reason="the S3 tests need the [remote] extra (s3fs) and moto[server]")
-pytest.importorskip("moto.server", reason="the S3 tests need moto[server]")
-
-from remote_servers import start_s3
+skip_without_s3()
 
 
 def test_sigint_mid_upload_is_exit_130_with_no_object_and_no_upload(tmp_path: Path) -> None:
@@ -44,13 +41,22 @@ def test_sigint_mid_upload_is_exit_130_with_no_object_and_no_upload(tmp_path: Pa
         "AWS_SECRET_ACCESS_KEY": "testing",
     }
     out = "s3://interrupted/out/model.safetensors"
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "ckptfix", "convert", str(src), out],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-    )
+    # Ctrl-C reaches a process whose SIGINT is not ignored. pytest started in the background by a
+    # shell without job control (`pytest ... &`, nohup, some CI runners) has SIGINT ignored, and a
+    # child inherits that (Python leaves an ignored SIGINT ignored): it would finish the upload
+    # once the held part is answered -- the "timeout after SIGINT" or "exit 0, empty stderr" this
+    # test used to fail with. A handler here is reset to the default in the child by exec.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ckptfix", "convert", str(src), out],
+            env=env,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
     try:
         assert in_flight.wait(60), "the upload never started"
         proc.send_signal(signal.SIGINT)

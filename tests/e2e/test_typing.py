@@ -18,6 +18,9 @@ import ckptfix
 REPO = Path(__file__).resolve().parents[2]
 INIT = REPO / "ckptfix" / "__init__.py"
 
+#: static checks (ast, importlib, mypy: no checkpoint is read): CI runs them in one pass (pyproject)
+pytestmark = pytest.mark.engine_independent
+
 
 def _exports_table(tree: ast.Module) -> dict[str, str]:
     for node in tree.body:

@@ -11,6 +11,7 @@ import zipfile
 from collections import OrderedDict
 from typing import Any
 
+import pytest
 import torch
 from conftest import ROOT, parsed
 from hypothesis import HealthCheck, assume, given, settings
@@ -33,6 +34,7 @@ def _functions(tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
     return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
+@pytest.mark.engine_independent  # the source, read with ast
 def test_no_recursive_traversal_in_the_package() -> None:
     """THE walk (model.walk.walk) is the only traversal: no function in the package calls itself
     (which is how every recursive tree walk is written), nested functions included."""
@@ -52,6 +54,7 @@ def test_no_recursive_traversal_in_the_package() -> None:
     assert not offenders, f"recursive functions (use model.walk.walk): {offenders}"
 
 
+@pytest.mark.engine_independent  # the source, read with ast
 def test_no_python_unpickler_and_one_opcode_table() -> None:
     """Nothing in the package unpickles through :mod:`pickle` or reads opcodes with pickletools:
     the VM (pickle_vm.py) is the only place opcodes are interpreted."""

@@ -4,6 +4,8 @@ For each generated checkpoint we do the fix twice -- with ckptfix (bytes copied,
 involved) and with torch (``torch.load`` -> ``consume_prefix_in_state_dict_if_present`` ->
 ``torch.save``) -- and require the two outputs to load identically: keys, dtypes, shapes,
 strides, bitwise values (NaNs included), devices, Parameters, storage sharing and ``_metadata``.
+CI's two passes (one per engine) draw different halves of each test's examples (conftest's
+``fuzz_share`` and ``pass_seed``); a single run draws them all.
 """
 
 from __future__ import annotations
@@ -14,7 +16,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import _state_dicts, assert_same_checkpoint, assert_same_tree, reference_strip, sharing_groups
+from conftest import (
+    _state_dicts,
+    assert_same_checkpoint,
+    assert_same_tree,
+    fuzz_share,
+    pass_seed,
+    reference_strip,
+    sharing_groups,
+)
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from strategies import ALL_DTYPES, FLOATING, draw_laid_out_tensor
@@ -22,6 +32,7 @@ from strategies import ALL_DTYPES, FLOATING, draw_laid_out_tensor
 import ckptfix
 
 DTYPES = ALL_DTYPES
+SLOW_INPUTS = [HealthCheck.too_slow, HealthCheck.data_too_large]
 NAMES = ["conv", "bn", "fc", "layer1", "0", "1", "weight", "bias", "running_mean", "module", "modules"]
 
 
@@ -115,7 +126,8 @@ def _add_reference(tree: object) -> None:
             sd._metadata = new
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@pass_seed
+@settings(max_examples=fuzz_share(150), deadline=None, suppress_health_check=SLOW_INPUTS)
 @given(state_dicts())
 def test_strip_module_matches_torch(case: tuple[OrderedDict, object]) -> None:
     _roundtrip(case[1], list(case[0]), "strip")
@@ -127,7 +139,8 @@ LEGACY_DTYPES = {
 }
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@pass_seed
+@settings(max_examples=fuzz_share(100), deadline=None, suppress_health_check=SLOW_INPUTS)
 @given(state_dicts())
 def test_strip_module_on_legacy_format_matches_torch(case: tuple[OrderedDict, object]) -> None:
     """The legacy (non-zip) reader, read without torch, against torch's own legacy loader."""
@@ -135,13 +148,15 @@ def test_strip_module_on_legacy_format_matches_torch(case: tuple[OrderedDict, ob
     _roundtrip(case[1], list(case[0]), "strip", legacy=True)
 
 
-@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@pass_seed
+@settings(max_examples=fuzz_share(100), deadline=None, suppress_health_check=SLOW_INPUTS)
 @given(state_dicts())
 def test_add_module_matches_reference(case: tuple[OrderedDict, object]) -> None:
     _roundtrip(case[1], list(case[0]), "add")
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@pass_seed
+@settings(max_examples=fuzz_share(80), deadline=None, suppress_health_check=SLOW_INPUTS)
 @given(state_dicts(max_depth=0))
 def test_add_then_strip_restores_the_original(case: tuple[OrderedDict, object]) -> None:
     sd, tree = case

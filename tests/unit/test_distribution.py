@@ -13,6 +13,9 @@ from conftest import ROOT
 import ckptfix
 from ckptfix.cli import commands
 
+#: the distribution's metadata: CI runs these in one pass (pyproject's engine_independent)
+pytestmark = pytest.mark.engine_independent
+
 
 def _pyproject() -> dict[str, Any]:
     try:

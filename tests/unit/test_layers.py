@@ -15,6 +15,9 @@ from pathlib import Path
 import pytest
 from conftest import ROOT, parsed
 
+#: the package's source, read with ast: CI runs these in one pass (pyproject's engine_independent)
+pytestmark = pytest.mark.engine_independent
+
 PACKAGE = ROOT / "ckptfix"
 
 #: bottom first: a module may import from its own layer or any layer before it in this list

@@ -74,6 +74,7 @@ def test_the_oracle_fails_a_reader_that_differs(tmp_path: Path) -> None:
         assert missed_by_scan(view, []) == set(), "torch resolves more than the reader"
 
 
+@pytest.mark.engine_independent  # the torch oracle's own recovery; ckptfix reads nothing
 def test_a_child_that_dies_is_reported_and_replaced(tmp_path: Path) -> None:
     """A file that kills torch's loader (a dict key nested 300 000 deep: CPython hashes it
     recursively in C) is an answer, ``crashed``, not a hang; the next question gets a new child."""
