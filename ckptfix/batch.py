@@ -14,6 +14,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,6 +23,7 @@ from .errors import BadInputError, CannotWriteError, CkptfixError, ExitCode, Usa
 from .fileio.remote import as_path
 from .formats.detect import CHECKPOINT_SUFFIXES, FILE_FORMATS
 from .formats.sharded import INDEX_NAMES, find_index
+from .pickling.vm import many_commands
 
 if TYPE_CHECKING:
     from concurrent.futures import Future
@@ -268,6 +270,21 @@ def run_batch(
 
     One file (``IN OUT`` is a batch of one) or ``jobs=1`` runs here, in this process, where
     ``progress`` (bytes) and ``raise_bugs`` (see :func:`process_one`) apply."""
+    with nullcontext() if len(jobs_list) == 1 else many_commands():  # one tree kept: the only one
+        return _run_batch(command, jobs_list, options, jobs, continue_on_error, backup, on_result, progress, raise_bugs)
+
+
+def _run_batch(
+    command: str,
+    jobs_list: Sequence[tuple[str, str]],
+    options: Any,
+    jobs: int,
+    continue_on_error: bool,
+    backup: str | None,
+    on_result: Callable[[FileResult], None] | None,
+    progress: Callable[[int], None] | None,
+    raise_bugs: bool,
+) -> BatchReport:
     started = time.perf_counter()
     report = BatchReport(command)
     results: dict[int, FileResult] = {}

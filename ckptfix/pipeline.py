@@ -86,7 +86,7 @@ from .model.statedicts import (
 )
 from .model.walk import census, substitute, walk
 from .pickling.names import check_global_patterns
-from .pickling.vm import collector_paused
+from .pickling.vm import collector_paused, keep_until_exit
 from .transforms.devices import parse_map_location, remap_devices
 from .transforms.foreign import check_output, has_foreign
 from .transforms.prefix import AUTO, add_prefix, normalize_prefix, parse_rule, rename_keys, strip_prefix, wrapper_fix
@@ -634,6 +634,7 @@ def convert(
     read: list[Checkpoint] = []
     together(split, lambda: read.append(read_input(in_path, opts, inert_unknown=not opts.unsafe_load)), in_path)
     ckpt = read[0]
+    keep_until_exit(ckpt)  # the command line's one command: the tree is left to the OS, never freed
     report = Report(
         command=command,
         input=in_path,

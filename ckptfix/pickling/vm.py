@@ -1327,6 +1327,17 @@ def last_command() -> Iterator[None]:
         _LAST_COMMAND.reset(token)
 
 
+@contextmanager
+def many_commands() -> Iterator[None]:
+    """Within this, :func:`keep_until_exit` keeps nothing: a batch reads many files, and the
+    first one's tree must not stay alive beside every later one's."""
+    token = _LAST_COMMAND.set(False)
+    try:
+        yield
+    finally:
+        _LAST_COMMAND.reset(token)
+
+
 def keep_until_exit(tree: Any) -> None:
     """Within :func:`last_command`: never free ``tree``, nor scan it again -- the process ends soon
     and the kernel takes its pages back at once. Elsewhere (a library call, a test): nothing.

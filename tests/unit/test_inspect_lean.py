@@ -5,14 +5,19 @@ shortcut only where it gives what counting every key gives."""
 from __future__ import annotations
 
 import gc
+from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import FIXTURES
 from test_walk_columns import _common_prefixes_by_loop
 
 from ckptfix.analysis.inspect import common_prefixes
+from ckptfix.batch import run_batch
+from ckptfix.formats.checkpoint import Checkpoint
 from ckptfix.pickling import vm
 from ckptfix.pickling.vm import keep_until_exit, last_command
+from ckptfix.pipeline import ConvertOptions
 
 
 class _Tree:
@@ -62,3 +67,30 @@ def test_within_the_last_command_the_tree_is_kept_and_frozen() -> None:
 )
 def test_prefix_shortcuts_count_as_every_key(keys: list[str]) -> None:
     assert common_prefixes(keys) == _common_prefixes_by_loop(keys)
+
+
+def _kept_by(run: Any) -> list[Any]:
+    """What ``run()`` left kept within the console script's one command (then let go again)."""
+    before = len(vm._KEPT)
+    with last_command():
+        run()
+    kept = vm._KEPT[before:]
+    del vm._KEPT[before:]
+    gc.unfreeze()
+    return kept
+
+
+def test_a_writing_command_keeps_its_one_tree_and_a_batch_keeps_none(tmp_path: Path) -> None:
+    """convert (strip-module and the other writing commands) leaves the tree it read to the OS
+    as inspect does; a batch of many files keeps none (the first file's tree must not stay alive
+    beside every later one's), in this process or its workers."""
+    src = FIXTURES / "dataparallel_tinynet.pth"
+    one = _kept_by(
+        lambda: run_batch(
+            "strip-module", [(str(src), str(tmp_path / "a.pth"))], ConvertOptions(), jobs=1, continue_on_error=False
+        )
+    )
+    assert len(one) == 1 and isinstance(one[0], Checkpoint) and (tmp_path / "a.pth").exists()
+    pairs = [(str(src), str(tmp_path / f"b{i}.pth")) for i in range(2)]
+    assert _kept_by(lambda: run_batch("strip-module", pairs, ConvertOptions(), jobs=1, continue_on_error=False)) == []
+    assert all(Path(dst).exists() for _, dst in pairs)
