@@ -181,3 +181,36 @@ def test_shards_batches_write_the_python_paths_bytes_and_the_hub_reads_them(
     assert set(got) == set(original) - {"module.tied"}
     for name, t in got.items():
         assert _bits(t).equal(_bits(original[name])), name
+
+
+class _OlderLibrary:
+    """The loaded library as one built before the cast and gather exports (the same ABI version,
+    so the loader takes it): every other export is the real one's."""
+
+    MISSING = ("ckptfix_cast_floats", "ckptfix_gather_ranges")
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self.MISSING:
+            raise AttributeError(f"undefined symbol: {name}")
+        return getattr(self._lib, name)
+
+
+def test_a_library_without_the_batch_exports_runs_the_python_paths(
+    many: Path, small_batches: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As crc.py's copy_range and records.py do: a library built before these exports is not an
+    internal error (exit 5) but the Python paths, with their bytes."""
+    from ckptfix import native
+
+    older = _OlderLibrary(native.library())
+    with monkeypatch.context() as patch:
+        patch.setattr(native_cast, "library", lambda: None)
+        want = (_cast_file(many, "bfloat16"), _safetensors_bytes(many))
+    monkeypatch.setattr(native, "library", lambda: older)
+    monkeypatch.setattr(native_cast, "library", lambda: older)
+    assert not native_cast.available()
+    assert native_cast.cast_floats(b"\0\0\0\0", "float32", "bfloat16") is None
+    assert (_cast_file(many, "bfloat16"), _safetensors_bytes(many)) == want
