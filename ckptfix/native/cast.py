@@ -41,15 +41,31 @@ def _gather_fn(lib: Any) -> Any:
     )
 
 
+#: the exports this module calls: a library built before them (the same ABI version, so the
+#: loader takes it) runs the Python paths, as crc.py's and records.py's callers do
+_EXPORTS = ("ckptfix_cast_floats", "ckptfix_gather_ranges")
+
+
+@functools.cache
+def _has_exports(lib: Any) -> bool:
+    return all(hasattr(lib, name) for name in _EXPORTS)
+
+
+def _library() -> Any | None:
+    """The loaded library when it has this module's exports, else None (the Python paths)."""
+    lib = library()
+    return lib if lib is not None and _has_exports(lib) else None
+
+
 def available() -> bool:
-    """Whether the native engine runs (the loader's choice, cached there)."""
-    return library() is not None
+    """Whether the native engine runs (the loader's choice, cached there) with these exports."""
+    return _library() is not None
 
 
 def cast_floats(data: Any, source: str, target: str, swap: bool = False) -> bytes | None:
     """``data`` (elements of ``source``, little-endian; big-endian with ``swap``) cast to
     ``target``; None where the native engine does not run or does not know the dtypes."""
-    lib = library()
+    lib = _library()
     if lib is None or source not in FLOAT_CODES or target not in FLOAT_CODES:
         return None
     buf = Input(data)
@@ -60,7 +76,7 @@ def gather(fd: int, offsets: array[int], sizes: array[int]) -> bytes | None:
     """The ranges (``offsets[i]``, ``sizes[i]``: arrays of type ``'Q'``) of the open file ``fd``,
     end to end; None where the native engine does not run, or a range is not all in the file
     (the caller's Python reads then raise their own error)."""
-    lib = library()
+    lib = _library()
     if lib is None or len(offsets) != len(sizes):
         return None
     first, second = Input(offsets), Input(sizes)

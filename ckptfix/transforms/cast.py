@@ -75,9 +75,26 @@ class _CastBatch:
     range (one native call) and casts them all (one more), the rest slice the result; it is
     dropped once every member has been asked for. Where the library declines (a range not all
     in the file), each storage is cast by :func:`_cast_bytes`, which raises the reference's error.
+
+    Members are counted, not requests: a safetensors output writes each view of a storage in
+    full, so a storage split into views (a fused qkv weight) is asked for once per view; the
+    member that completed the batch is kept (its views come one after another), so its later
+    views do not cast the batch again.
     """
 
-    __slots__ = ("_blob", "_declined", "_ends", "_left", "_offsets", "_sizes", "_total", "storages", "target")
+    __slots__ = (
+        "_asked",
+        "_blob",
+        "_declined",
+        "_ends",
+        "_last",
+        "_left",
+        "_offsets",
+        "_sizes",
+        "_total",
+        "storages",
+        "target",
+    )
 
     def __init__(self, target: str) -> None:
         self.storages: list[StorageRef] = []
@@ -88,6 +105,10 @@ class _CastBatch:
         self._blob: bytes | None = None
         self._ends: list[int] = []
         self._left = 0
+        #: which members have had their bytes from the current blob
+        self._asked = bytearray()
+        #: the member whose request freed the blob, and its bytes
+        self._last: tuple[int, bytes] | None = None
         self._declined = False
 
     def add(self, storage: StorageRef, source: FileRange) -> int:
@@ -103,18 +124,23 @@ class _CastBatch:
     def produce(self, i: int, files: OpenFiles) -> bytes:
         if self._declined:
             return _cast_bytes(self.storages[i], self.target, files)
+        if self._blob is None and self._last is not None and self._last[0] == i:
+            return self._last[1]
         if self._blob is None:
             self._blob = self._cast_all(files)
             if self._blob is None:  # asked once: each member is then read by the reference
                 self._declined = True
                 return _cast_bytes(self.storages[i], self.target, files)
             self._left = len(self.storages)
+            self._asked = bytearray(self._left)
         blob, ends = self._blob, self._ends
         start = ends[i - 1] if i else 0
         data = blob[start : ends[i]]
-        self._left -= 1
+        if not self._asked[i]:
+            self._asked[i] = 1
+            self._left -= 1
         if self._left <= 0:  # every member asked for: free the batch (asked again: cast again)
-            self._blob = None
+            self._blob, self._last = None, (i, data)
         return data
 
     def _cast_all(self, files: OpenFiles) -> bytes | None:

@@ -181,3 +181,66 @@ def test_shards_batches_write_the_python_paths_bytes_and_the_hub_reads_them(
     assert set(got) == set(original) - {"module.tied"}
     for name, t in got.items():
         assert _bits(t).equal(_bits(original[name])), name
+
+
+class _OlderLibrary:
+    """The loaded library as one built before the cast and gather exports (the same ABI version,
+    so the loader takes it): every other export is the real one's."""
+
+    MISSING = ("ckptfix_cast_floats", "ckptfix_gather_ranges")
+
+    def __init__(self, lib: Any) -> None:
+        self._lib = lib
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self.MISSING:
+            raise AttributeError(f"undefined symbol: {name}")
+        return getattr(self._lib, name)
+
+
+def test_a_library_without_the_batch_exports_runs_the_python_paths(
+    many: Path, small_batches: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As crc.py's copy_range and records.py do: a library built before these exports is not an
+    internal error (exit 5) but the Python paths, with their bytes."""
+    from ckptfix import native
+
+    older = _OlderLibrary(native.library())
+    with monkeypatch.context() as patch:
+        patch.setattr(native_cast, "library", lambda: None)
+        want = (_cast_file(many, "bfloat16"), _safetensors_bytes(many))
+    monkeypatch.setattr(native, "library", lambda: older)
+    monkeypatch.setattr(native_cast, "library", lambda: older)
+    assert not native_cast.available()
+    assert native_cast.cast_floats(b"\0\0\0\0", "float32", "bfloat16") is None
+    assert (_cast_file(many, "bfloat16"), _safetensors_bytes(many)) == want
+
+
+def test_a_storage_of_several_views_is_cast_once_per_batch(
+    tmp_path: Path, small_batches: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A safetensors output writes each view of a storage in full, so a storage split into views
+    (a fused qkv weight) is asked for once per view: the batch must count members, not asks,
+    or it frees its blob before every member had it and casts the batch again (three times
+    the reads and casts here), and a batch asked once more than it has members keeps its blob
+    to the end of the write (memory growing with the checkpoint)."""
+    torch.manual_seed(3)
+    sd = {}
+    for i in range(20):
+        w = torch.randn(12)
+        sd[f"l{i}.q"], sd[f"l{i}.k"], sd[f"l{i}.v"] = w[:4], w[4:8], w[8:]
+    torch.save(sd, tmp_path / "qkv.pth")
+    casts: list[int] = []
+    real = cast_mod._CastBatch._cast_all
+    monkeypatch.setattr(cast_mod._CastBatch, "_cast_all", lambda self, files: casts.append(1) or real(self, files))
+
+    def written() -> bytes:
+        root, _ = cast_mod.cast_floats(ckptfix.read_checkpoint(tmp_path / "qkv.pth").root, "bfloat16")
+        out = io.BytesIO()
+        st.write_safetensors(root, out)
+        return out.getvalue()
+
+    batched = written()
+    assert len(casts) == 3  # 20 storages in batches of 7
+    monkeypatch.setattr(native_cast, "library", lambda: None)
+    assert written() == batched
