@@ -44,7 +44,7 @@ from ..model.refs import Global, Source, StorageRef, make_storage
 from ..model.walk import check_extents
 from ..native import records as native_records
 from ..native.crc import crc32
-from ..native.vm import release_freed_memory
+from ..native.vm import release_freed_memory, steady_heap
 from ..pickling.reader import restricted_load
 from ..pickling.vm import Budgets
 from .compact import pickle_compacted
@@ -376,6 +376,7 @@ def read_torch_zip(
 
     ``f`` may be a :class:`~ckptfix.fileio.ranges.FileSlice` (a zip inside ``path``): storages
     then point at their bytes in ``path`` itself."""
+    steady_heap()
     base = f.base if isinstance(f, FileSlice) else 0
     raw = read_checked_directory(f, file_size, path)
     if not raw:
@@ -465,18 +466,22 @@ def write_torch_zip(
     archives written from the same files.
     """
     pickled = pickle_compacted(root)
-    every = [s.source for s in pickled.storages]
+    release_freed_memory()  # the emitter's arrays, freed: before the directory's columns grow
+    data, storages = pickled.data, pickled.storages
+    del pickled  # ``data`` goes once written: the rest of the write does not hold it
+    every = [s.source for s in storages]
     # the first storage with no bytes: the ones before it are written, then it is refused
     # (found by identity: ``None in every`` would call each source's __eq__)
     missing = next(compress(count(), map(is_, every, repeat(None))), None)
     sources = cast("list[Source]", every if missing is None else every[:missing])
-    orders = set(map(attrgetter("byteorder"), pickled.storages))
+    orders = set(map(attrgetter("byteorder"), storages))
     if len(orders) > 1:
         raise BadInputError("cannot write storages of both byte orders into one checkpoint")
     byteorder = orders.pop() if orders else "little"
     threshold = {"zip64_threshold": zip64_threshold} if zip64_threshold else {}
     writer = ZipWriter(out, archive_name, embedded=embedded, **threshold)
-    crcs = [writer.add_bytes("data.pkl", pickled.data)]
+    crcs = [writer.add_bytes("data.pkl", data)]
+    del data
     sizes = list(map(attrgetter("size"), sources))
     # only big records can share blocks: the others are not asked
     if not any(shares_blocks(s) for s, size in zip(sources, sizes) if size >= SMALL_COPY):
@@ -492,7 +497,7 @@ def write_torch_zip(
         writer.reserve(sum(sizes))  # a lower bound of what follows (the data, without headers)
         crcs += writer.add_copies(NumberedNames("data/", range(len(sources))), sources, files, progress)
         if missing is not None:
-            raise BadInputError(f"storage {pickled.storages[missing].key!r} has no source bytes to copy")
+            raise BadInputError(f"storage {storages[missing].key!r} has no source bytes to copy")
         versions = source.versions if source else {}
         if "version" not in versions:
             crcs.append(writer.add_bytes("version", b"3\n"))
@@ -500,7 +505,7 @@ def write_torch_zip(
             crcs.append(writer.add_bytes(name, value))
         writer.add_bytes(".data/serialization_id", _serialization_id(crcs, sum(sizes)))
         writer.close()
-    return pickled.storages
+    return storages
 
 
 def _may_be_remote(sources: list[Source]) -> bool:
