@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-import struct
+import sys
 from array import array
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -429,9 +429,14 @@ def read_torch_zip(
     return root, TorchZipArchive(path, archive_name, records, byteorder, versions)
 
 
-def _serialization_id(crcs: list[int], total: int) -> bytes:
-    """A 40-digit id like torch's: derived from the records written, so equal files match."""
-    combined = crc32(struct.pack(f"<{len(crcs)}I", *crcs))  # = chaining crc32 over each 4-byte CRC
+def _serialization_id(crcs: array[int], total: int) -> bytes:
+    """A 40-digit id like torch's: derived from the records written, so equal files match.
+    ``crcs``: an ``array("I")``, hashed as little-endian 4-byte words (= chaining crc32 over
+    each CRC's 4 bytes)."""
+    if sys.byteorder != "little":
+        crcs = array("I", crcs)
+        crcs.byteswap()
+    combined = crc32(crcs)
     return f"{total % 10**20:020d}{combined:020d}".encode()
 
 
@@ -480,7 +485,7 @@ def write_torch_zip(
     byteorder = orders.pop() if orders else "little"
     threshold = {"zip64_threshold": zip64_threshold} if zip64_threshold else {}
     writer = ZipWriter(out, archive_name, embedded=embedded, **threshold)
-    crcs = [writer.add_bytes("data.pkl", data)]
+    crcs = array("I", [writer.add_bytes("data.pkl", data)])
     del data
     sizes = list(map(attrgetter("size"), sources))
     # only big records can share blocks: the others are not asked
@@ -495,7 +500,7 @@ def write_torch_zip(
         if _may_be_remote(sources):
             files.plan(sources)  # a remote input: fetched ahead, in this order
         writer.reserve(sum(sizes))  # a lower bound of what follows (the data, without headers)
-        crcs += writer.add_copies(NumberedNames("data/", range(len(sources))), sources, files, progress)
+        writer.add_copies(NumberedNames("data/", range(len(sources))), sources, files, progress, into=crcs)
         if missing is not None:
             raise BadInputError(f"storage {storages[missing].key!r} has no source bytes to copy")
         versions = source.versions if source else {}
