@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use std::ffi::{c_char, c_int};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::emit::{Arena, Node, Param, Tensor, Unsupported, Val};
+use crate::emit::{Arena, Node, Param, Tensor, TensorVals, Unsupported, Val};
 
 /// An opaque `PyObject`.
 #[repr(C)]
@@ -804,19 +804,22 @@ impl Builder<'_> {
         } else {
             Some(Box::new(self.param(param)?))
         };
-        let index = u32::try_from(self.arena.tensors.len()).map_err(|_| Unsupported)?;
-        self.arena.tensors.push(Tensor {
+        let tensor = Tensor {
             storage,
+            vals: 0,
             offset,
             shape,
             stride,
+            v3,
+            param,
+        };
+        let vals = TensorVals {
             requires_grad,
             hooks,
-            v3,
             dtype_global,
             metadata,
-            param,
-        });
+        };
+        let index = self.arena.push_tensor(tensor, vals)?;
         self.arena.nodes[node as usize] = Node::Tensor(index);
         if let Some(uses) = self.uses.as_mut() {
             let dtype = api.slot(obj, uses.t_dtype)?;
