@@ -8,12 +8,15 @@ buffers' size (runs of small records: up to 4096 records or 1 MiB), so those can
 from __future__ import annotations
 
 import tracemalloc
+from array import array
 from pathlib import Path
 
 import pytest
 import torch
 
+from ckptfix import native
 from ckptfix.formats.torchzip import read_torch_zip, write_torch_zip
+from ckptfix.native import zip as native_zip
 
 SIZES = (5000, 10000)
 
@@ -53,3 +56,20 @@ def test_the_write_holds_little_per_tensor(checkpoints: dict[int, Path], tmp_pat
     # 215 (native engine) and 263 (Python engine) bytes a tensor now; 314 while the write held
     # the emitter's pickle to its end and kept its CRCs as a list of ints (seen failing then)
     assert per_tensor < 290, f"the write held {per_tensor:.0f} bytes a tensor ({small} -> {large} bytes)"
+
+
+@pytest.mark.skipif(native.library() is None, reason="the native library is not built (CI builds it)")
+def test_a_view_kept_past_its_sink_fails_when_used_and_never_reads_freed_memory() -> None:
+    """``call_into`` hands its sink a view of the library's buffer, freed when the sink returns:
+    a view kept (a stream that queues what it is given) must raise when used, and a buffer still
+    exported (a view made from the view) must stay allocated, not be freed under it."""
+    args = (b"a", array("Q", [1]), array("Q", [0]), array("Q", [1]), array("I", [0]), 100, 1 << 32)
+    expected = native_zip.central_directory(*args)
+    assert expected
+    kept: list[memoryview] = []
+    assert native_zip.write_central_directory(kept.append, *args)
+    with pytest.raises(ValueError, match="released"):
+        bytes(kept[0])
+    exported: list[memoryview] = []
+    assert native_zip.write_central_directory(lambda view: exported.append(memoryview(view)), *args)
+    assert bytes(exported[0]) == expected  # still the library's bytes: left allocated
