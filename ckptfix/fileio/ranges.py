@@ -333,7 +333,7 @@ class OutputStream:
             return  # anything else: the blocks are allocated as the bytes come, as without it
         self._reserved_end = max(self._reserved_end, self.offset + size)
 
-    def write(self, data: bytes | bytearray) -> None:
+    def write(self, data: bytes | bytearray | memoryview) -> None:
         pending = self._pending
         if pending is not None:
             if len(data) <= SMALL_COPY and pending.size < MERGE_LIMIT and _repeats(pending, data):
@@ -489,7 +489,7 @@ def preallocates(fd: int) -> bool:
     return bool(int.from_bytes(flags[:4], "little") & _FS_EXTENT_FL)
 
 
-def _repeats(pending: _PendingCopy, data: bytes | bytearray) -> bool:
+def _repeats(pending: _PendingCopy, data: bytes | bytearray | memoryview) -> bool:
     """Whether ``data`` is what the pending copy's file holds right after it."""
     return pending.files.small_read(pending.path, pending.offset + pending.size, len(data)) == data
 

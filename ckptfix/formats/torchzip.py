@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import re
-import struct
+import sys
 from array import array
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -44,7 +44,7 @@ from ..model.refs import Global, Source, StorageRef, make_storage
 from ..model.walk import check_extents
 from ..native import records as native_records
 from ..native.crc import crc32
-from ..native.vm import release_freed_memory
+from ..native.vm import release_freed_memory, steady_heap
 from ..pickling.reader import restricted_load
 from ..pickling.vm import Budgets
 from .compact import pickle_compacted
@@ -376,6 +376,7 @@ def read_torch_zip(
 
     ``f`` may be a :class:`~ckptfix.fileio.ranges.FileSlice` (a zip inside ``path``): storages
     then point at their bytes in ``path`` itself."""
+    steady_heap()
     base = f.base if isinstance(f, FileSlice) else 0
     raw = read_checked_directory(f, file_size, path)
     if not raw:
@@ -428,9 +429,14 @@ def read_torch_zip(
     return root, TorchZipArchive(path, archive_name, records, byteorder, versions)
 
 
-def _serialization_id(crcs: list[int], total: int) -> bytes:
-    """A 40-digit id like torch's: derived from the records written, so equal files match."""
-    combined = crc32(struct.pack(f"<{len(crcs)}I", *crcs))  # = chaining crc32 over each 4-byte CRC
+def _serialization_id(crcs: array[int], total: int) -> bytes:
+    """A 40-digit id like torch's: derived from the records written, so equal files match.
+    ``crcs``: an ``array("I")``, hashed as little-endian 4-byte words (= chaining crc32 over
+    each CRC's 4 bytes)."""
+    if sys.byteorder != "little":
+        crcs = array("I", crcs)
+        crcs.byteswap()
+    combined = crc32(crcs)
     return f"{total % 10**20:020d}{combined:020d}".encode()
 
 
@@ -465,18 +471,22 @@ def write_torch_zip(
     archives written from the same files.
     """
     pickled = pickle_compacted(root)
-    every = [s.source for s in pickled.storages]
+    release_freed_memory()  # the emitter's arrays, freed: before the directory's columns grow
+    data, storages = pickled.data, pickled.storages
+    del pickled  # ``data`` goes once written: the rest of the write does not hold it
+    every = [s.source for s in storages]
     # the first storage with no bytes: the ones before it are written, then it is refused
     # (found by identity: ``None in every`` would call each source's __eq__)
     missing = next(compress(count(), map(is_, every, repeat(None))), None)
     sources = cast("list[Source]", every if missing is None else every[:missing])
-    orders = set(map(attrgetter("byteorder"), pickled.storages))
+    orders = set(map(attrgetter("byteorder"), storages))
     if len(orders) > 1:
         raise BadInputError("cannot write storages of both byte orders into one checkpoint")
     byteorder = orders.pop() if orders else "little"
     threshold = {"zip64_threshold": zip64_threshold} if zip64_threshold else {}
     writer = ZipWriter(out, archive_name, embedded=embedded, **threshold)
-    crcs = [writer.add_bytes("data.pkl", pickled.data)]
+    crcs = array("I", [writer.add_bytes("data.pkl", data)])
+    del data
     sizes = list(map(attrgetter("size"), sources))
     # only big records can share blocks: the others are not asked
     if not any(shares_blocks(s) for s, size in zip(sources, sizes) if size >= SMALL_COPY):
@@ -490,9 +500,9 @@ def write_torch_zip(
         if _may_be_remote(sources):
             files.plan(sources)  # a remote input: fetched ahead, in this order
         writer.reserve(sum(sizes))  # a lower bound of what follows (the data, without headers)
-        crcs += writer.add_copies(NumberedNames("data/", range(len(sources))), sources, files, progress)
+        writer.add_copies(NumberedNames("data/", range(len(sources))), sources, files, progress, into=crcs)
         if missing is not None:
-            raise BadInputError(f"storage {pickled.storages[missing].key!r} has no source bytes to copy")
+            raise BadInputError(f"storage {storages[missing].key!r} has no source bytes to copy")
         versions = source.versions if source else {}
         if "version" not in versions:
             crcs.append(writer.add_bytes("version", b"3\n"))
@@ -500,7 +510,7 @@ def write_torch_zip(
             crcs.append(writer.add_bytes(name, value))
         writer.add_bytes(".data/serialization_id", _serialization_id(crcs, sum(sizes)))
         writer.close()
-    return pickled.storages
+    return storages
 
 
 def _may_be_remote(sources: list[Source]) -> bool:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +147,45 @@ class Input:
 
             self._keep = np.frombuffer(view, dtype=np.uint8)
             self.address = self._keep.ctypes.data
+
+
+def call_into(sink: Callable[[memoryview], object], fn: Any, *args: Any) -> bool:
+    """:func:`call`, handing the output to ``sink`` as a view of the library's own buffer (no
+    copy into a ``bytes``: for outputs of many MB, such as a zip's central directory, written
+    once and dropped); the view is invalid once ``sink`` returns. True when ``sink`` got the
+    output, False for "leave it to the Python engine"; errors raise as :func:`call`'s do."""
+    out = OutBuf()
+    status = fn(*args, ctypes.byref(out))
+    held = False  # the buffer is still exported after ``sink``: leaked rather than freed
+    try:
+        if status == OK:
+            if out.len:
+                buffer = (ctypes.c_char * out.len).from_address(out.ptr)
+                raw = memoryview(buffer)
+                view = raw.cast("B")
+                try:
+                    sink(view)
+                finally:
+                    # a view kept past ``sink`` must fail when used, never read freed memory:
+                    # ours are released here, and while any other view of the buffer lives (one
+                    # made from ours holds the buffer object), the memory is left allocated
+                    try:
+                        view.release()
+                        raw.release()
+                    except BufferError:
+                        pass
+                    held = sys.getrefcount(buffer) > 2  # more than this name and the argument
+            return True
+        message = ctypes.string_at(out.ptr, out.len).decode("utf-8", "replace") if out.len else ""
+    finally:
+        library_ = library()
+        if library_ is not None and out.ptr and not held:
+            library_.ckptfix_free(out)
+    if status == UNSUPPORTED:
+        return False
+    if status == BAD_INPUT:
+        raise BadInputError(message)
+    raise RuntimeError(message or f"native call returned status {status}")
 
 
 def call(fn: Any, *args: Any) -> bytes | None:

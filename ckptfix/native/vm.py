@@ -108,6 +108,41 @@ def _malloc_trim() -> Any | None:
     return fn
 
 
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+#: blocks from 2 MiB up are mapped on their own; the heap keeps up to 4 MiB free at its top
+_MMAP_THRESHOLD, _TRIM_THRESHOLD = 2 << 20, 4 << 20
+
+
+def steady_heap() -> None:
+    """Fix glibc's mmap and trim thresholds (:func:`_fix_mmap_threshold`) before a native
+    read: the read's own large blocks then leave no heap behind them either. Only where the
+    native engine runs."""
+    if available():
+        _fix_mmap_threshold()
+
+
+@functools.cache
+def _fix_mmap_threshold() -> None:
+    """Keep glibc's mmap threshold at 2 MiB (once per process).
+
+    Setting it turns off glibc's raising it (and the trim threshold, to twice it) to each
+    large block freed: the read's VM arrays raise it to 32 MiB, and then every later block up
+    to that size (the emitter's arrays and output, the pickle's bytes, the zip directory) came
+    from the heap, where a grown array left its old copy behind and a freed one stayed in the
+    process until a trim. Mapped on their own, they go back to the system when freed and grow
+    in place (``mremap``). Blocks below 2 MiB (runs of small records, ~1 MiB each) stay in the
+    heap, reused without new page faults: at glibc's initial 128 KiB the 200 000-tensor
+    strip-module took 206 000 page faults (140 000 before), at 2 MiB 162 000. Measured there:
+    the peak 260 -> 226 MiB (bench/RESULTS.md "Native core, slice 3: writer memory")."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError):
+        return
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD)
+    mallopt(_M_TRIM_THRESHOLD, _TRIM_THRESHOLD)
+
+
 def release_freed_memory() -> None:
     """Hand the heap's free pages back to the system, once a read's transients are gone.
 
@@ -116,8 +151,10 @@ def release_freed_memory() -> None:
     columns) come from the heap, and freed there they stay in the process. Measured on the
     200 000-tensor read: 189 MiB of RSS after it, 145 MiB once trimmed, a few ms to trim
     (bench/RESULTS.md "Native core, slice 3: reader"). Only where the native engine runs: the
-    Python engine's figures stay as they were."""
+    Python engine's figures stay as they were. The first call also fixes the mmap threshold
+    (:func:`_fix_mmap_threshold`), so the blocks freed after it need no trim."""
     if available():
+        _fix_mmap_threshold()
         fn = _malloc_trim()
         if fn is not None:
             fn(0)

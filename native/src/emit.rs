@@ -75,18 +75,27 @@ pub struct Param {
 pub struct Tensor {
     /// a [`Node::Storage`]
     pub storage: u32,
+    /// its [`TensorVals`]: an index into [`Arena::tensor_vals`] (see [`Arena::add_tensor`])
+    pub vals: u32,
     pub offset: i64,
     /// spans of [`Arena::ints`]
     pub shape: Span,
     pub stride: Span,
-    pub requires_grad: Val,
-    pub hooks: Val,
     /// `rebuild == "v3"`
     pub v3: bool,
+    /// boxed: most tensors are not parameters (keeps the column at 48 B a tensor)
+    pub param: Option<Box<Param>>,
+}
+
+/// A tensor's field values other than its storage and geometry: nearly every tensor of a
+/// checkpoint has the same four (`False`, the empty hooks, `None` or one dtype, no metadata),
+/// so a run of equal ones is kept once ([`Arena::add_tensor`]): 64 bytes a tensor less.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct TensorVals {
+    pub requires_grad: Val,
+    pub hooks: Val,
     pub dtype_global: Val,
     pub metadata: Val,
-    /// boxed: most tensors are not parameters (keeps the column at ~100 B a tensor)
-    pub param: Option<Box<Param>>,
 }
 
 /// One distinct object of the tree.
@@ -179,6 +188,8 @@ pub struct Arena {
     pub vals: Vec<Val>,
     pub ints: Vec<i64>,
     pub tensors: Vec<Tensor>,
+    /// the tensors' [`TensorVals`], each run of equal ones once
+    pub tensor_vals: Vec<TensorVals>,
     pub text: Vec<u8>,
     /// (start, len) into `text`
     pub strs: Vec<(usize, usize)>,
@@ -267,10 +278,27 @@ impl Arena {
         &self.ints[span.range()]
     }
 
-    pub fn add_tensor(&mut self, tensor: Tensor) -> Result<u32, Unsupported> {
-        let index = u32::try_from(self.tensors.len()).map_err(|_| Unsupported)?;
-        self.tensors.push(tensor);
+    pub fn add_tensor(&mut self, tensor: Tensor, vals: TensorVals) -> Result<u32, Unsupported> {
+        let index = self.push_tensor(tensor, vals)?;
         self.add_node(Node::Tensor(index))
+    }
+
+    /// Append `tensor` with `vals` (its `vals` field is set here: the last entry of
+    /// [`Arena::tensor_vals`] when equal, else a new one); returns its index.
+    pub fn push_tensor(&mut self, mut tensor: Tensor, vals: TensorVals) -> Result<u32, Unsupported> {
+        let index = u32::try_from(self.tensors.len()).map_err(|_| Unsupported)?;
+        if self.tensor_vals.last() != Some(&vals) {
+            u32::try_from(self.tensor_vals.len()).map_err(|_| Unsupported)?;
+            self.tensor_vals.push(vals);
+        }
+        tensor.vals = (self.tensor_vals.len() - 1) as u32;
+        self.tensors.push(tensor);
+        Ok(index)
+    }
+
+    /// `tensor`'s [`TensorVals`].
+    pub fn vals_of(&self, tensor: &Tensor) -> TensorVals {
+        self.tensor_vals[tensor.vals as usize]
     }
 
     fn node(&self, index: u32) -> &Node {
@@ -386,8 +414,9 @@ pub fn shared_nodes(arena: &Arena, root: Val) -> Result<Vec<bool>, Unsupported> 
             Node::Storage { .. } => {}
             Node::Tensor(t) => {
                 let tensor = &arena.tensors[*t as usize];
-                let inner = arena.truthy(tensor.hooks)
-                    || tensor.metadata != Val::Absent
+                let vals = arena.vals_of(tensor);
+                let inner = arena.truthy(vals.hooks)
+                    || vals.metadata != Val::Absent
                     || tensor.param.is_some();
                 let first = !seen[index];
                 if first {
@@ -451,11 +480,12 @@ fn tensor_children(arena: &Arena, tensor: &Tensor) -> Frame {
     if let Some(param) = tensor.param.as_deref() {
         items.push(Child::Param(*param)); // popped from the end: last in walk order goes first
     }
-    if tensor.metadata != Val::Absent {
-        items.push(Child::Value(tensor.metadata));
+    let vals = arena.vals_of(tensor);
+    if vals.metadata != Val::Absent {
+        items.push(Child::Value(vals.metadata));
     }
-    if arena.truthy(tensor.hooks) {
-        items.push(Child::Value(tensor.hooks));
+    if arena.truthy(vals.hooks) {
+        items.push(Child::Value(vals.hooks));
     }
     Frame::Owned(items)
 }
@@ -944,15 +974,16 @@ impl<'a> Emitter<'a> {
         self.int_tuple(tensor.shape);
         self.int_tuple(tensor.stride);
         let mut pending: Vec<Task> = Vec::new();
-        if !self.atom(tensor.requires_grad)? {
-            pending.push(Task::Value(tensor.requires_grad));
+        let vals = self.arena.vals_of(tensor);
+        if !self.atom(vals.requires_grad)? {
+            pending.push(Task::Value(vals.requires_grad));
         }
-        self.hooks(tensor.hooks, &mut pending)?;
+        self.hooks(vals.hooks, &mut pending)?;
         if tensor.v3 {
-            pending.push(Task::Value(tensor.dtype_global));
+            pending.push(Task::Value(vals.dtype_global));
         }
-        if tensor.metadata != Val::Absent {
-            pending.push(Task::Value(tensor.metadata));
+        if vals.metadata != Val::Absent {
+            pending.push(Task::Value(vals.metadata));
         }
         if tensor.param.is_none() && pending.is_empty() {
             self.out.extend_from_slice(TUPLE_REDUCE);
@@ -1048,17 +1079,20 @@ mod tests {
             let stride = self.arena.add_ints(&[1]).unwrap();
             let tensor = Tensor {
                 storage,
+                vals: 0,
                 offset: 0,
                 shape,
                 stride,
-                requires_grad: Val::Bool(false),
-                hooks: Val::EmptyHooks,
                 v3: false,
-                dtype_global: Val::None,
-                metadata: Val::Absent,
                 param: None,
             };
-            Val::Node(self.arena.add_tensor(tensor).unwrap())
+            let vals = TensorVals {
+                requires_grad: Val::Bool(false),
+                hooks: Val::EmptyHooks,
+                dtype_global: Val::None,
+                metadata: Val::Absent,
+            };
+            Val::Node(self.arena.add_tensor(tensor, vals).unwrap())
         }
     }
 

@@ -22,7 +22,7 @@ use std::collections::HashMap;
 use std::ffi::{c_char, c_int};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::emit::{Arena, Node, Param, Tensor, Unsupported, Val};
+use crate::emit::{Arena, Node, Param, Tensor, TensorVals, Unsupported, Val};
 
 /// An opaque `PyObject`.
 #[repr(C)]
@@ -458,11 +458,75 @@ enum Todo {
     Fill(u32, Obj),
 }
 
+/// The node made for each object, by address: an open-addressing table of node numbers
+/// (`objects[node]` holds the node's object, so a slot needs only the 4-byte number). A
+/// checkpoint has ~2 nodes a tensor; a `HashMap<usize, u32>` spent ~37 bytes a node on them
+/// (16-byte entries, a control byte, at most 7/8 full, doubled: 17 MB at 200 000 tensors,
+/// the emitter's largest part after the tensors), this ~8-16.
+struct NodeIndex {
+    slots: Vec<u32>,
+    len: usize,
+}
+
+const EMPTY_SLOT: u32 = u32::MAX;
+
+impl NodeIndex {
+    fn new() -> NodeIndex {
+        NodeIndex {
+            slots: vec![EMPTY_SLOT; 1024],
+            len: 0,
+        }
+    }
+
+    /// The first slot to probe for `address` (objects are 16-byte aligned: the low bits say
+    /// nothing; the multiply spreads the rest over the table's power-of-two size).
+    fn home(address: usize, mask: usize) -> usize {
+        ((address as u64 >> 4).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) as usize & mask
+    }
+
+    fn get(&self, objects: &[Obj], obj: Obj) -> Option<u32> {
+        let mask = self.slots.len() - 1;
+        let mut at = Self::home(obj as usize, mask);
+        loop {
+            let node = self.slots[at];
+            if node == EMPTY_SLOT {
+                return None;
+            }
+            if objects[node as usize] == obj {
+                return Some(node);
+            }
+            at = (at + 1) & mask;
+        }
+    }
+
+    /// Note `node` (`objects[node]`, not in the table yet); the table stays at most half full.
+    fn insert(&mut self, objects: &[Obj], node: u32) {
+        if (self.len + 1) * 2 > self.slots.len() {
+            let grown = vec![EMPTY_SLOT; self.slots.len() * 2];
+            let old = std::mem::replace(&mut self.slots, grown);
+            for n in old.into_iter().filter(|n| *n != EMPTY_SLOT) {
+                self.place(objects, n);
+            }
+        }
+        self.place(objects, node);
+        self.len += 1;
+    }
+
+    fn place(&mut self, objects: &[Obj], node: u32) {
+        let mask = self.slots.len() - 1;
+        let mut at = Self::home(objects[node as usize] as usize, mask);
+        while self.slots[at] != EMPTY_SLOT {
+            at = (at + 1) & mask;
+        }
+        self.slots[at] = node;
+    }
+}
+
 struct Builder<'a> {
     api: &'a Api,
     types: &'a PyTypes,
     arena: Arena,
-    nodes: AddressMap<u32>,
+    nodes: NodeIndex,
     globals: AddressMap<Val>,
     /// shapes and strides already read (tensors share them), by object
     int_spans: AddressMap<crate::emit::Span>,
@@ -505,7 +569,7 @@ impl Builder<'_> {
         if ty == t.global {
             return self.global(obj);
         }
-        if let Some(&node) = self.nodes.get(&(obj as usize)) {
+        if let Some(node) = self.nodes.get(&self.objects, obj) {
             return Ok(Val::Node(node));
         }
         let known = [
@@ -521,8 +585,9 @@ impl Builder<'_> {
             return Err(Unsupported); // ABSENT out of place, a subclass, a set, bytes, ...
         }
         let node = self.arena.add_node(Node::Pending)?;
-        self.nodes.insert(obj as usize, node);
+        debug_assert_eq!(node as usize, self.objects.len());
         self.objects.push(obj);
+        self.nodes.insert(&self.objects, node);
         self.todo.push(Todo::Fill(node, obj));
         Ok(Val::Node(node))
     }
@@ -739,19 +804,22 @@ impl Builder<'_> {
         } else {
             Some(Box::new(self.param(param)?))
         };
-        let index = u32::try_from(self.arena.tensors.len()).map_err(|_| Unsupported)?;
-        self.arena.tensors.push(Tensor {
+        let tensor = Tensor {
             storage,
+            vals: 0,
             offset,
             shape,
             stride,
+            v3,
+            param,
+        };
+        let vals = TensorVals {
             requires_grad,
             hooks,
-            v3,
             dtype_global,
             metadata,
-            param,
-        });
+        };
+        let index = self.arena.push_tensor(tensor, vals)?;
         self.arena.nodes[node as usize] = Node::Tensor(index);
         if let Some(uses) = self.uses.as_mut() {
             let dtype = api.slot(obj, uses.t_dtype)?;
@@ -839,7 +907,7 @@ fn build(
         api,
         types,
         arena: Arena::new(),
-        nodes: AddressMap::default(),
+        nodes: NodeIndex::new(),
         globals: AddressMap::default(),
         int_spans: AddressMap::default(),
         locations: AddressMap::default(),
