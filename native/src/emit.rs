@@ -285,7 +285,11 @@ impl Arena {
 
     /// Append `tensor` with `vals` (its `vals` field is set here: the last entry of
     /// [`Arena::tensor_vals`] when equal, else a new one); returns its index.
-    pub fn push_tensor(&mut self, mut tensor: Tensor, vals: TensorVals) -> Result<u32, Unsupported> {
+    pub fn push_tensor(
+        &mut self,
+        mut tensor: Tensor,
+        vals: TensorVals,
+    ) -> Result<u32, Unsupported> {
         let index = u32::try_from(self.tensors.len()).map_err(|_| Unsupported)?;
         if self.tensor_vals.last() != Some(&vals) {
             u32::try_from(self.tensor_vals.len()).map_err(|_| Unsupported)?;
