@@ -148,34 +148,41 @@ class _Uses(ctypes.Structure):
     )
 
 
+def gil_function(lib: ctypes.CDLL, name: str, *argtypes: Any) -> Any:
+    """``name`` from ``lib`` loaded again as a PyDLL -- its calls keep the GIL, as a library that
+    reads or builds Python objects needs -- taking ``argtypes`` and the output buffer, returning
+    the status (the ``ffi`` conventions)."""
+    fn = getattr(ctypes.PyDLL(lib._name), name)
+    fn.argtypes = (*argtypes, ctypes.POINTER(OutBuf))
+    fn.restype = ctypes.c_int32
+    return fn
+
+
+def api_table(table: type[ctypes.Structure], names: tuple[str, ...]) -> Any:
+    """``table`` filled with the addresses of CPython's C API functions ``names``, in order:
+    what the library calls Python through (it links no Python)."""
+    api = ctypes.pythonapi
+    return table(*(ctypes.cast(getattr(api, name), ctypes.c_void_p).value for name in names))
+
+
 class _Bound:
     """The emitter functions of one loaded library, with its C API table."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        # the same library again, as a PyDLL: its calls keep the GIL (the library reads objects)
-        self.fn = ctypes.PyDLL(lib._name).ckptfix_emit_torch_pickle
-        self.fn.argtypes = (
-            ctypes.POINTER(_Api),
-            ctypes.POINTER(_Objects),
-            ctypes.py_object,
-            ctypes.py_object,
-            ctypes.POINTER(OutBuf),
-        )
-        self.fn.restype = ctypes.c_int32
-        self.whole_fn = ctypes.PyDLL(lib._name).ckptfix_emit_torch_pickle_whole
-        self.whole_fn.argtypes = (
-            ctypes.POINTER(_Api),
-            ctypes.POINTER(_Objects),
+        api, objects, tree = ctypes.POINTER(_Api), ctypes.POINTER(_Objects), ctypes.py_object
+        self.fn = gil_function(lib, "ckptfix_emit_torch_pickle", api, objects, tree, ctypes.py_object)
+        self.whole_fn = gil_function(
+            lib,
+            "ckptfix_emit_torch_pickle_whole",
+            api,
+            objects,
             ctypes.POINTER(_Uses),
-            ctypes.py_object,
+            tree,
             ctypes.py_object,
             ctypes.POINTER(ctypes.c_uint8),
-            ctypes.POINTER(OutBuf),
         )
-        self.whole_fn.restype = ctypes.c_int32
-        api = ctypes.pythonapi
-        self.api = _Api(*(ctypes.cast(getattr(api, name), ctypes.c_void_p).value for name in _API_FUNCTIONS))
+        self.api = api_table(_Api, _API_FUNCTIONS)
 
 
 _bound: _Bound | None = None

@@ -19,8 +19,8 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
-from . import Input, OutBuf, library
-from .emit import _called, slot_offset, type_offset
+from . import Input, library
+from .emit import _called, api_table, gil_function, slot_offset, type_offset
 
 #: the C API functions the library calls, in vm_records.rs ``RecApi`` order
 _API_FUNCTIONS = (
@@ -74,18 +74,16 @@ class _Bound:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self.lib = lib
-        self.fn = ctypes.PyDLL(lib._name).ckptfix_vm_storages
-        self.fn.argtypes = (
+        self.fn = gil_function(
+            lib,
+            "ckptfix_vm_storages",
             ctypes.POINTER(_Api),
             ctypes.POINTER(_Spec),
             ctypes.POINTER(_Columns),
             *(ctypes.c_void_p, ctypes.c_size_t) * 4,
             ctypes.py_object,
-            ctypes.POINTER(OutBuf),
         )
-        self.fn.restype = ctypes.c_int32
-        api = ctypes.pythonapi
-        self.api = _Api(*(ctypes.cast(getattr(api, name), ctypes.c_void_p).value for name in _API_FUNCTIONS))
+        self.api = api_table(_Api, _API_FUNCTIONS)
 
 
 _bound: _Bound | None = None
